@@ -1,0 +1,99 @@
+"""Configuration that travels to every process.
+
+`ServerConfig` is built once from the command line (`rpc.cli`) and handed to each child as
+JSON; each process reads the part it needs.  `Addresses` names every channel so that the
+same code runs over `ipc://` inside one host and `tcp://` across containers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Addresses:
+    scheduler_inbox: str
+    frontend_inbox: str
+    worker_inbox: str
+    postproc_inboxes: tuple[str, ...]
+    # Token batches: a shared-memory ring (segment name + doorbell + side channel for
+    # oversize messages) when every reader shares our IPC namespace, else ZeroMQ PUB/SUB.
+    token_pub: str
+    ring_name: str = ""  # empty: no ring, use token_pub
+    ring_doorbell: str = ""
+    ring_side: str = ""
+
+    @classmethod
+    def local(cls, run_dir: str, tag: str, num_postproc: int, use_ring: bool) -> "Addresses":
+        def ipc(name: str) -> str:
+            return f"ipc://{run_dir}/{name}"
+
+        return cls(
+            scheduler_inbox=ipc("scheduler"),
+            frontend_inbox=ipc("frontend"),
+            worker_inbox=ipc("worker"),
+            postproc_inboxes=tuple(ipc(f"postproc{i}") for i in range(num_postproc)),
+            token_pub=ipc("tokens"),
+            ring_name=f"tandem_{tag}_tokens" if use_ring else "",
+            ring_doorbell=ipc("ring-doorbell") if use_ring else "",
+            ring_side=ipc("ring-side") if use_ring else "",
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 8033
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    num_scheduler_steps: int = 8
+    async_postproc: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0  # 0: the model's max_position_embeddings
+    num_postproc_workers: int = 2
+    shm_ring: bool = True  # token batches over shared memory (else ZeroMQ)
+    block_size: int = 16
+    num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
+    kv_cache_memory: float = 0.0  # GiB; 0: a default that fits max_num_seqs full sequences
+    enable_prefix_caching: bool = True
+    max_queued_requests: int = 1024
+    max_queued_tokens: int = 1 << 20
+    default_max_new_tokens: int = 20
+    max_new_tokens: int = 1024  # the server's limit for one request
+    include_stop_sequence: bool = True  # default when a request leaves it unset
+    torch_threads: int = 0  # 0: all cores the worker may use
+    shutdown_timeout: float = 30.0
+    step_timeout: float = 300.0
+    metrics_port: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    log_level: str = "INFO"
+    addresses: Addresses = field(default_factory=lambda: Addresses("", "", "", (), ""))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServerConfig":
+        raw: dict[str, Any] = json.loads(text)
+        addr = raw.pop("addresses")
+        addr["postproc_inboxes"] = tuple(addr["postproc_inboxes"])
+        return cls(**raw, addresses=Addresses(**addr))
+
+    def replace(self, **changes: Any) -> "ServerConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the gpu worker learned at load time and the other processes need."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int

@@ -1,0 +1,285 @@
+"""Every internal message, one dataclass per kind.
+
+Requests are named by a 64-bit integer id that the frontend assigns; the gRPC layer keeps
+the mapping to client streams and correlation ids. Integer ids let token batches travel as
+plain numpy arrays, and `request_id % num_postproc_workers` picks the owning postproc worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+
+class FinishReason(IntEnum):
+    """Why a request ended; the numbers are the public `fmaas.StopReason` values."""
+
+    NOT_FINISHED = 0
+    MAX_TOKENS = 1
+    EOS_TOKEN = 2
+    CANCELLED = 3
+    TIME_LIMIT = 4
+    STOP_SEQUENCE = 5
+    TOKEN_LIMIT = 6
+    ERROR = 7
+
+
+@dataclass
+class SamplingParams:
+    """What the gpu worker needs to pick tokens and to know when a request is done."""
+
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    typical_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    seed: int = 0
+    max_new_tokens: int = 16
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)  # EOS ids plus request stop ids
+    length_penalty_start: int = 0
+    length_penalty_decay: float = 1.0  # 1 = off
+    logprobs: bool = False  # chosen token's logprob and rank
+    top_n: int = 0  # alternatives per token (<= 10)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class OutputOptions:
+    """What the postproc worker needs to turn ids into the response a client asked for."""
+
+    stop_sequences: list[str] = field(default_factory=list)
+    include_stop_sequence: bool = True
+    skip_special_tokens: bool = True
+    token_details: bool = False  # TokenInfo per generated token
+    logprobs: bool = False
+    ranks: bool = False
+    top_n: int = 0
+
+
+# ---------------------------------------------------------------- frontend -> scheduler
+
+
+@dataclass
+class AddRequest:
+    request_id: int
+    prompt_ids: np.ndarray  # int32
+    sampling: SamplingParams
+    arrival_time: float  # time.monotonic() of the frontend when the RPC arrived
+
+
+@dataclass
+class AbortRequest:
+    request_id: int
+    reason: FinishReason = FinishReason.CANCELLED
+
+
+# ---------------------------------------------------------------- scheduler -> frontend
+
+
+@dataclass
+class RequestRejected:
+    """Admission control said no; the frontend answers RESOURCE_EXHAUSTED."""
+
+    request_id: int
+    message: str
+
+
+@dataclass
+class RequestFailed:
+    """The scheduler ended a request that no token will ever finish (e.g. cannot fit)."""
+
+    request_id: int
+    reason: FinishReason
+    message: str
+
+
+# ---------------------------------------------------------------- frontend -> postproc
+
+
+@dataclass
+class RegisterRequest:
+    """Sent to the owning postproc worker before the request reaches the scheduler."""
+
+    request_id: int
+    prompt_ids: np.ndarray  # int32; context for the detokenizer's first tokens
+    options: OutputOptions
+    max_new_tokens: int
+
+
+@dataclass
+class ForgetRequest:
+    """The request ended outside the token stream (cancel, time limit); drop its state."""
+
+    request_id: int
+
+
+# ---------------------------------------------------------------- scheduler -> gpu worker
+
+
+@dataclass
+class NewRequest:
+    """A request the worker has no state for, or one resuming after preemption."""
+
+    request_id: int
+    prompt_ids: np.ndarray  # int32; empty when resuming (the worker kept the history)
+    sampling: SamplingParams | None  # None when resuming
+    block_ids: list[int]
+    num_cached_tokens: int  # prefix-cache hit: KV already in the first blocks
+    num_prefill_tokens: int  # how many history tokens to prefill in this plan (a chunk)
+    resume: bool = False
+
+
+@dataclass
+class ContinueRequest:
+    """A running request that needs more blocks or its next prefill chunk."""
+
+    request_id: int
+    new_block_ids: list[int]
+    num_prefill_tokens: int = 0
+
+
+@dataclass
+class StepPlan:
+    """The deltas for one multi-step plan; requests not named keep decoding."""
+
+    plan_id: int
+    num_steps: int
+    new: list[NewRequest] = field(default_factory=list)
+    cont: list[ContinueRequest] = field(default_factory=list)
+    drop: list[int] = field(default_factory=list)  # finished or aborted: forget everything
+    preempt: list[int] = field(default_factory=list)  # free the KV, keep the token history
+    publish_per_step: bool = True  # async mode; sync mode publishes after the last step
+
+
+# ---------------------------------------------------------------- gpu worker -> postproc
+
+
+@dataclass
+class TokenBatch:
+    """One step's sampled tokens.  Rows whose token is -1 were masked (finished earlier)."""
+
+    plan_id: int
+    step: int
+    request_ids: np.ndarray  # int64 [B]
+    token_ids: np.ndarray  # int32 [B]
+    finish: np.ndarray  # uint8 [B], FinishReason known on the device (EOS, stop id, limits)
+    logprobs: np.ndarray | None = None  # float32 [B]
+    ranks: np.ndarray | None = None  # int32 [B]
+    top_ids: np.ndarray | None = None  # int32 [B, n]
+    top_logprobs: np.ndarray | None = None  # float32 [B, n]
+    last: bool = False  # the plan's last batch: postproc reports PlanProcessed after it
+
+
+# ---------------------------------------------------------------- gpu worker -> scheduler
+
+
+@dataclass
+class StepDone:
+    """A plan ended: how many tokens each request got and which ones finished."""
+
+    plan_id: int
+    request_ids: np.ndarray  # int64
+    num_tokens: np.ndarray  # int32, tokens produced in this plan
+    finished_ids: np.ndarray  # int64
+    finish_reasons: np.ndarray  # uint8
+    forward_time: float  # seconds the plan's forwards took (metrics)
+    wall_time: float
+
+
+@dataclass
+class WorkerReady:
+    """Start-up handshake: the model is loaded and the KV cache allocated."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+# ---------------------------------------------------------------- postproc -> scheduler
+
+
+@dataclass
+class StopHit:
+    """A stop string ended the request after `num_tokens` generated tokens."""
+
+    request_id: int
+    num_tokens: int
+
+
+@dataclass
+class PlanProcessed:
+    plan_id: int
+    worker_index: int
+
+
+# ---------------------------------------------------------------- postproc -> frontend
+
+
+@dataclass
+class OutputDelta:
+    request_id: int
+    text: str
+    num_generated: int  # cumulative
+    token_ids: list[int] = field(default_factory=list)  # ids behind this delta
+    token_texts: list[str] | None = None
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_ids: list[list[int]] | None = None
+    top_texts: list[list[str]] | None = None
+    top_logprobs: list[list[float]] | None = None
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    stop_sequence: str = ""
+
+
+@dataclass
+class OutputBatch:
+    """All deltas a postproc worker produced for one step, sent as one message."""
+
+    deltas: list[OutputDelta]
+
+
+# ---------------------------------------------------------------- control
+
+
+@dataclass
+class Shutdown:
+    reason: str = ""
+
+
+@dataclass
+class Ready:
+    """A child process reports that its sockets are up."""
+
+    role: str
+    index: int = 0
+
+
+MESSAGE_TYPES: tuple[type, ...] = (
+    SamplingParams,
+    OutputOptions,
+    AddRequest,
+    AbortRequest,
+    RequestRejected,
+    RequestFailed,
+    RegisterRequest,
+    ForgetRequest,
+    NewRequest,
+    ContinueRequest,
+    StepPlan,
+    TokenBatch,
+    StepDone,
+    WorkerReady,
+    StopHit,
+    PlanProcessed,
+    OutputDelta,
+    OutputBatch,
+    Shutdown,
+    Ready,
+)
