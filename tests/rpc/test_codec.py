@@ -1,0 +1,63 @@
+"""The msgpack codec: round trips, zero-copy frames, and clear errors on bad input."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from proto import codec
+from proto.messages import (FinishReason, NewRequest, OutputBatch, OutputDelta, SamplingParams,
+                            StepDone, StepPlan, TokenBatch)
+
+
+def test_step_plan_round_trip_with_nested_dataclasses() -> None:
+    plan = StepPlan(3, 8, new=[NewRequest(7, np.arange(5, dtype=np.int32),
+                                          SamplingParams(temperature=0.5, stop_token_ids=[2]),
+                                          [1, 2], 0, 4)], drop=[9])
+    out = codec.decode(codec.encode(plan))
+    assert isinstance(out, StepPlan) and out.plan_id == 3 and out.drop == [9]
+    assert out.new[0].sampling == plan.new[0].sampling
+    np.testing.assert_array_equal(out.new[0].prompt_ids, plan.new[0].prompt_ids)
+
+
+def test_large_arrays_travel_as_their_own_frame() -> None:
+    big = np.arange(4096, dtype=np.int32)
+    batch = TokenBatch(1, 0, np.arange(4096, dtype=np.int64), big, np.zeros(4096, np.uint8))
+    frames = codec.encode(batch)
+    assert len(frames) == 4  # body + three arrays of at least INLINE_LIMIT bytes
+    out = codec.decode([bytes(f) for f in frames])
+    np.testing.assert_array_equal(out.token_ids, big)
+    assert out.logprobs is None
+
+
+def test_enums_come_back_as_enums() -> None:
+    msg = OutputBatch([OutputDelta(1, "hé", 3, finish_reason=FinishReason.STOP_SEQUENCE)])
+    out = codec.decode(codec.encode(msg))
+    assert out.deltas[0].finish_reason is FinishReason.STOP_SEQUENCE
+    assert out.deltas[0].text == "hé"
+
+
+def test_torch_tensors_are_encoded_as_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    done = StepDone(1, torch.arange(3), np.ones(3, np.int32), np.zeros(0, np.int64),
+                    np.zeros(0, np.uint8), 0.1, 0.2)
+    out = codec.decode(codec.encode(done))
+    np.testing.assert_array_equal(out.request_ids, [0, 1, 2])
+
+
+@pytest.mark.parametrize("frames, match", [
+    ([], "empty"),
+    ([b"\xc1garbage"], "malformed"),
+    ([msgpack.packb([99, 1])], "schema version 99"),
+    ([msgpack.packb([codec.SCHEMA_VERSION, {"a": 1}])], "not a message"),
+    ([msgpack.packb([codec.SCHEMA_VERSION, msgpack.ExtType(3, msgpack.packb([999, 1]))])],
+     "unknown message type"),
+])
+def test_bad_frames_raise_codec_error(frames: list[bytes], match: str) -> None:
+    with pytest.raises(codec.CodecError, match=match):
+        codec.decode(frames)
+
+
+def test_unregistered_types_are_refused() -> None:
+    with pytest.raises(codec.CodecError):
+        codec.encode({"not": "a message"})
