@@ -1,0 +1,165 @@
+"""KV cache block accounting with automatic prefix caching.
+
+Every block is in exactly one of three places:
+
+* free: holds nothing anyone can ask for; handed out first;
+* evictable: holds a registered prompt block that no request uses (refcount 0).  It stays
+  findable by its hash, in LRU order, and is reused for something else only when no free
+  block is left;
+* used: refcount > 0, one reference per request holding it.  Only registered blocks are
+  ever shared, and nobody writes into a shared block (holders take it as computed).
+
+A block's hash is chained over its tokens and the previous block's hash, so the same
+tokens under a different prefix never match.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import numpy as np
+
+BlockHash = bytes
+
+
+def hash_block(prev: BlockHash | None, tokens: np.ndarray) -> BlockHash:
+    # A cryptographic digest keeps a collision (= silently wrong KV) out of reach even for
+    # prompts crafted to collide, which Python's tuple hash would not.
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(prev or b"")
+    digest.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    return digest.digest()
+
+
+def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (a partial last block is never shared)."""
+    hashes: list[BlockHash] = []
+    prev: BlockHash | None = None
+    for start in range(0, len(prompt_ids) - block_size + 1, block_size):
+        prev = hash_block(prev, prompt_ids[start : start + block_size])
+        hashes.append(prev)
+    return hashes
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, "
+                             f"{block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._refcount = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._cached: dict[BlockHash, int] = {}
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that `allocate` can hand out: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding a registered prompt block, in use or evictable."""
+        return len(self._cached)
+
+    def refcount(self, block: int) -> int:
+        return self._refcount[block]
+
+    def is_cached(self, block: int) -> bool:
+        return self._hash_of[block] is not None
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    def lookup(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The longest chain of cached blocks matching `hashes` from the start; no side effects."""
+        if not self.enable_caching:
+            return []
+        found: list[int] = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def num_evictable(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` sit in the free pool: taking them shrinks `num_free`."""
+        return sum(1 for block in blocks if self._refcount[block] == 0)
+
+    # ------------------------------------------------------------------ changes
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Share cached blocks found by `lookup` with one more holder."""
+        for block in blocks:
+            if self._hash_of[block] is None:
+                raise AssertionError(f"block {block} is not cached and cannot be shared")
+            if self._refcount[block] == 0:
+                del self._evictable[block]
+            self._refcount[block] += 1
+
+    def allocate(self, num: int) -> list[int]:
+        if num > self.num_free:
+            raise AssertionError(f"allocate({num}) with only {self.num_free} blocks free")
+        return [self._pop_free() for _ in range(num)]
+
+    def free(self, blocks: Sequence[int]) -> None:
+        # Tail blocks go back first so that they are evicted before the prefix they extend:
+        # a cached tail is useless without its head.
+        for block in reversed(blocks):
+            if self._refcount[block] <= 0:
+                raise AssertionError(f"block {block} freed more often than it was handed out")
+            self._refcount[block] -= 1
+            if self._refcount[block] > 0:
+                continue
+            if self._hash_of[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    def register(self, block: int, block_hash: BlockHash) -> bool:
+        """Make a filled prompt block findable; False if the cache already has that content."""
+        if not self.enable_caching or block_hash in self._cached:
+            return False
+        if self._refcount[block] <= 0 or self._hash_of[block] is not None:
+            raise AssertionError(f"block {block} cannot be registered (refcount "
+                                 f"{self._refcount[block]}, cached {self.is_cached(block)})")
+        self._cached[block_hash] = block
+        self._hash_of[block] = block_hash
+        return True
+
+    def _pop_free(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of[block]]  # type: ignore[arg-type]
+            self._hash_of[block] = None
+        self._refcount[block] = 1
+        return block
+
+    # ------------------------------------------------------------------ checks
+
+    def check_invariants(self) -> None:
+        free = set(self._free)
+        evictable = set(self._evictable)
+        assert len(free) == len(self._free), "a block is twice in the free list"
+        assert not free & evictable, "a block is both free and evictable"
+        used = {b for b in range(self.num_blocks) if self._refcount[b] > 0}
+        assert not used & (free | evictable), "a used block sits in the free pool"
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "a block got lost"
+        assert all(rc >= 0 for rc in self._refcount), "negative refcount"
+        for block in free:
+            assert self._hash_of[block] is None, f"free block {block} still has a hash"
+        for block in evictable:
+            assert self._hash_of[block] is not None, f"evictable block {block} has no hash"
+        for block_hash, block in self._cached.items():
+            assert self._hash_of[block] == block_hash, f"cache map of block {block} is stale"
+        num_hashed = sum(1 for h in self._hash_of if h is not None)
+        assert num_hashed == len(self._cached), "a hashed block is missing from the cache map"
