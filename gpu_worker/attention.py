@@ -1,0 +1,365 @@
+"""Paged KV cache and attention over it.
+
+The cache of one layer is a pair of tensors [num_blocks + 1, block_size, num_kv_heads, head_dim].
+Block ``num_blocks`` (the last one) is scratch: rows whose slot is -1 (masked decode rows, padding)
+write there, so no host-side filtering is needed and real blocks are never touched by them.
+
+Two code paths:
+
+* flash_attn (CUDA, fp16/bf16, block sizes it supports) reads the paged cache directly;
+* everywhere else, the SDPA path: decode gathers each row's blocks into a dense
+  ``[S, L, Hkv, D]`` tensor (L = a host-known bound) and runs one batched SDPA with a length mask;
+  prefill loops over the sequences in Python.
+
+Anything derived from ``AttentionMetadata`` alone (redirected slots, gather indices, masks) is
+built once per forward by :func:`prepare_attention` and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+try:  # pragma: no cover - not installed in the CPU test environment
+    from flash_attn import flash_attn_varlen_func as _fa_varlen
+    from flash_attn import flash_attn_with_kvcache as _fa_kvcache
+
+    if "block_table" not in inspect.signature(_fa_varlen).parameters:
+        raise ImportError("flash_attn too old: varlen without block_table")
+except Exception:  # ImportError, or a broken CUDA extension raising at import
+    _fa_varlen = None
+    _fa_kvcache = None
+
+# flash_attn 2.x only pages KV with block sizes that are multiples of this.
+_FLASH_BLOCK_MULTIPLE = 256
+_FLASH_DISABLED = os.environ.get("TANDEM_DISABLE_FLASH_ATTN", "") not in ("", "0")
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; -1 = do not write
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, padded
+    seq_lens: torch.Tensor  # [S] int32: context length AFTER this forward's tokens
+    query_start_loc: torch.Tensor | None  # [S+1] int32 cumulative query lengths (prefill)
+    query_lens: list[int] | None  # host per-sequence query lengths (prefill only)
+    max_seq_len: int  # host upper bound of seq_lens
+    is_decode: bool  # exactly one query token per sequence, T == S
+
+
+def kv_cache_bytes_per_block(
+    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> int:
+    """Bytes one block costs across all layers, K and V together."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[KVCache]:
+    """Per layer (k_cache, v_cache), each [num_blocks + 1, block_size, num_kv_heads, head_dim].
+
+    Zero-filled rather than empty: the SDPA path reads whole blocks and masks the tail, and a
+    masked position still enters the PV product with weight 0; uninitialised memory holding
+    NaN/inf would turn 0 * NaN into NaN.
+    """
+    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
+    return [
+        (
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+        )
+        for _ in range(num_layers)
+    ]
+
+
+@dataclass
+class _PrefillSeq:
+    q_start: int
+    q_len: int
+    ctx_len: int
+    # Block ids covering the context; None when the whole context is this forward's tokens
+    # (then attention runs on the fresh k/v and the cache is only written).
+    block_ids: torch.Tensor | None
+    # Boolean [q_len, ctx_len] masks keyed by sliding window; None entry = plain causal.
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+
+@dataclass
+class AttentionPlan:
+    """Everything paged_attention needs that depends on the metadata only, not on the layer."""
+
+    num_blocks: int  # real blocks (scratch block excluded)
+    block_size: int
+    write_slots: torch.Tensor  # [T] int64, -1 redirected into the scratch block
+    use_flash: bool
+    # decode (SDPA path)
+    gather_idx: torch.Tensor | None = None  # [S * nb] block ids
+    gather_len: int = 0  # nb * block_size
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [S,1,1,L]
+    # prefill (SDPA path)
+    seqs: list[_PrefillSeq] = field(default_factory=list)
+    # flash path
+    cu_seqlens_k: torch.Tensor | None = None
+    max_query_len: int = 0
+
+
+def _flash_usable(kv_cache: KVCache) -> bool:
+    k_cache = kv_cache[0]
+    return (
+        _fa_varlen is not None
+        and not _FLASH_DISABLED
+        and k_cache.is_cuda
+        and k_cache.dtype in (torch.float16, torch.bfloat16)
+        and k_cache.shape[1] % _FLASH_BLOCK_MULTIPLE == 0
+    )
+
+
+def prepare_attention(
+    meta: AttentionMetadata,
+    kv_cache: KVCache,
+    sliding_windows: Iterable[int | None] = (None,),
+) -> AttentionPlan:
+    """Derive the per-forward tensors shared by all layers.
+
+    ``kv_cache`` is any layer's cache (only its shape/device are read). ``sliding_windows`` lists
+    the distinct windows the model's layers use (None = full attention) so masks are built once.
+    Decode performs no host sync; prefill reads ``seq_lens`` to the host once.
+    """
+    k_cache = kv_cache[0]
+    num_blocks = k_cache.shape[0] - 1
+    block_size = k_cache.shape[1]
+    device = k_cache.device
+    windows = list(dict.fromkeys(sliding_windows))
+    slots = meta.slot_mapping.to(device=device, dtype=torch.int64)
+    write_slots = torch.where(slots >= 0, slots, num_blocks * block_size)
+    use_flash = _flash_usable(kv_cache)
+    plan = AttentionPlan(
+        num_blocks=num_blocks, block_size=block_size, write_slots=write_slots, use_flash=use_flash
+    )
+    if use_flash:  # pragma: no cover - needs flash_attn on CUDA
+        seq_lens = meta.seq_lens.to(torch.int32)
+        plan.cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+        plan.max_query_len = 1 if meta.is_decode else max(meta.query_lens or [1])
+        return plan
+    if meta.is_decode:
+        _prepare_decode(plan, meta, windows, device, k_cache.dtype)
+    else:
+        _prepare_prefill(plan, meta, windows, device)
+    return plan
+
+
+def _prepare_decode(
+    plan: AttentionPlan,
+    meta: AttentionMetadata,
+    windows: list[int | None],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> None:
+    bs = plan.block_size
+    nb = max(1, min(-(-meta.max_seq_len // bs), meta.block_tables.shape[1]))
+    # Pad entries may be anything (-1, garbage): clamp them onto a real block. They are masked
+    # out, and a real block always holds finite values, unlike the scratch block which masked
+    # rows may fill with anything.
+    bt = meta.block_tables[:, :nb].to(device=device, dtype=torch.int64)
+    plan.gather_idx = bt.clamp(0, plan.num_blocks - 1).reshape(-1)
+    plan.gather_len = nb * bs
+    pos = torch.arange(plan.gather_len, device=device)
+    seq_lens = meta.seq_lens.to(device=device, dtype=torch.int64)[:, None]
+    # clamp(min=1): a masked row may carry seq_len 0; letting it see position 0 keeps its
+    # softmax finite (its output is discarded, but NaN must not reach the sampler).
+    valid = pos[None, :] < seq_lens.clamp(min=1)
+    zero = torch.zeros((), dtype=dtype, device=device)
+    neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
+    for w in windows:
+        m = valid if w is None else valid & (pos[None, :] >= seq_lens - w)
+        # Additive float mask: SDPA would otherwise convert a bool mask on every layer.
+        plan.decode_masks[w] = torch.where(m, zero, neg_inf)[:, None, None, :]
+
+
+def _prepare_prefill(
+    plan: AttentionPlan, meta: AttentionMetadata, windows: list[int | None], device: torch.device
+) -> None:
+    if meta.query_lens is None:
+        raise ValueError("prefill AttentionMetadata needs query_lens")
+    seq_lens = meta.seq_lens.tolist()  # the one host sync of a prefill forward
+    bs = plan.block_size
+    q_start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, seq_lens, strict=True)):
+        prefix = ctx_len - q_len
+        if prefix < 0:
+            raise ValueError(f"sequence {i}: seq_len {ctx_len} < query_len {q_len}")
+        block_ids = None
+        if prefix > 0:
+            nb = -(-ctx_len // bs)
+            block_ids = meta.block_tables[i, :nb].to(device=device, dtype=torch.int64)
+        seq = _PrefillSeq(q_start=q_start, q_len=q_len, ctx_len=ctx_len, block_ids=block_ids)
+        q_pos = None
+        for w in windows:
+            if prefix == 0 and (w is None or q_len <= w):
+                seq.masks[w] = None  # plain causal: SDPA's is_causal is exact here
+                continue
+            if q_pos is None:
+                q_pos = torch.arange(prefix, ctx_len, device=device)[:, None]
+                k_pos = torch.arange(ctx_len, device=device)[None, :]
+                causal = k_pos <= q_pos
+            # HF convention: a query sees keys with q - k < window.
+            seq.masks[w] = causal if w is None else causal & (k_pos > q_pos - w)
+        plan.seqs.append(seq)
+        q_start += q_len
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, write_slots: torch.Tensor
+) -> None:
+    """Scatter this forward's k/v [T, Hkv, D] into their slots (scratch for masked rows)."""
+    k_cache, v_cache = kv_cache
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, write_slots, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, write_slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    layer_idx: int = 0,
+    plan: AttentionPlan | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Write k/v into the paged cache, then attend causally over each sequence's context.
+
+    q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. ``plan`` (from prepare_attention) should be
+    passed by callers running several layers; without it one is built here. ``layer_idx`` is
+    accepted for logging/debugging symmetry with other backends and is not needed otherwise.
+    """
+    if plan is None:
+        plan = prepare_attention(meta, kv_cache, (sliding_window,))
+    write_kv(k, v, kv_cache, plan.write_slots)
+    if plan.use_flash:  # pragma: no cover - needs flash_attn on CUDA
+        return _flash_attention(q, kv_cache, meta, scale, plan, sliding_window)
+    if meta.is_decode:
+        return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
+    return _prefill_sdpa(q, k, v, kv_cache, scale, plan, sliding_window)
+
+
+def _decode_sdpa(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    scale: float,
+    plan: AttentionPlan,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_cache
+    s, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    n_blk = k_cache.shape[0]
+    assert plan.gather_idx is not None
+    # index_select over whole flattened blocks is much faster on CPU than advanced indexing.
+    kg = k_cache.view(n_blk, -1).index_select(0, plan.gather_idx)
+    vg = v_cache.view(n_blk, -1).index_select(0, plan.gather_idx)
+    kg = kg.view(s, plan.gather_len, hkv, d).transpose(1, 2)
+    vg = vg.view(s, plan.gather_len, hkv, d).transpose(1, 2)
+    # GQA without repeating K/V: the query heads sharing a kv head become that head's "query
+    # positions" (all with the same length mask, since decode has one real position per row).
+    qg = q.view(s, hkv, hq // hkv, d)
+    mask = plan.decode_masks[sliding_window]
+    out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+    return out.reshape(s, hq, d)
+
+
+def _prefill_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: KVCache,
+    scale: float,
+    plan: AttentionPlan,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_cache
+    hq = q.shape[1]
+    hkv = k_cache.shape[2]
+    d = k_cache.shape[3]
+    n_blk = k_cache.shape[0]
+    gqa = hq != hkv
+    # Zeros, not empty: rows not covered by any sequence (padding) must stay finite.
+    out = torch.zeros_like(q)
+    for seq in plan.seqs:
+        a, b = seq.q_start, seq.q_start + seq.q_len
+        qs = q[a:b].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+        if seq.block_ids is None:
+            ks = k[a:b].transpose(0, 1).unsqueeze(0)
+            vs = v[a:b].transpose(0, 1).unsqueeze(0)
+        else:
+            # Context spans earlier chunks / a shared prefix: read it back from the cache.
+            n = seq.ctx_len
+            ks = k_cache.view(n_blk, -1).index_select(0, seq.block_ids).view(-1, hkv, d)[:n]
+            vs = v_cache.view(n_blk, -1).index_select(0, seq.block_ids).view(-1, hkv, d)[:n]
+            ks = ks.transpose(0, 1).unsqueeze(0)
+            vs = vs.transpose(0, 1).unsqueeze(0)
+        mask = seq.masks[sliding_window]
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+        out[a:b] = o[0].transpose(0, 1)
+    return out
+
+
+def _flash_attention(  # pragma: no cover - needs flash_attn on CUDA
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+    plan: AttentionPlan,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    k_cache, v_cache = kv_cache
+    window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+    block_tables = meta.block_tables.to(torch.int32)
+    if meta.is_decode:
+        out: torch.Tensor = _fa_kvcache(
+            q.unsqueeze(1),
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.seq_lens.to(torch.int32),
+            block_table=block_tables,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window,
+        )
+        return out.squeeze(1)
+    assert meta.query_start_loc is not None
+    n_q = int(meta.query_start_loc.shape[0])  # shape only: no sync
+    out = torch.zeros_like(q)
+    total = sum(meta.query_lens or [])
+    out[:total] = _fa_varlen(
+        q[:total],
+        k_cache,
+        v_cache,
+        cu_seqlens_q=meta.query_start_loc.to(torch.int32),
+        cu_seqlens_k=plan.cu_seqlens_k,
+        max_seqlen_q=plan.max_query_len,
+        max_seqlen_k=meta.max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+        window_size=window,
+        block_table=block_tables[: n_q - 1],
+    )
+    return out

@@ -1,0 +1,94 @@
+"""Reading HF safetensors checkpoints (single file or sharded with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _device_str(device: torch.device) -> str:
+    # safe_open wants an explicit index for CUDA.
+    if device.type == "cuda" and device.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(device)
+
+
+class SafetensorsCheckpoint:
+    """Lazy view of a checkpoint's tensors: names and shapes without loading data.
+
+    ``get`` loads one tensor straight onto ``device`` and casts it to ``dtype`` there.
+    """
+
+    def __init__(self, model_dir: str, device: torch.device) -> None:
+        self.model_dir = model_dir
+        self.device = device
+        index_path = os.path.join(model_dir, INDEX_FILE)
+        single_path = os.path.join(model_dir, SINGLE_FILE)
+        if os.path.exists(index_path):
+            weight_map = read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index_path}: no weight_map")
+            self._file_of = {k: os.path.join(model_dir, v) for k, v in weight_map.items()}
+        elif os.path.exists(single_path):
+            self._file_of = {}
+            with safe_open(single_path, framework="pt") as f:
+                for k in f.keys():
+                    self._file_of[k] = single_path
+        else:
+            raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+        self._handles: dict[str, Any] = {}
+
+    def _handle(self, path: str) -> Any:
+        h = self._handles.get(path)
+        if h is None:
+            if not os.path.exists(path):
+                raise ValueError(f"checkpoint shard missing: {path}")
+            h = safe_open(path, framework="pt", device=_device_str(self.device))
+            self._handles[path] = h
+        return h
+
+    def names(self) -> set[str]:
+        return set(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        if name not in self._file_of:
+            raise ValueError(f"missing weight {name!r} in {self.model_dir}")
+        t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(name)
+        return t.to(dtype=dtype)
+
+    def close(self) -> None:
+        for h in self._handles.values():
+            exit_ = getattr(h, "__exit__", None)
+            if exit_ is not None:
+                exit_(None, None, None)
+        self._handles.clear()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
