@@ -1,0 +1,132 @@
+"""Per-request state the gpu worker keeps across plans, and the plan's decode batch.
+
+The host side holds what is known before a plan starts (history, block table, params); the
+decode batch moves it to the device once per plan, and the K steps then advance it on the
+device without reading anything back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu_worker.sampler import SamplerHints, SamplingTensors
+from proto.messages import FinishReason, SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    history: list[int]  # prompt + generated, as far as the host has seen it
+    num_prompt: int
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose KV is in the cache
+    prefill_chunk: int = 0  # tokens to prefill in the current plan
+    finished: FinishReason = FinishReason.NOT_FINISHED
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.history) - self.num_prompt
+
+    @property
+    def decoding(self) -> bool:
+        return not self.finished and self.num_computed == len(self.history) - 1
+
+
+@dataclass
+class DecodeBatch:
+    """Device tensors for the decoding rows of one plan, advanced in place step by step."""
+
+    request_ids: np.ndarray  # int64 [B], host
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, nb] int32
+    active: torch.Tensor  # [B] bool
+    output_count: torch.Tensor  # [B] int32
+    max_new: torch.Tensor  # [B] int32
+    stop_ids: torch.Tensor  # [B, S] int64, -1 padded
+    sampling: SamplingTensors
+    hints: SamplerHints  # host-known facts that let the sampler skip whole passes
+    seen: torch.Tensor | None  # [B, V] bool when some row has a repetition penalty
+    max_position: int  # host: largest starting position
+    all_greedy: bool
+    any_penalty: bool
+    need_logprobs: bool
+    max_top_n: int
+
+    @property
+    def size(self) -> int:
+        return int(self.request_ids.shape[0])
+
+
+def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
+    width = max(1, max((len(r) for r in rows), default=1))
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def build_decode_batch(reqs: list[RequestState], vocab_size: int,
+                       device: torch.device) -> DecodeBatch:
+    params = [r.sampling for r in reqs]
+
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    st = SamplingTensors(
+        temperature=col([p.temperature for p in params], torch.float32),
+        top_k=col([p.top_k for p in params], torch.int32),
+        top_p=col([p.top_p for p in params], torch.float32),
+        typical_p=col([p.typical_p for p in params], torch.float32),
+        min_p=col([p.min_p for p in params], torch.float32),
+        repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+        seed=col([p.seed & 0x7FFF_FFFF_FFFF_FFFF for p in params], torch.int64),
+        min_new_tokens=col([p.min_new_tokens for p in params], torch.int32),
+        stop_token_ids=torch.from_numpy(_pad([p.stop_token_ids for p in params], -1)).to(device),
+        lp_start=col([p.length_penalty_start for p in params], torch.int32),
+        lp_decay=col([p.length_penalty_decay for p in params], torch.float32),
+        prompt_len=col([r.num_prompt for r in reqs], torch.int32),
+    )
+    any_penalty = any(p.repetition_penalty != 1.0 for p in params)
+    seen = None
+    if any_penalty:
+        seen = torch.zeros(len(reqs), vocab_size, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            seen[i, torch.tensor(r.history, dtype=torch.int64)] = True
+        seen = seen.to(device)
+    positions = [len(r.history) - 1 for r in reqs]
+    return DecodeBatch(
+        request_ids=np.array([r.request_id for r in reqs], dtype=np.int64),
+        input_ids=col([r.history[-1] for r in reqs], torch.int64),
+        positions=col(positions, torch.int64),
+        block_tables=torch.from_numpy(_pad([r.block_ids for r in reqs], 0).astype(np.int32))
+        .to(device),
+        active=torch.ones(len(reqs), dtype=torch.bool, device=device),
+        output_count=col([r.num_generated for r in reqs], torch.int32),
+        max_new=col([p.max_new_tokens for p in params], torch.int32),
+        stop_ids=st.stop_token_ids,
+        sampling=st,
+        hints=SamplerHints.from_params(params),
+        seen=seen,
+        max_position=max(positions),
+        all_greedy=all(p.temperature == 0.0 for p in params),
+        any_penalty=any_penalty,
+        need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
+        max_top_n=max(p.top_n for p in params),
+    )
+
+
+@dataclass
+class StepTensors:
+    """One decode step's outputs, still on the device."""
+
+    step: int
+    token_ids: torch.Tensor  # [B] int64, -1 for masked rows
+    finish: torch.Tensor  # [B] uint8
+    logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_logprobs: torch.Tensor | None

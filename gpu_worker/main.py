@@ -1,0 +1,59 @@
+"""The gpu worker process.
+
+Receive a `StepPlan` → apply its deltas → prefill → K decode steps, each step's tokens
+published to the postproc workers while the next computes → `StepDone` to the scheduler.
+It never waits for postprocessing: the scheduler has usually queued the next plan already.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from gpu_worker.publisher import TokenPublisher
+from gpu_worker.runner import ModelRunner
+from proto.config import ServerConfig
+from proto.messages import Shutdown, StepPlan, WorkerReady
+from rpc.channels import Receiver, Sender
+from rpc.token_channel import TokenWriter
+
+log = logging.getLogger("tandem.gpu_worker")
+
+
+def build_runner(cfg: ServerConfig) -> ModelRunner:
+    if cfg.torch_threads:
+        torch.set_num_threads(cfg.torch_threads)
+    return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                       block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                       kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
+                       max_num_seqs=cfg.max_num_seqs)
+
+
+def run_gpu_worker(cfg: ServerConfig) -> None:
+    addr = cfg.addresses
+    inbox: Receiver = Receiver(addr.worker_inbox, bind=True)
+    to_scheduler: Sender = Sender(addr.scheduler_inbox)
+    tokens = TokenWriter(addr)
+    try:
+        runner = build_runner(cfg)
+        tokens.wait_ready()
+        publisher = TokenPublisher(tokens.put, runner.device)
+        to_scheduler.put(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                                     runner.vocab_size))
+        log.info("ready (pid %d)", os.getpid())
+        while True:
+            msg = inbox.get(timeout=1.0)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):
+                log.info("shutting down: %s", msg.reason)
+                return
+            if isinstance(msg, StepPlan):
+                to_scheduler.put(runner.execute(msg, publisher))
+            else:
+                log.error("unexpected message %s", type(msg).__name__)
+    finally:
+        tokens.close()
+        inbox.close()
+        to_scheduler.close()

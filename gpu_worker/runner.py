@@ -1,0 +1,243 @@
+"""The model runner: applies a plan's deltas, prefills, then runs K decode steps on the device.
+
+Inside the K-step loop nothing is read back to the host: sampled ids become the next
+step's inputs on the device, positions and slot mappings advance there, and rows that
+finish are masked.  Each step's tokens leave through `publish` (on CUDA via pinned memory
+and a copy event, see `gpu_worker.publisher`), while the next step is already computing.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
+from gpu_worker.models import load_model
+from gpu_worker.sampler import Sampler
+from proto.messages import FinishReason, NewRequest, StepDone, StepPlan
+
+if TYPE_CHECKING:
+    from gpu_worker.publisher import TokenPublisher
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # float32 on CPU: bf16 matmuls there are slower and parity tests compare in fp32.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
+                 max_model_len: int = 0, max_num_seqs: int = 64) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        t0 = time.monotonic()
+        self.model = load_model(model_dir, self.dtype, self.device)
+        cfg = self.model.config
+        log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
+                 cfg.architecture, self.dtype, self.device)
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.block_size = block_size
+        self.num_blocks = num_kv_blocks or self._blocks_for(kv_cache_memory, max_num_seqs)
+        self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
+                                           cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                           self.device)
+        log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
+        self.sampler = Sampler()
+        self.requests: dict[int, RequestState] = {}
+
+    def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
+        cfg = self.model.config
+        per_block = kv_cache_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                             self.block_size, self.dtype)
+        if gib > 0:
+            return max(1, int(gib * (1 << 30)) // per_block)
+        # Enough for every sequence slot at full length, capped at 4 GiB.
+        wanted = max_num_seqs * -(-self.max_model_len // self.block_size)
+        return max(1, min(wanted, (4 << 30) // per_block))
+
+    # ------------------------------------------------------------------ deltas
+
+    def apply(self, plan: StepPlan) -> None:
+        for rid in plan.drop:
+            self.requests.pop(rid, None)
+        for rid in plan.preempt:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+        for new in plan.new:
+            self._add(new)
+        for cont in plan.cont:
+            req = self.requests.get(cont.request_id)
+            if req is not None:
+                req.block_ids.extend(cont.new_block_ids)
+                req.prefill_chunk = cont.num_prefill_tokens
+
+    def _add(self, new: NewRequest) -> None:
+        req = self.requests.get(new.request_id)
+        if new.resume and req is not None:
+            req.block_ids = list(new.block_ids)
+        else:
+            assert new.sampling is not None, "a new request carries its sampling params"
+            prompt = [int(t) for t in new.prompt_ids]
+            req = RequestState(new.request_id, prompt, len(prompt), new.sampling,
+                               list(new.block_ids))
+            self.requests[new.request_id] = req
+        req.num_computed = new.num_cached_tokens
+        req.prefill_chunk = new.num_prefill_tokens
+
+    # ------------------------------------------------------------------ forward passes
+
+    @torch.inference_mode()
+    def prefill(self, reqs: list[RequestState]) -> None:
+        """KV for each request's next chunk of history, all chunks in one forward."""
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        seq_lens: list[int] = []
+        for r in reqs:
+            start, end = r.num_computed, r.num_computed + r.prefill_chunk
+            assert end <= len(r.history) - 1, f"prefill past the last token of {r.request_id}"
+            ids += r.history[start:end]
+            p = np.arange(start, end)
+            pos += p.tolist()
+            blocks = np.asarray(r.block_ids, dtype=np.int64)
+            slots += (blocks[p // bs] * bs + p % bs).tolist()
+            lens.append(end - start)
+            seq_lens.append(end)
+        dev = self.device
+        width = max(len(r.block_ids) for r in reqs)
+        table = np.zeros((len(reqs), width), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            table[i, : len(r.block_ids)] = r.block_ids
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.from_numpy(table).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(lens)]),
+                                         dtype=torch.int32, device=dev),
+            query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
+        self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                   torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta)
+        for r in reqs:
+            r.num_computed += r.prefill_chunk
+            r.prefill_chunk = 0
+
+    @torch.inference_mode()
+    def decode_step(self, b: DecodeBatch, step: int) -> StepTensors:
+        """One forward + sample for every row; no host reads."""
+        bs = self.block_size
+        block = b.block_tables.gather(1, (b.positions // bs).unsqueeze(1)).squeeze(1)
+        slots = torch.where(b.active, block.to(torch.int64) * bs + b.positions % bs, -1)
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=b.block_tables,
+            seq_lens=(b.positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
+            max_seq_len=b.max_position + step + 1, is_decode=True)
+        hidden = self.model(b.input_ids, b.positions, self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, b.sampling, b.seen, b.output_count,
+                           all_greedy=b.all_greedy, any_penalty=b.any_penalty,
+                           need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
+                           hints=b.hints, inplace=True)
+        tok = torch.where(b.active, out.token_ids, -1)
+        finish = self._finish_reasons(b, tok)
+        if b.seen is not None:
+            # Masked rows write False into their own row only; they never sample again.
+            b.seen.scatter_(1, tok.clamp(min=0).unsqueeze(1), b.active.unsqueeze(1))
+        b.output_count += b.active.to(torch.int32)
+        b.input_ids = torch.where(b.active, tok, b.input_ids)
+        b.positions = b.positions + b.active.to(torch.int64)
+        b.active = b.active & (finish == 0)
+        return StepTensors(step, tok, finish, out.logprobs, out.ranks, out.top_ids,
+                           out.top_logprobs)
+
+    def _finish_reasons(self, b: DecodeBatch, tok: torch.Tensor) -> torch.Tensor:
+        count = b.output_count + 1
+        is_stop = (tok.unsqueeze(1) == b.stop_ids).any(dim=1)
+        hit_max = count >= b.max_new
+        # The new token makes the history positions+2 long.
+        hit_len = b.positions + 2 >= self.max_model_len
+        reason = torch.where(
+            is_stop, int(FinishReason.EOS_TOKEN),
+            torch.where(hit_max, int(FinishReason.MAX_TOKENS),
+                        torch.where(hit_len, int(FinishReason.TOKEN_LIMIT), 0)))
+        return torch.where(b.active, reason, 0).to(torch.uint8)
+
+    # ------------------------------------------------------------------ a whole plan
+
+    def execute(self, plan: StepPlan, publish: "TokenPublisher") -> StepDone:
+        t0 = time.monotonic()
+        self.apply(plan)
+        chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
+        if chunked:
+            self.prefill(chunked)
+        decoding = [r for r in self.requests.values() if r.decoding]
+        steps: list[StepTensors] = []
+        batch = None
+        if decoding:
+            batch = build_decode_batch(decoding, self.vocab_size, self.device)
+            last = plan.num_steps - 1
+            for k in range(plan.num_steps):
+                st = self.decode_step(batch, k)
+                steps.append(st)
+                if plan.publish_per_step:
+                    publish(plan, batch, st, k == last)
+            if not plan.publish_per_step:
+                for st in steps:
+                    publish(plan, batch, st, st.step == last)
+        else:
+            publish.end_of_plan(plan)
+        publish.flush()
+        forward_time = time.monotonic() - t0
+        done = self._collect(plan, decoding, steps)
+        done.forward_time = forward_time
+        done.wall_time = time.monotonic() - t0
+        return done
+
+    def _collect(self, plan: StepPlan, decoding: list[RequestState],
+                 steps: list[StepTensors]) -> StepDone:
+        """The plan's one host read: append the tokens to the histories, count, report."""
+        named = [n.request_id for n in plan.new] + [c.request_id for c in plan.cont]
+        finished = [r for rid in named if (r := self.requests.get(rid)) and r.finished]
+        counts = np.zeros(len(decoding), dtype=np.int32)
+        if steps:
+            toks = torch.stack([s.token_ids for s in steps]).cpu().numpy()  # [K, B]
+            fins = torch.stack([s.finish for s in steps]).cpu().numpy()
+            for i, r in enumerate(decoding):
+                col = toks[:, i]
+                valid = col[col >= 0]
+                r.history.extend(int(t) for t in valid)
+                r.num_computed += len(valid)
+                counts[i] = len(valid)
+                reasons = fins[:, i][fins[:, i] > 0]
+                if len(reasons):
+                    r.finished = FinishReason(int(reasons[0]))
+                    finished.append(r)
+        # A request named in a plan after it finished is reported again (the scheduler
+        # ignores repeats); its state stays until the scheduler drops it.
+        seen: dict[int, RequestState] = {r.request_id: r for r in finished}
+        return StepDone(
+            plan_id=plan.plan_id,
+            request_ids=np.array([r.request_id for r in decoding], dtype=np.int64),
+            num_tokens=counts,
+            finished_ids=np.array(list(seen), dtype=np.int64),
+            finish_reasons=np.array([int(r.finished) for r in seen.values()], dtype=np.uint8),
+            forward_time=0.0, wall_time=0.0)
