@@ -1,0 +1,196 @@
+"""The `tandem` command: one parser for every subcommand; heavy imports happen lazily.
+
+Environment variables are read here and nowhere else: `TANDEM_MODEL`, `TANDEM_HOST`,
+`TANDEM_PORT`, `TANDEM_LOG_LEVEL` give defaults for the matching flags.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from typing import Callable
+
+from proto.config import ServerConfig
+
+ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host", "port",
+                                                                 "log_level")}
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
+                   help=help)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig(model="")
+    p.add_argument("--model", default=ENV["model"] or "",
+                   help="Hugging Face model folder (default: the embedded tiny model)")
+    p.add_argument("--host", default=ENV["host"] or d.host)
+    p.add_argument("--port", type=int, default=int(ENV["port"] or d.port))
+    p.add_argument("--dtype", default=d.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                   help="K: decode steps per plan (1 = no multi-step)")
+    _bool_flag(p, "async-postproc", d.async_postproc,
+               "overlap postprocessing with the next plan (--no-async-postproc: sync baseline)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="0: the model's max_position_embeddings")
+    p.add_argument("--num-postproc-workers", type=int, default=d.num_postproc_workers)
+    _bool_flag(p, "shm-ring", d.shm_ring, "token batches over shared memory (else ZeroMQ)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                   help="KV cache size in GiB (when --num-kv-blocks is 0)")
+    _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="the largest max_new_tokens a request may ask for")
+    _bool_flag(p, "include-stop-sequence", d.include_stop_sequence,
+               "default for requests that leave include_stop_sequence unset")
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout)
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout)
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-client-ca", default="")
+    p.add_argument("--log-level", default=ENV["log_level"] or d.log_level)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    model = args.model
+    if not model:
+        from gpu_worker.tiny_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["model"] = model
+    values["enable_prefix_caching"] = args.prefix_caching
+    return ServerConfig(**values)
+
+
+# ---------------------------------------------------------------------- subcommands
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from rpc.process import set_title, setup_logging
+
+    setup_logging("frontend", args.log_level)
+    set_title("tandem: frontend")
+    cfg = config_from_args(args)
+    from rpc.launcher import serve
+
+    return serve(cfg)
+
+
+def cmd_run_role(args: argparse.Namespace) -> int:
+    from rpc.process import init_child
+
+    with open(args.config_file) as f:
+        cfg = ServerConfig.from_json(f.read())
+    role = args.role if args.role != "postproc" else f"postproc {args.index}"
+    init_child(role, cfg.log_level, args.parent_pid)
+    try:
+        if args.role == "scheduler":
+            from scheduler.main import run_scheduler
+
+            run_scheduler(cfg)
+        elif args.role == "gpu-worker":
+            from gpu_worker.main import run_gpu_worker
+
+            run_gpu_worker(cfg)
+        elif args.role == "postproc":
+            from postproc_worker.main import run_postproc
+
+            run_postproc(cfg, args.index)
+    except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
+        return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from gpu_worker import tiny_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return tiny_model.main(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rpc.client_cli import generate_main
+
+    return generate_main(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from rpc.client_cli import health_main
+
+    return health_main(args)
+
+
+def cmd_bench_ipc(args: argparse.Namespace) -> int:
+    from rpc import bench_ipc
+
+    return bench_ipc.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the gRPC server and all its processes")
+    add_server_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run-role", help="run one process role (used by the launcher)")
+    p.add_argument("role", choices=["scheduler", "gpu-worker", "postproc"])
+    p.add_argument("--config-file", required=True)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.set_defaults(func=cmd_run_role)
+
+    p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
+    from gpu_worker.tiny_model import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    from rpc.client_cli import add_generate_arguments, add_health_arguments
+
+    p = sub.add_parser("generate", help="send a prompt and stream the answer")
+    add_generate_arguments(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("health", help="exit 0 when the server is SERVING")
+    add_health_arguments(p)
+    p.set_defaults(func=cmd_health)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                       required=True)
+    from rpc import bench_serve
+
+    p = bench.add_parser("serve", help="vLLM-style serving benchmark against a server")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
+
+    p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench_ipc)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

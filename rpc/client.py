@@ -1,0 +1,125 @@
+"""A small Python client for `fmaas.GenerationService`, used by the CLI, tests and benchmarks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import generation_pb2 as pb
+from proto import generation_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "fmaas.GenerationService"
+
+
+@dataclass
+class GenerateOptions:
+    """Every TGIS parameter as a flat field; None leaves the server default."""
+
+    max_new_tokens: int = 0
+    min_new_tokens: int = 0
+    sample: bool = False
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float = 0.0
+    typical_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 0.0
+    length_penalty: tuple[int, float] | None = None
+    stop_sequences: list[str] = field(default_factory=list)
+    include_stop_sequence: bool | None = None
+    time_limit_millis: int = 0
+    truncate_input_tokens: int = 0
+    input_text: bool = False
+    generated_tokens: bool = False
+    input_tokens: bool = False
+    token_logprobs: bool = False
+    token_ranks: bool = False
+    top_n_tokens: int = 0
+
+    def to_proto(self) -> pb.Parameters:
+        p = pb.Parameters(method=pb.SAMPLE if self.sample else pb.GREEDY,
+                          truncate_input_tokens=self.truncate_input_tokens)
+        s = p.sampling
+        if self.temperature is not None:
+            s.temperature = self.temperature
+        s.top_k, s.top_p, s.typical_p = self.top_k, self.top_p, self.typical_p
+        if self.seed is not None:
+            s.seed = self.seed
+        st = p.stopping
+        st.max_new_tokens, st.min_new_tokens = self.max_new_tokens, self.min_new_tokens
+        st.time_limit_millis = self.time_limit_millis
+        st.stop_sequences.extend(self.stop_sequences)
+        if self.include_stop_sequence is not None:
+            st.include_stop_sequence = self.include_stop_sequence
+        r = p.response
+        r.input_text, r.generated_tokens, r.input_tokens = (
+            self.input_text, self.generated_tokens, self.input_tokens)
+        r.token_logprobs, r.token_ranks, r.top_n_tokens = (
+            self.token_logprobs, self.token_ranks, self.top_n_tokens)
+        p.decoding.repetition_penalty = self.repetition_penalty
+        if self.length_penalty is not None:
+            p.decoding.length_penalty.start_index = self.length_penalty[0]
+            p.decoding.length_penalty.decay_factor = self.length_penalty[1]
+        return p
+
+
+def make_channel(target: str, tls_ca: str = "", tls_cert: str = "",
+                 tls_key: str = "") -> grpc.Channel:
+    options = [("grpc.max_receive_message_length", 64 << 20),
+               ("grpc.max_send_message_length", 64 << 20)]
+    if not tls_ca:
+        return grpc.insecure_channel(target, options=options)
+
+    def read(path: str) -> bytes | None:
+        if not path:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    creds = grpc.ssl_channel_credentials(read(tls_ca), read(tls_key), read(tls_cert))
+    return grpc.secure_channel(target, creds, options=options)
+
+
+class TandemClient:
+    def __init__(self, target: str = "127.0.0.1:8033", channel: grpc.Channel | None = None,
+                 **tls: str) -> None:
+        self.channel = channel or make_channel(target, **tls)
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def stream(self, text: str, opts: GenerateOptions | None = None,
+               metadata: list[tuple[str, str]] | None = None,
+               timeout: float | None = None) -> Iterator[pb.GenerationResponse]:
+        req = pb.SingleGenerationRequest(request=pb.GenerationRequest(text=text),
+                                         params=(opts or GenerateOptions()).to_proto())
+        return self.stub.GenerateStream(req, metadata=metadata, timeout=timeout)
+
+    def generate(self, texts: list[str], opts: GenerateOptions | None = None,
+                 timeout: float | None = None) -> list[pb.GenerationResponse]:
+        req = pb.BatchedGenerationRequest(
+            requests=[pb.GenerationRequest(text=t) for t in texts],
+            params=(opts or GenerateOptions()).to_proto())
+        return list(self.stub.Generate(req, timeout=timeout).responses)
+
+    def tokenize(self, texts: list[str], tokens: bool = True, offsets: bool = False,
+                 truncate: int = 0) -> list[pb.TokenizeResponse]:
+        req = pb.BatchedTokenizeRequest(requests=[pb.TokenizeRequest(text=t) for t in texts],
+                                        return_tokens=tokens, return_offsets=offsets,
+                                        truncate_input_tokens=truncate)
+        return list(self.stub.Tokenize(req).responses)
+
+    def model_info(self) -> pb.ModelInfoResponse:
+        return self.stub.ModelInfo(pb.ModelInfoRequest())
+
+    def is_serving(self, service: str = SERVICE_NAME, timeout: float = 2.0) -> bool:
+        try:
+            resp = self.health.Check(health_pb2.HealthCheckRequest(service=service),
+                                     timeout=timeout)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def close(self) -> None:
+        self.channel.close()

@@ -1,0 +1,162 @@
+"""The frontend's side of the pipeline: submit requests, route output deltas to streams.
+
+One asyncio task reads the frontend inbox (deltas from postproc, rejections and failures
+from the scheduler, readiness) and puts each item into the queue of its request.  A
+request's registration goes to its postproc worker before the request itself goes to the
+scheduler, so the worker knows it before the first token can arrive.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import numpy as np
+
+from proto.config import ServerConfig
+from proto.messages import (AbortRequest, AddRequest, FinishReason, ForgetRequest, OutputBatch,
+                            OutputDelta, OutputOptions, Ready, RegisterRequest, RequestFailed,
+                            RequestRejected, SamplingParams, WorkerReady)
+from rpc.channels import AsyncReceiver, Sender
+from rpc.token_channel import owner
+
+log = logging.getLogger("tandem.frontend")
+
+
+class EngineError(Exception):
+    """A request the engine could not serve; `code` names the gRPC status to answer."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # "RESOURCE_EXHAUSTED" | "UNAVAILABLE" | "INTERNAL"
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    started: float
+
+
+class EngineClient:
+    def __init__(self, cfg: ServerConfig) -> None:
+        addr = cfg.addresses
+        self.cfg = cfg
+        self._inbox: AsyncReceiver = AsyncReceiver(addr.frontend_inbox, bind=True)
+        self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
+        self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
+        self._streams: dict[int, _Stream] = {}
+        # Ids unique across restarts of the frontend, so stale messages never alias.
+        self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
+        self.limits: WorkerReady | None = None
+        self._ready_postproc: set[int] = set()
+        self.ready = asyncio.Event()
+        self.dead: str | None = None  # set when a process of the engine died
+        self._reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_loop())
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await self._inbox.get()
+            if isinstance(msg, OutputBatch):
+                for d in msg.deltas:
+                    self._route(d.request_id, d)
+            elif isinstance(msg, (RequestRejected, RequestFailed)):
+                self._route(msg.request_id, msg)
+            elif isinstance(msg, WorkerReady):
+                self.limits = msg
+                self._check_ready()
+            elif isinstance(msg, Ready):
+                self._ready_postproc.add(msg.index)
+                self._check_ready()
+            else:
+                log.error("unexpected message %s", type(msg).__name__)
+
+    def _check_ready(self) -> None:
+        if self.limits and len(self._ready_postproc) == len(self._to_postproc):
+            self.ready.set()
+
+    def _route(self, rid: int, item: object) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.queue.put_nowait(item)
+
+    def fail_all(self, message: str) -> None:
+        """A process died: every open stream ends with UNAVAILABLE."""
+        self.dead = message
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineError("UNAVAILABLE", message))
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       options: OutputOptions,
+                       deadline: float | None = None) -> AsyncIterator[OutputDelta]:
+        """Deltas of one request until its final one; aborts it when the caller goes away.
+
+        `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
+        """
+        if self.dead:
+            raise EngineError("UNAVAILABLE", self.dead)
+        rid = next(self._ids)
+        stream = _Stream(asyncio.Queue(), time.monotonic())
+        self._streams[rid] = stream
+        prompt = np.asarray(prompt_ids, dtype=np.int32)
+        ended_by_engine = False  # else (cancel, time limit, death) we must abort it
+        try:
+            self._to_postproc[owner(rid, len(self._to_postproc))].put(
+                RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
+            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started))
+            while True:
+                item = await self._next(stream, deadline)
+                if item is None:  # time limit
+                    yield OutputDelta(rid, "", -1, finish_reason=FinishReason.TIME_LIMIT)
+                    return
+                if isinstance(item, EngineError):
+                    raise item
+                if isinstance(item, RequestRejected):  # the postproc side still forgets it
+                    raise EngineError("RESOURCE_EXHAUSTED", item.message)
+                if isinstance(item, RequestFailed):  # e.g. outgrew the KV cache: TOKEN_LIMIT
+                    log.warning("request %d ended by the scheduler: %s", rid, item.message)
+                    yield OutputDelta(rid, "", -1, finish_reason=item.reason)
+                    return
+                ended_by_engine = item.finish_reason != FinishReason.NOT_FINISHED
+                yield item
+                if ended_by_engine:
+                    return
+        finally:
+            del self._streams[rid]
+            if not ended_by_engine:
+                self.abort(rid)
+
+    async def _next(self, stream: _Stream, deadline: float | None) -> object | None:
+        if deadline is None:
+            return await stream.queue.get()
+        left = deadline - time.monotonic()
+        if left <= 0 and stream.queue.empty():
+            return None
+        try:
+            return await asyncio.wait_for(stream.queue.get(), timeout=max(left, 0.0))
+        except asyncio.TimeoutError:
+            return None
+
+    def abort(self, rid: int) -> None:
+        if self.dead:
+            return
+        self._to_scheduler.put(AbortRequest(rid))
+        self._to_postproc[owner(rid, len(self._to_postproc))].put(ForgetRequest(rid))
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self._inbox.close()
+        self._to_scheduler.close()
+        for s in self._to_postproc:
+            s.close()

@@ -1,0 +1,176 @@
+"""TGIS request parameters → internal `SamplingParams` / `OutputOptions`, with the limits.
+
+Every rejection names the field and the limit; the gRPC layer turns `ValidationError` into
+INVALID_ARGUMENT and `UnsupportedError` into UNIMPLEMENTED.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from proto import generation_pb2 as pb
+from proto.messages import OutputOptions, SamplingParams
+
+MAX_STOP_SEQUENCES = 6
+MAX_STOP_SEQUENCE_BYTES = 240
+MAX_TOP_N_TOKENS = 10
+MAX_REPETITION_PENALTY = 2.0
+LENGTH_PENALTY_DECAY_RANGE = (1.0, 10.0)
+
+
+class ValidationError(ValueError):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class UnsupportedError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    max_new_tokens: int  # the server's cap for one request
+    default_max_new_tokens: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    include_stop_sequence: bool  # default when the request leaves it unset
+
+
+@dataclass
+class Request:
+    """A validated request, before its prompt is checked against the model's length."""
+
+    sampling: SamplingParams
+    options: OutputOptions
+    time_limit: float | None  # seconds
+    truncate_input_tokens: int
+    input_text: bool
+    input_tokens: bool
+    seed_returned: int  # 0 for greedy
+
+
+def _finite(field: str, value: float) -> float:
+    if math.isnan(value) or math.isinf(value):
+        raise ValidationError(field, f"must be a finite number, got {value}")
+    return value
+
+
+def validate_params(params: pb.Parameters, limits: Limits) -> Request:
+    if params.decoding.WhichOneof("guided"):
+        raise UnsupportedError(
+            f"params.decoding.{params.decoding.WhichOneof('guided')}: guided decoding is not "
+            "supported by this server")
+    sampling = _sampling(params, limits)
+    options = _options(params, limits)
+    sampling.logprobs = options.logprobs or options.ranks
+    sampling.top_n = options.top_n
+    stopping = params.stopping
+    return Request(
+        sampling=sampling, options=options,
+        time_limit=stopping.time_limit_millis / 1000.0 if stopping.time_limit_millis else None,
+        truncate_input_tokens=params.truncate_input_tokens,
+        input_text=params.response.input_text, input_tokens=params.response.input_tokens,
+        seed_returned=0 if sampling.greedy else sampling.seed)
+
+
+def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
+    s = params.sampling
+    sampled = params.method == pb.SAMPLE
+    temperature = 1.0
+    if s.HasField("temperature"):
+        temperature = _finite("params.sampling.temperature", s.temperature)
+        if temperature < 0:
+            raise ValidationError("params.sampling.temperature",
+                                  f"must be >= 0, got {temperature}")
+    if not sampled:
+        temperature = 0.0
+    top_p = _finite("params.sampling.top_p", s.top_p)
+    if not 0.0 <= top_p <= 1.0:
+        raise ValidationError("params.sampling.top_p", f"must be in [0, 1], got {top_p}")
+    typical_p = _finite("params.sampling.typical_p", s.typical_p)
+    if not 0.0 <= typical_p <= 1.0:
+        raise ValidationError("params.sampling.typical_p",
+                              f"must be in [0, 1], got {typical_p}")
+    if s.top_k > limits.vocab_size:
+        raise ValidationError("params.sampling.top_k",
+                              f"must be <= the vocabulary size {limits.vocab_size}, "
+                              f"got {s.top_k}")
+    rp = _finite("params.decoding.repetition_penalty", params.decoding.repetition_penalty)
+    if rp < 0 or rp > MAX_REPETITION_PENALTY:
+        raise ValidationError("params.decoding.repetition_penalty",
+                              f"must be in (0, {MAX_REPETITION_PENALTY}] (0 = unset), got {rp}")
+    lp_start, lp_decay = 0, 1.0
+    if params.decoding.HasField("length_penalty"):
+        lp = params.decoding.length_penalty
+        lp_decay = _finite("params.decoding.length_penalty.decay_factor", lp.decay_factor)
+        lo, hi = LENGTH_PENALTY_DECAY_RANGE
+        if not lo <= lp_decay <= hi:
+            raise ValidationError("params.decoding.length_penalty.decay_factor",
+                                  f"must be in [{lo:g}, {hi:g}], got {lp_decay}")
+        lp_start = lp.start_index
+    max_new, min_new = _lengths(params.stopping, limits)
+    seed = s.seed if s.HasField("seed") else random.getrandbits(63)
+    return SamplingParams(
+        temperature=temperature, top_k=s.top_k, top_p=top_p if 0 < top_p < 1 else 1.0,
+        typical_p=typical_p if 0 < typical_p < 1 else 1.0,
+        repetition_penalty=rp if rp > 0 else 1.0, seed=seed,
+        max_new_tokens=max_new, min_new_tokens=min_new,
+        stop_token_ids=list(limits.eos_token_ids),
+        length_penalty_start=lp_start, length_penalty_decay=lp_decay)
+
+
+def _lengths(stopping: pb.StoppingCriteria, limits: Limits) -> tuple[int, int]:
+    max_new = stopping.max_new_tokens or limits.default_max_new_tokens
+    if max_new > limits.max_new_tokens:
+        raise ValidationError("params.stopping.max_new_tokens",
+                              f"must be <= {limits.max_new_tokens}, got {max_new}")
+    if stopping.min_new_tokens > max_new:
+        raise ValidationError("params.stopping.min_new_tokens",
+                              f"must be <= max_new_tokens ({max_new}), "
+                              f"got {stopping.min_new_tokens}")
+    return max_new, stopping.min_new_tokens
+
+
+def _options(params: pb.Parameters, limits: Limits) -> OutputOptions:
+    stops = list(params.stopping.stop_sequences)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise ValidationError("params.stopping.stop_sequences",
+                              f"at most {MAX_STOP_SEQUENCES} allowed, got {len(stops)}")
+    for i, stop in enumerate(stops):
+        size = len(stop.encode("utf-8"))
+        if not 1 <= size <= MAX_STOP_SEQUENCE_BYTES:
+            raise ValidationError(f"params.stopping.stop_sequences[{i}]",
+                                  f"must be 1 to {MAX_STOP_SEQUENCE_BYTES} UTF-8 bytes, "
+                                  f"got {size}")
+    r = params.response
+    if r.top_n_tokens > MAX_TOP_N_TOKENS:
+        raise ValidationError("params.response.top_n_tokens",
+                              f"must be <= {MAX_TOP_N_TOKENS}, got {r.top_n_tokens}")
+    detail = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
+    if detail and not (r.generated_tokens or r.input_tokens):
+        raise ValidationError("params.response",
+                              "token_logprobs, token_ranks and top_n_tokens require "
+                              "generated_tokens or input_tokens")
+    include = params.stopping.include_stop_sequence \
+        if params.stopping.HasField("include_stop_sequence") else limits.include_stop_sequence
+    return OutputOptions(
+        stop_sequences=stops, include_stop_sequence=include,
+        token_details=r.generated_tokens, logprobs=r.token_logprobs and r.generated_tokens,
+        ranks=r.token_ranks and r.generated_tokens,
+        top_n=r.top_n_tokens if r.generated_tokens else 0)
+
+
+def check_prompt(num_tokens: int, min_new_tokens: int, limits: Limits,
+                 field: str = "requests.text") -> None:
+    if num_tokens == 0:
+        raise ValidationError(field, "must not be empty")
+    if num_tokens >= limits.max_model_len:
+        raise ValidationError(field, f"prompt has {num_tokens} tokens; it must be shorter than "
+                                     f"the max model length {limits.max_model_len}")
+    if num_tokens + min_new_tokens > limits.max_model_len:
+        raise ValidationError(field, f"prompt ({num_tokens} tokens) + min_new_tokens "
+                                     f"({min_new_tokens}) exceeds the max model length "
+                                     f"{limits.max_model_len}")

@@ -1,0 +1,37 @@
+"""Shared fixtures: the tiny default checkpoint (built once per run), free ports, servers."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from gpu_worker.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-default")), "default")
+
+
+@pytest.fixture(scope="session")
+def fast_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    from gpu_worker.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-fast")), "fast")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:
+        has_cuda = False
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

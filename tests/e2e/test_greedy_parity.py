@@ -1,0 +1,79 @@
+"""End to end over real processes: greedy streams equal HF `generate()` on the same checkpoint."""
+from __future__ import annotations
+
+import pathlib
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from rpc.client import GenerateOptions
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("Once upon a time", 24),
+    ("The quick brown fox jumps over", 9),
+    ("Tandem runs the model while", 17),
+    ("1, 2, 3, 4,", 31),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(tiny_model_dir: pathlib.Path) -> dict[str, str]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    out = {}
+    for text, n in PROMPTS:
+        ids = tok(text, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out[text] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def stream_text(server: Server, text: str, n: int) -> tuple[str, int]:
+    parts = []
+    last = None
+    for resp in server.client.stream(text, GenerateOptions(max_new_tokens=n, min_new_tokens=n)):
+        parts.append(resp.text)
+        last = resp
+    assert last is not None
+    return "".join(parts), last.generated_token_count
+
+
+@pytest.mark.parametrize("steps, mode", [(1, "--async-postproc"), (8, "--async-postproc"),
+                                         (1, "--no-async-postproc"), (8, "--no-async-postproc")])
+def test_concurrent_greedy_streams_equal_hf(tiny_model_dir: pathlib.Path,
+                                            hf_outputs: dict[str, str], steps: int,
+                                            mode: str) -> None:
+    server = Server(str(tiny_model_dir), "--num-scheduler-steps", str(steps), mode).wait_ready()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: stream_text(server, *p), PROMPTS))
+        for (text, n), (got, count) in zip(PROMPTS, results):
+            assert count == n
+            assert got == hf_outputs[text], f"K={steps} {mode}: {text!r}"
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+def test_bad_prompts_are_rejected_and_others_keep_going(tiny_model_dir: pathlib.Path,
+                                                        hf_outputs: dict[str, str]) -> None:
+    server = Server(str(tiny_model_dir), "--max-model-len", "64").wait_ready()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            text, n = PROMPTS[0]
+            valid = pool.submit(stream_text, server, text, n)
+            for bad, limit in [("", "must not be empty"), ("word " * 80, "max model length 64")]:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(server.client.stream(bad, GenerateOptions(max_new_tokens=4)))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert limit in err.value.details()
+            assert valid.result()[0] == hf_outputs[text]
+    finally:
+        assert server.stop() == 0
