@@ -43,6 +43,7 @@ class SamplingParams:
     length_penalty_decay: float = 1.0  # 1 = off
     logprobs: bool = False  # chosen token's logprob and rank
     top_n: int = 0  # alternatives per token (<= 10)
+    prompt_logprobs: bool = False  # logprob/rank/top-n of every prompt token (no prefix cache)
 
     @property
     def greedy(self) -> bool:
@@ -176,6 +177,23 @@ class TokenBatch:
     last: bool = False  # the plan's last batch: postproc reports PlanProcessed after it
 
 
+@dataclass
+class PromptDetail:
+    """Logprobs of prompt tokens [start, start + n) given their prefix, from a prefill.
+
+    Position 0 has no prefix, so the first chunk starts at 1.  Chunked prefill sends several.
+    """
+
+    request_id: int
+    start: int
+    token_ids: np.ndarray  # int32 [n], the prompt tokens these rows score
+    logprobs: np.ndarray  # float32 [n]
+    ranks: np.ndarray  # int32 [n]
+    top_ids: np.ndarray | None = None  # int32 [n, k]
+    top_logprobs: np.ndarray | None = None  # float32 [n, k]
+    last: bool = False  # the whole prompt has been scored
+
+
 # ---------------------------------------------------------------- gpu worker -> scheduler
 
 
@@ -236,6 +254,11 @@ class OutputDelta:
     top_logprobs: list[list[float]] | None = None
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     stop_sequence: str = ""
+    # Input-token detail, once, before the first generated token (when asked).
+    prompt_logprobs: list[float] | None = None  # one per prompt token; NaN for the first
+    prompt_ranks: list[int] | None = None
+    prompt_top_texts: list[list[str]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
 
 @dataclass
@@ -274,6 +297,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ContinueRequest,
     StepPlan,
     TokenBatch,
+    PromptDetail,
     StepDone,
     WorkerReady,
     StopHit,
