@@ -15,6 +15,7 @@ from proto.config import ServerConfig
 from proto.messages import (FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
                             Ready, RegisterRequest, Shutdown, StopHit, TokenBatch)
 from rpc.channels import Receiver, Sender
+from rpc.shm_ring import RingClosed
 from rpc.token_channel import open_reader
 from rpc.tokenizer import Tokenizer
 
@@ -113,7 +114,10 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
                     return
                 handle(msg)
             if ring is not None:
-                batch = ring.get(timeout=0.05)
+                try:
+                    batch = ring.get(timeout=0.05)
+                except RingClosed:  # the gpu worker exited cleanly: so do we
+                    return
                 if batch is not None:
                     handle(batch)
             else:

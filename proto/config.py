@@ -55,7 +55,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_postproc_workers: int = 2
-    shm_ring: bool = False  # token batches over shared memory (else ZeroMQ)
+    shm_ring: bool = True  # token batches over shared memory (else ZeroMQ)
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: float = 0.0  # GiB; 0: a default that fits max_num_seqs full sequences
