@@ -180,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 
+    from postproc_worker import bench as bench_postproc
+
+    p = bench.add_parser("postproc", help="postproc tokens/s next to decode tokens/s")
+    bench_postproc.add_arguments(p)
+    p.set_defaults(func=bench_postproc.main)
+
     p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_ipc)
