@@ -131,10 +131,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", nargs="?", help="output folder (default: the cache folder)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="default")
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument("--if-missing", action="store_true",
+                   help="do nothing when DIR already holds a model (container first start)")
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.dir:
+    if args.dir and args.if_missing and (Path(args.dir) / "config.json").exists():
+        log.info("%s already holds a model", args.dir)
+    elif args.dir:
         build_tiny_model(args.dir, args.preset, args.seed)
     else:
         print(ensure_default_model(args.preset))

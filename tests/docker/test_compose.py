@@ -1,0 +1,56 @@
+"""The compose files: valid for `docker compose`, and every command parses with our CLI."""
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from rpc.cli import build_parser
+
+DOCKER = pathlib.Path(__file__).resolve().parents[2] / "docker"
+
+
+def compose_services() -> dict[str, dict]:
+    data = yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+    return data["services"]
+
+
+def test_every_service_command_parses_with_the_cli() -> None:
+    parser = build_parser()
+    services = compose_services()
+    assert {"frontend", "scheduler", "gpu-worker", "postproc-0", "tandem"} <= set(services)
+    for name, svc in services.items():
+        args = parser.parse_args([str(a) for a in svc["command"]])
+        assert callable(args.func), name
+    gpu = yaml.safe_load((DOCKER / "docker-compose.gpu.yml").read_text())["services"]
+    for name, svc in gpu.items():
+        parser.parse_args([str(a) for a in svc["command"]])
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"], name
+
+
+def test_postproc_addresses_match_the_services() -> None:
+    services = compose_services()
+    env = services["frontend"]["environment"]
+    addrs = env["TANDEM_POSTPROC_ADDRS"].split(",")
+    workers = sorted(n for n in services if n.startswith("postproc-"))
+    assert len(addrs) == len(workers) == int(env["TANDEM_NUM_POSTPROC_WORKERS"])
+    for i, (addr, name) in enumerate(zip(addrs, workers)):
+        assert addr.startswith(f"tcp://{name}:")
+        assert services[name]["command"][-1] == str(i)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_compose_check_rejects_an_invalid_file(tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text("services:\n  x:\n    image: 3\n    ports: [not-a-port-spec:::]\n")
+    root = DOCKER.parent
+    ok = subprocess.run(["make", "-s", "compose-check"], cwd=root, capture_output=True,
+                        text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    broken = subprocess.run(["make", "-s", "compose-check", f"COMPOSE_FILES={bad}"], cwd=root,
+                            capture_output=True, text=True)
+    assert broken.returncode != 0
