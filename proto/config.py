@@ -24,6 +24,9 @@ class Addresses:
     ring_name: str = ""  # empty: no ring, use token_pub
     ring_doorbell: str = ""
     ring_side: str = ""
+    # The launcher's own inbox for supervision reports (a hung worker), apart from the
+    # request traffic of the frontend inbox.
+    supervisor: str = ""
 
     @classmethod
     def local(cls, run_dir: str, tag: str, num_postproc: int, use_ring: bool) -> "Addresses":
@@ -39,6 +42,7 @@ class Addresses:
             ring_name=f"tandem_{tag}_tokens" if use_ring else "",
             ring_doorbell=ipc("ring-doorbell") if use_ring else "",
             ring_side=ipc("ring-side") if use_ring else "",
+            supervisor=ipc("supervisor"),
         )
 
 
@@ -67,12 +71,20 @@ class ServerConfig:
     include_stop_sequence: bool = True  # default when a request leaves it unset
     torch_threads: int = 0  # 0: all cores the worker may use
     shutdown_timeout: float = 30.0
-    step_timeout: float = 300.0
+    step_timeout: float = 300.0  # a plan unfinished this long means a hung gpu worker
     metrics_port: int = 0
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
+    # Fault injection for tests (`rpc.faults`; from TANDEM_FAULT); empty in production.
+    fault: str = ""
+    # The launcher's private folder (sockets, config); children remove it if the launcher
+    # dies without doing so.
+    run_dir: str = ""
+    # Roles started one by one (`tandem run-role` with peer addresses, e.g. one container
+    # each): no launcher watches the processes, so they watch each other by heartbeats.
+    standalone: bool = False
     addresses: Addresses = field(default_factory=lambda: Addresses("", "", "", (), ""))
 
     def to_json(self) -> str:

@@ -1,13 +1,40 @@
-"""What every child process does first: name itself, die with its parent, log with its role."""
+"""What every child process does first: name itself, die with its parent, log with its role.
+
+Failure contract, child side (DESIGN.md section 5):
+- SIGTERM becomes SystemExit, so `finally` blocks close sockets and unlink shm segments.
+- The launcher's death, even by SIGKILL, sends SIGTERM (PR_SET_PDEATHSIG); a thread also
+  watches the parent, and forces the exit when the main thread is stuck in a C call that
+  never returns to the interpreter.  An orphaned child removes the launcher's run folder
+  and the shm segments itself, since no one else is left to do it.
+- A child dying of an exception tells the launcher why (`report_failure`), before the exits
+  it causes in its peers (postproc workers leave when the gpu worker closes the ring) can
+  be mistaken for the cause.
+- SIGUSR1 dumps every thread's stack to stderr (the launcher's log), which the launcher
+  asks for before it gives up on a hung worker.
+"""
 from __future__ import annotations
 
+import atexit
 import ctypes
+import faulthandler
 import logging
 import os
+import shutil
 import signal
 import sys
+import threading
+import time
+
+from proto.config import ServerConfig
+from proto.messages import ProcessFailed, WorkerHung
+
+log = logging.getLogger("tandem.process")
 
 _PR_SET_PDEATHSIG = 1
+# How long an orphan's SIGTERM path may take before the watcher thread exits hard; long
+# enough for a worker to finish the torch op it is in and run its `finally` blocks.
+ORPHAN_GRACE_S = 3.0
+PARENT_POLL_S = 0.5
 
 
 def set_title(title: str) -> None:
@@ -39,15 +66,138 @@ def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit so `finally` blocks close sockets and unlink segments."""
 
     def handler(signum: int, frame: object) -> None:
+        # Once: a second SIGTERM (PDEATHSIG plus the launcher's, say) must not cut short
+        # the `finally` blocks the first one started.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what Ctrl-C means
 
 
-def init_child(role: str, level: str, parent_pid: int | None) -> None:
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 writes every Python thread's stack to stderr, even mid C call (no GIL needed)."""
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+
+def remove_run_files(run_dir: str, segments: tuple[str, ...]) -> None:
+    """Remove the launcher's run folder and shm segments (idempotent, never raises)."""
+    # Only a folder the launcher made: a hand-written config must not make us delete others.
+    if run_dir and os.path.basename(run_dir.rstrip("/")).startswith("tandem-"):
+        shutil.rmtree(run_dir, ignore_errors=True)
+    for name in segments:
+        if not name:
+            continue
+        try:
+            from rpc.shm_ring import unlink_segment
+
+            unlink_segment(name)
+        except Exception as exc:  # an exit path: report, never mask the real exit reason
+            log.warning("could not unlink shm segment %s: %s", name, exc)
+
+
+def orphaned(parent_pid: int) -> bool:
+    return os.getppid() != parent_pid
+
+
+def _cleanup_if_orphaned(parent_pid: int, run_dir: str, segments: tuple[str, ...]) -> None:
+    if orphaned(parent_pid):  # else the launcher is alive and removes them after we exit
+        remove_run_files(run_dir, segments)
+
+
+def _watch_parent(parent_pid: int, run_dir: str, segments: tuple[str, ...]) -> None:
+    while not orphaned(parent_pid):
+        time.sleep(PARENT_POLL_S)
+    # PDEATHSIG has delivered SIGTERM already (Linux); elsewhere this is the only notice.
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+    except OSError:
+        pass
+    time.sleep(ORPHAN_GRACE_S)
+    # Still here: the main thread is stuck where SystemExit cannot reach it.
+    log.error("launcher (pid %d) died and this process did not exit within %.0f s; "
+              "exiting hard", parent_pid, ORPHAN_GRACE_S)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    remove_run_files(run_dir, segments)
+    os._exit(1)
+
+
+def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
+    """Send `ProcessFailed` to the launcher's supervision inbox; best effort, never raises."""
+    if not cfg.addresses.supervisor:
+        return
+    try:
+        import zmq
+
+        from proto import codec
+        from rpc.shm_ring import RingReaderDied, RingWriterDied
+
+        msg = ProcessFailed(role, os.getpid(), f"{type(exc).__name__}: {exc}"[:300],
+                            peer_died=isinstance(exc, (RingReaderDied, RingWriterDied)))
+        # A private context: term() below returns once the message is out (or after the
+        # linger), where the shared one would drop it at interpreter exit.
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.connect(cfg.addresses.supervisor)
+        if sock.poll(500, zmq.POLLOUT):
+            sock.send_multipart(codec.encode(msg))
+        sock.close()
+        ctx.term()
+    except Exception as err:  # the original exception is what matters
+        log.warning("could not report the failure to the launcher: %s", err)
+
+
+def init_child(role: str, cfg: ServerConfig, parent_pid: int | None) -> None:
+    from rpc import faults
+
     set_title(f"tandem: {role}")
-    setup_logging(role, level)
+    setup_logging(role, cfg.log_level)
     exit_on_sigterm()
+    dump_stacks_on_sigusr1()
+    faults.configure(cfg.fault)
     if parent_pid:
+        segments = (cfg.addresses.ring_name,)
+        atexit.register(_cleanup_if_orphaned, parent_pid, cfg.run_dir, segments)
+        threading.Thread(target=_watch_parent, args=(parent_pid, cfg.run_dir, segments),
+                         name="parent-watch", daemon=True).start()
         die_with_parent(parent_pid)
+
+
+class PlanWatchdog:
+    """Scheduler side of the hang watchdog: has the running plan taken longer than `timeout`?
+
+    The worker runs plans in order, so the oldest unfinished plan has been running since
+    the later of its sending and the previous plan's end: a plan queued behind a slow one
+    is not blamed for it.  It reports once; the launcher then ends the server.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._sent: dict[int, float] = {}  # plan id -> time sent, in plan order
+        self._head_since = 0.0
+        self.reported = False
+
+    def sent(self, plan_id: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if not self._sent:
+            self._head_since = now
+        self._sent[plan_id] = now
+
+    def done(self, plan_id: int, now: float | None = None) -> None:
+        if plan_id not in self._sent:
+            return
+        for older in [p for p in self._sent if p <= plan_id]:  # plans end in order
+            del self._sent[older]
+        self._head_since = time.monotonic() if now is None else now
+
+    def check(self, now: float | None = None) -> WorkerHung | None:
+        if self.reported or not self._sent or self.timeout <= 0:
+            return None
+        now = time.monotonic() if now is None else now
+        head, sent = next(iter(self._sent.items()))
+        running = now - max(self._head_since, sent)
+        if running < self.timeout:
+            return None
+        self.reported = True
+        return WorkerHung(head, running)

@@ -7,10 +7,13 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
-from rpc.client import TandemClient
+import grpc
+
+from rpc.client import GenerateOptions, TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,6 +45,14 @@ def tree_pids(root: int) -> set[int]:
     return out
 
 
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -61,7 +72,7 @@ class Server:
         self.client = TandemClient(f"127.0.0.1:{self.port}")
         self.children: set[int] = set()
 
-    def wait_ready(self, timeout: float = 120.0) -> "Server":
+    def wait_ready(self, timeout: float = 120.0) -> Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -85,14 +96,33 @@ class Server:
             raise
         return int(self.proc.returncode)
 
+    def role_pids(self) -> dict[str, int]:
+        """Child pids by role ("scheduler", "gpu-worker", "postproc 0", ...), from titles."""
+        out = {}
+        for pid in self.children:
+            args = cmdline(pid)
+            if args and args[0].startswith("tandem: "):
+                out[args[0][len("tandem: "):].strip()] = pid
+        return out
+
+    def log(self, timeout: float = 10.0) -> str:
+        """Everything the server wrote to stderr (waits for it to exit)."""
+        self.proc.wait(timeout)
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
     def leftovers(self) -> list[str]:
         """Processes, shm segments and socket folders of this server still around."""
         out = [f"pid {p}" for p in self.children if alive(p)]
         tag = f"tandem_{self.proc.pid}_"
         out += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(tag)]
         tmp = tempfile.gettempdir()
-        out += [os.path.join(tmp, n) for n in os.listdir(tmp)
-                if n.startswith(f"tandem-{self.proc.pid}-")]
+        run_dir = f"tandem-{self.proc.pid}-"
+        out += [os.path.join(tmp, n) for n in os.listdir(tmp) if n.startswith(run_dir)]
+        # A child started after wait_ready() took its snapshot: its --config-file names the
+        # run folder.
+        out += [f"pid {e} ({' '.join(cmdline(int(e))[:3])})" for e in os.listdir("/proc")
+                if e.isdigit() and int(e) not in self.children and alive(int(e))
+                and any(run_dir in a for a in cmdline(int(e)))]
         return out
 
 
@@ -102,3 +132,42 @@ def running(model: str, *flags: str) -> Iterator[Server]:
         yield server
     finally:
         server.stop()
+
+
+class Stream:
+    """One GenerateStream read on its own thread; records how and when (wall clock) it ended."""
+
+    def __init__(self, server: Server, text: str, max_new_tokens: int) -> None:
+        self.opts = self.options(max_new_tokens)
+        self.text = text
+        self.client = server.client
+        self.first_token = threading.Event()
+        self.tokens = 0
+        self.stop_reason = -1
+        self.code: grpc.StatusCode | None = None  # None: ended normally
+        self.details = ""
+        self.ended_at = 0.0  # time.time(), comparable with other processes' log stamps
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def options(max_new_tokens: int) -> GenerateOptions:
+        """Exactly `max_new_tokens` greedy tokens (EOS does not end it early)."""
+        return GenerateOptions(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens)
+
+    def _run(self) -> None:
+        try:
+            for resp in self.client.stream(self.text, self.opts):
+                if resp.generated_token_count:
+                    self.tokens = resp.generated_token_count
+                    self.first_token.set()
+                self.stop_reason = resp.stop_reason
+        except grpc.RpcError as exc:
+            self.code, self.details = exc.code(), exc.details() or ""
+        finally:
+            self.ended_at = time.time()
+            self.first_token.set()  # an early end releases waiters too
+
+    def join(self, timeout: float) -> bool:
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
