@@ -10,14 +10,18 @@ from __future__ import annotations
 import logging
 import time
 
-from postproc_worker.output import RequestOutput, RowDetail, row_detail
+from postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
 from proto.config import ServerConfig
-from proto.messages import (FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
-                            Ready, RegisterRequest, Shutdown, StopHit, TokenBatch)
+from proto.messages import (Heartbeat, FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
+                            PromptDetail, Ready, RegisterRequest, Shutdown, StopHit,
+                            TokenBatch)
+from rpc import faults
 from rpc.channels import Receiver, Sender
+from rpc.peers import role_watch
 from rpc.shm_ring import RingClosed
-from rpc.token_channel import open_reader
+from rpc.token_channel import open_reader, owner
 from rpc.tokenizer import Tokenizer
+from rpc.tracing import TRACER
 
 log = logging.getLogger("tandem.postproc")
 
@@ -33,13 +37,42 @@ class Postprocessor:
         self.index = index
         self.requests: dict[int, RequestOutput] = {}
         self.finished: dict[int, float] = {}  # late tokens of these are discarded
-        self.pending: dict[int, tuple[float, list[tuple[int, FinishReason, RowDetail]]]] = {}
+        # Tokens and prompt detail that came before their registration, in arrival order.
+        self.pending: dict[int, tuple[float, list[Row | PromptDetail]]] = {}
 
     def register(self, msg: RegisterRequest) -> list[OutputDelta]:
         req = RequestOutput(msg, self.tok)
         self.requests[msg.request_id] = req
         _, early = self.pending.pop(msg.request_id, (0.0, []))
-        return [self._add(req, *row) for row in early if not req.done]
+        deltas: list[OutputDelta] = []
+        for item in early:
+            if isinstance(item, PromptDetail):
+                deltas += self.on_prompt_detail(item)
+            elif not req.done:
+                deltas += self._route(req, item)
+        return deltas
+
+    def on_prompt_detail(self, msg: PromptDetail) -> list[OutputDelta]:
+        """A chunk of prompt logprobs; its last one releases the tokens that waited for it."""
+        rid = msg.request_id
+        if rid in self.finished:
+            return []
+        req = self.requests.get(rid)
+        if req is None:  # registration still in flight: keep it, in order with the tokens
+            self.pending.setdefault(rid, (time.monotonic(), []))[1].append(msg)
+            return []
+        req.add_prompt_detail(msg)
+        if req.awaiting_prompt or not req.held:
+            return []
+        rows, req.held = req.held, []
+        return [self._add(req, *row) for row in rows if not req.done]
+
+    def _route(self, req: RequestOutput, row: Row) -> list[OutputDelta]:
+        # The first delta carries the whole input detail, so it waits for the last chunk.
+        if req.awaiting_prompt:
+            req.held.append(row)
+            return []
+        return [self._add(req, *row)]
 
     def forget(self, request_id: int) -> None:
         self.requests.pop(request_id, None)
@@ -57,7 +90,7 @@ class Postprocessor:
             if req is None:  # registration still in flight: keep the token for it
                 self.pending.setdefault(rid, (time.monotonic(), []))[1].append(row)
                 continue
-            deltas.append(self._add(req, *row))
+            deltas += self._route(req, row)
         return deltas
 
     def _add(self, req: RequestOutput, tok: int, finish: FinishReason,
@@ -84,6 +117,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     ring = open_reader(addr, index)
     proc = Postprocessor(Tokenizer.from_dir(cfg.model), index)
     last_expire = time.monotonic()
+    busy: dict[int, float] = {}  # plan id -> seconds spent on its batches so far
 
     def send(deltas: list[OutputDelta]) -> None:
         for d in deltas:  # stop hits first: the scheduler should drop these soonest
@@ -94,9 +128,19 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
 
     def handle(msg: object) -> None:
         if isinstance(msg, TokenBatch):
-            send(proc.on_batch(msg))
+            faults.maybe_fire(f"postproc{index}", msg.plan_id)  # tests only; no-op otherwise
+            t0 = time.perf_counter()
+            with TRACER.span("detokenize", msg.plan_id, msg.step):
+                deltas = proc.on_batch(msg)
+            with TRACER.span("send", msg.plan_id, msg.step):
+                send(deltas)
+            busy[msg.plan_id] = busy.get(msg.plan_id, 0.0) + time.perf_counter() - t0
             if msg.last:
-                to_scheduler.put(PlanProcessed(msg.plan_id, index))
+                to_scheduler.put(PlanProcessed(msg.plan_id, index, busy.pop(msg.plan_id)))
+        elif isinstance(msg, PromptDetail):
+            # Over the ring every reader sees every message; only the owner keeps it.
+            if owner(msg.request_id, len(addr.postproc_inboxes)) == index:
+                send(proc.on_prompt_detail(msg))
         elif isinstance(msg, RegisterRequest):
             send(proc.register(msg))
         elif isinstance(msg, ForgetRequest):
@@ -106,12 +150,19 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
 
     to_frontend.put(Ready("postproc", index))
     log.info("ready (worker %d of %d)", index, len(addr.postproc_inboxes))
+    peers = role_watch(cfg, "postproc", index)
     try:
         while True:
+            if peers is not None:
+                peers.check()  # on its own (a container): lose the frontend, exit non-zero
             # Registrations first: they must be known before the tokens they precede.
             for msg in inbox.drain():
                 if isinstance(msg, Shutdown):
                     return
+                if isinstance(msg, Heartbeat):
+                    if peers is not None:
+                        peers.seen(msg)
+                    continue
                 handle(msg)
             if ring is not None:
                 try:
@@ -124,7 +175,10 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
                 msg = inbox.get(timeout=0.5)
                 if isinstance(msg, Shutdown):
                     return
-                if msg is not None:
+                if isinstance(msg, Heartbeat):
+                    if peers is not None:
+                        peers.seen(msg)
+                elif msg is not None:
                     handle(msg)
             now = time.monotonic()
             if now - last_expire > 1.0:

@@ -235,6 +235,7 @@ class StopHit:
 class PlanProcessed:
     plan_id: int
     worker_index: int
+    busy_s: float = 0.0  # time this worker spent on the plan's batches (metrics)
 
 
 # ---------------------------------------------------------------- postproc -> frontend
@@ -284,6 +285,60 @@ class Ready:
     index: int = 0
 
 
+@dataclass
+class WorkerHung:
+    """Scheduler -> launcher: plan `plan_id` has been running `seconds`, past step_timeout."""
+
+    plan_id: int
+    seconds: float
+    role: str = "gpu-worker"
+
+
+@dataclass
+class ProcessFailed:
+    """A child -> launcher: this process is dying of an exception (sent as it unwinds)."""
+
+    role: str
+    pid: int
+    error: str  # "ExceptionType: message", shortened
+    peer_died: bool = False  # the error says another process died: a consequence, not a cause
+
+
+# ---------------------------------------------------------------- scheduler -> frontend (admin)
+
+
+@dataclass
+class EngineStats:
+    """The scheduler's counters for the frontend's read-only admin service.
+
+    Sent when they changed, at most every 0.2 s; the frontend keeps the latest.
+    """
+
+    num_free_blocks: int  # free plus evictable cached blocks
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    tokens_delivered: int
+    tokens_after_finish: int
+    # Time accounting since start, for the device-idle share and per-plan costs.
+    uptime_s: float = 0.0
+    num_plans: int = 0
+    worker_busy_s: float = 0.0  # sum of the gpu worker's plan wall times
+    forward_s: float = 0.0  # sum of the plans' forward (prefill + decode) times
+    postproc_busy_s: float = 0.0  # per postproc worker, averaged over the workers
+
+
+@dataclass
+class Heartbeat:
+    """Roles started on their own (one container each) prove they are alive with these."""
+
+    role: str
+    index: int = 0
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingParams,
     OutputOptions,
@@ -306,4 +361,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     OutputBatch,
     Shutdown,
     Ready,
+    WorkerHung,  # appended: indices of the types above must not move
+    EngineStats,
+    ProcessFailed,
+    Heartbeat,
 )

@@ -1,12 +1,13 @@
 """A small Python client for `fmaas.GenerationService`, used by the CLI, tests and benchmarks."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 
@@ -88,6 +89,7 @@ class TandemClient:
         self.channel = channel or make_channel(target, **tls)
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.admin = admin_pb2_grpc.AdminStub(self.channel)
 
     def stream(self, text: str, opts: GenerateOptions | None = None,
                metadata: list[tuple[str, str]] | None = None,
@@ -97,11 +99,13 @@ class TandemClient:
         return self.stub.GenerateStream(req, metadata=metadata, timeout=timeout)
 
     def generate(self, texts: list[str], opts: GenerateOptions | None = None,
-                 timeout: float | None = None) -> list[pb.GenerationResponse]:
+                 timeout: float | None = None,
+                 metadata: list[tuple[str, str]] | None = None) -> list[pb.GenerationResponse]:
+        """One batched Generate call; the responses come in the order of `texts`."""
         req = pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=t) for t in texts],
             params=(opts or GenerateOptions()).to_proto())
-        return list(self.stub.Generate(req, timeout=timeout).responses)
+        return list(self.stub.Generate(req, timeout=timeout, metadata=metadata).responses)
 
     def tokenize(self, texts: list[str], tokens: bool = True, offsets: bool = False,
                  truncate: int = 0) -> list[pb.TokenizeResponse]:
@@ -112,6 +116,10 @@ class TandemClient:
 
     def model_info(self) -> pb.ModelInfoResponse:
         return self.stub.ModelInfo(pb.ModelInfoRequest())
+
+    def stats(self, timeout: float = 5.0) -> admin_pb2.StatsResponse:
+        """The server's latest scheduler counters (KV blocks, queues), from `tandem.admin`."""
+        return self.admin.Stats(admin_pb2.StatsRequest(), timeout=timeout)
 
     def is_serving(self, service: str = SERVICE_NAME, timeout: float = 2.0) -> bool:
         try:

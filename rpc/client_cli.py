@@ -80,7 +80,7 @@ def generate_main(args: argparse.Namespace) -> int:
     meta = [("x-correlation-id", args.correlation_id)] if args.correlation_id else None
     try:
         if args.no_stream or len(args.prompt) > 1:
-            for resp in client.generate(args.prompt, opts):
+            for resp in client.generate(args.prompt, opts, metadata=meta):
                 if args.json:
                     _dump(resp)
                 else:

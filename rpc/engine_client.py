@@ -12,15 +12,29 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import numpy as np
 
 from proto.config import ServerConfig
-from proto.messages import (AbortRequest, AddRequest, FinishReason, ForgetRequest, OutputBatch,
-                            OutputDelta, OutputOptions, Ready, RegisterRequest, RequestFailed,
-                            RequestRejected, SamplingParams, WorkerReady)
+from proto.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Heartbeat,
+    FinishReason,
+    ForgetRequest,
+    OutputBatch,
+    OutputDelta,
+    OutputOptions,
+    Ready,
+    RegisterRequest,
+    RequestFailed,
+    RequestRejected,
+    SamplingParams,
+    WorkerReady,
+)
 from rpc.channels import AsyncReceiver, Sender
 from rpc.token_channel import owner
 
@@ -55,6 +69,8 @@ class EngineClient:
         self._ready_postproc: set[int] = set()
         self.ready = asyncio.Event()
         self.dead: str | None = None  # set when a process of the engine died
+        self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
+        self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -78,6 +94,11 @@ class EngineClient:
             elif isinstance(msg, Ready):
                 self._ready_postproc.add(msg.index)
                 self._check_ready()
+            elif isinstance(msg, Heartbeat):
+                if self.on_heartbeat is not None:
+                    self.on_heartbeat(msg)
+            elif isinstance(msg, EngineStats):
+                self.stats = msg
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -87,8 +108,34 @@ class EngineClient:
 
     def _route(self, rid: int, item: object) -> None:
         stream = self._streams.get(rid)
-        if stream is not None:
-            stream.queue.put_nowait(item)
+        if stream is None:
+            return
+        # Bounded memory (supervision, issue G): a client that reads slower than tokens come
+        # must not grow this queue by a delta per token.  Past a backlog, a delta folds into
+        # the last one still waiting: fewer, longer deltas, nothing lost.
+        queue = stream.queue
+        if isinstance(item, OutputDelta) and queue.qsize() >= 16:
+            last = queue._queue[-1]  # type: ignore[attr-defined]  # asyncio.Queue's deque
+            lists = ("token_ids", "token_texts", "logprobs", "ranks", "top_ids", "top_texts",
+                     "top_logprobs")
+            prompt = (item.prompt_logprobs, item.prompt_ranks, item.prompt_top_texts,
+                      item.prompt_top_logprobs)
+
+            def compatible(f: str) -> bool:  # both absent, or both plain lists to extend
+                a, b = getattr(last, f), getattr(item, f)
+                return (a is None and b is None) or (isinstance(a, list) and isinstance(b, list))
+
+            if (isinstance(last, OutputDelta) and last.finish_reason == FinishReason.NOT_FINISHED
+                    and all(p is None for p in prompt) and all(compatible(f) for f in lists)):
+                last.text += item.text
+                for f in lists:
+                    if getattr(item, f) is not None:
+                        getattr(last, f).extend(getattr(item, f))
+                if item.num_generated >= 0:
+                    last.num_generated = item.num_generated
+                last.finish_reason, last.stop_sequence = item.finish_reason, item.stop_sequence
+                return
+        queue.put_nowait(item)
 
     def fail_all(self, message: str) -> None:
         """A process died: every open stream ends with UNAVAILABLE."""
@@ -97,11 +144,12 @@ class EngineClient:
             stream.queue.put_nowait(EngineError("UNAVAILABLE", message))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
-                       options: OutputOptions,
-                       deadline: float | None = None) -> AsyncIterator[OutputDelta]:
+                       options: OutputOptions, deadline: float | None = None,
+                       name: str = "") -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
+        `name` (the client's correlation id) tags our log lines about the request.
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
@@ -124,9 +172,11 @@ class EngineClient:
                 if isinstance(item, RequestRejected):  # the postproc side still forgets it
                     raise EngineError("RESOURCE_EXHAUSTED", item.message)
                 if isinstance(item, RequestFailed):  # e.g. outgrew the KV cache: TOKEN_LIMIT
-                    log.warning("request %d ended by the scheduler: %s", rid, item.message)
+                    log.warning("[%s] request %d ended by the scheduler: %s", name or "-", rid,
+                                item.message)
                     yield OutputDelta(rid, "", -1, finish_reason=item.reason)
                     return
+                assert isinstance(item, OutputDelta), type(item)
                 ended_by_engine = item.finish_reason != FinishReason.NOT_FINISHED
                 yield item
                 if ended_by_engine:

@@ -1,31 +1,85 @@
-"""The gRPC `fmaas.GenerationService`: validate, tokenize, submit, stream the deltas back."""
+"""The gRPC `fmaas.GenerationService`: validate, tokenize, submit, stream the deltas back.
+
+Also the read-only `tandem.admin.Admin` service (the scheduler's latest counters).  Every log
+line about a request carries its `x-correlation-id` (or a frontend-made tag when absent).
+"""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
+from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import grpc
 
+from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
 from rpc.engine_client import EngineClient, EngineError
 from rpc.tokenizer import Tokenizer
-from rpc.validation import (Limits, Request, UnsupportedError, ValidationError, check_prompt,
-                            validate_params)
+from rpc.validation import (
+    Limits,
+    Request,
+    UnsupportedError,
+    ValidationError,
+    check_prompt,
+    check_unsupported,
+    validate_params,
+)
 
 log = logging.getLogger("tandem.frontend")
 
 SERVICE_NAME = "fmaas.GenerationService"
+ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+
+# Longer texts are tokenized on a worker thread: a multi-megabyte prompt would otherwise stall
+# the event loop, and with it every other stream, for the whole encode.
+THREAD_ENCODE_CHARS = 64 << 10
+
+_anonymous = itertools.count(1)
+
+
+class RequestLog(logging.LoggerAdapter):
+    """Prefixes every line with the request's correlation id (also a record attribute)."""
+
+    def __init__(self, logger: logging.Logger, cid: str) -> None:
+        super().__init__(logger, {"correlation_id": cid})
+        self.cid = cid
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
+        assert self.extra is not None
+        kwargs.setdefault("extra", {}).update(self.extra)
+        return f"[{self.extra['correlation_id']}] {msg}", kwargs
 
 
 def _correlation_id(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
-        if key == "x-correlation-id":
+        if key == "x-correlation-id" and value:
             return str(value)
-    return "-"
+    # Without one, a tag of our own still tells concurrent requests apart in the log.
+    return f"anon-{next(_anonymous)}"
+
+
+def _request_log(context: grpc.aio.ServicerContext) -> RequestLog:
+    return RequestLog(log, _correlation_id(context))
+
+
+@dataclass
+class _Prepared:
+    """One validated, tokenized prompt, ready to submit."""
+
+    req: Request
+    text: str
+    ids: list[int]
+    deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
+
+
+def _stop_reason(reason: FinishReason) -> pb.StopReason:
+    return cast(pb.StopReason, int(reason))  # the numbers are the same by construction
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -45,30 +99,68 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ helpers
 
+    async def _encode(self, text: str) -> list[int]:
+        if len(text) > THREAD_ENCODE_CHARS:
+            return await asyncio.to_thread(self.tok.encode, text)
+        return self.tok.encode(text)
+
+    async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
+                               rlog: RequestLog) -> None:
+        try:
+            check_unsupported(request)
+        except UnsupportedError as exc:
+            rlog.info("rejected: UNIMPLEMENTED: %s", exc)
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+
     async def _prepare(self, text: str, params: pb.Parameters,
-                       context: grpc.aio.ServicerContext, field: str) -> tuple[Request, list[int]]:
+                       context: grpc.aio.ServicerContext, field: str, arrived: float,
+                       rlog: RequestLog) -> _Prepared:
         limits = await self._ready_limits(context)
         try:
             req = validate_params(params, limits)
             if not text:  # the tokenizer would still give [BOS]
                 raise ValidationError(field, "must not be empty")
-            ids = self.tok.encode(text)
+            ids = await self._encode(text)
             if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
                 ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
             check_prompt(len(ids), req.sampling.min_new_tokens, limits, field)
         except ValidationError as exc:
+            rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except UnsupportedError as exc:
+            rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
-        return req, ids
+        deadline = arrived + req.time_limit if req.time_limit else None
+        return _Prepared(req, text, ids, deadline)
 
-    def _input_details(self, req: Request, text: str, ids: list[int],
+    def _input_details(self, p: _Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
-        resp.input_token_count = len(ids)
+        """input_token_count, and the input text / input tokens when asked.
+
+        The prompt's logprobs, ranks and alternatives come on the request's first delta
+        (from the postproc worker, out of the gpu worker's prefill); position 0 has none.
+        """
+        req = p.req
+        resp.input_token_count = len(p.ids)
         if req.input_text:
-            resp.text = text
-        if req.input_tokens:
-            resp.input_tokens.extend(pb.TokenInfo(text=self.tok.id_to_token(i)) for i in ids)
+            resp.text = p.text
+        if not req.input_tokens:
+            return
+        lps = first.prompt_logprobs if first is not None else None
+        ranks = first.prompt_ranks if first is not None else None
+        top_texts = first.prompt_top_texts if first is not None else None
+        top_lps = first.prompt_top_logprobs if first is not None else None
+        for j, token_id in enumerate(p.ids):
+            info = resp.input_tokens.add(text=self.tok.id_to_token(token_id))
+            if req.input_logprobs and lps is not None and j < len(lps):
+                info.logprob = lps[j]
+            if req.input_ranks and ranks is not None and j < len(ranks):
+                info.rank = ranks[j]
+            if req.input_top_n and top_texts is not None and top_lps is not None \
+                    and j < len(top_texts):
+                for text, lp in list(zip(top_texts[j], top_lps[j], strict=True))[
+                        :req.input_top_n]:
+                    info.top_tokens.add(text=text, logprob=lp)
 
     @staticmethod
     def _token_infos(d: OutputDelta) -> list[pb.TokenInfo]:
@@ -82,95 +174,130 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             if d.ranks is not None:
                 info.rank = d.ranks[j]
             if d.top_texts is not None and d.top_logprobs is not None:
-                info.top_tokens.extend(pb.TokenInfo.TopToken(text=t, logprob=lp)
-                                       for t, lp in zip(d.top_texts[j], d.top_logprobs[j]))
+                info.top_tokens.extend(
+                    pb.TokenInfo.TopToken(text=t, logprob=lp)
+                    for t, lp in zip(d.top_texts[j], d.top_logprobs[j], strict=True))
             out.append(info)
         return out
 
-    async def _run(self, req: Request, ids: list[int], context: grpc.aio.ServicerContext,
-                   cid: str) -> AsyncIterator[OutputDelta]:
-        deadline = time.monotonic() + req.time_limit if req.time_limit else None
-        try:
-            async for d in self.engine.generate(ids, req.sampling, req.options, deadline):
-                yield d
-        except EngineError as exc:
-            log.warning("request %s failed: %s", cid, exc)
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
+        return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
+                                    name=rlog.cid)
+
+    @staticmethod
+    async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
+                                  exc: EngineError) -> None:
+        rlog.warning("failed: %s: %s", exc.code, exc)
+        await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
     # ------------------------------------------------------------------ RPCs
 
     async def GenerateStream(self, request: pb.SingleGenerationRequest,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[pb.GenerationResponse]:
-        cid = _correlation_id(context)
-        text = request.request.text
-        req, ids = await self._prepare(text, request.params, context, "request.text")
-        log.info("stream %s: %d prompt tokens, max_new_tokens %d", cid, len(ids),
-                 req.sampling.max_new_tokens)
+        arrived = time.monotonic()
+        rlog = _request_log(context)
+        await self._check_supported(request, context, rlog)
+        p = await self._prepare(request.request.text, request.params, context, "request.text",
+                                arrived, rlog)
+        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
+                  p.req.sampling.max_new_tokens,
+                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
         generated = 0
         first = True
-        async for d in self._run(req, ids, context, cid):
-            if first:  # only now: a rejection must come before any response
-                head = pb.GenerationResponse()
-                self._input_details(req, text, ids, head)
-                yield head
-                first = False
-            generated = d.num_generated if d.num_generated >= 0 else generated
-            resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
-                                         stop_reason=int(d.finish_reason),
-                                         stop_sequence=d.stop_sequence)
-            resp.tokens.extend(self._token_infos(d))
-            if d.finish_reason != FinishReason.NOT_FINISHED:
-                resp.seed = req.seed_returned
-            yield resp
+        reason = FinishReason.NOT_FINISHED
+        try:
+            async for d in self._deltas(p, rlog):
+                if first:  # only now: a rejection must come before any response
+                    head = pb.GenerationResponse()
+                    self._input_details(p, d, head)
+                    yield head
+                    first = False
+                generated = d.num_generated if d.num_generated >= 0 else generated
+                reason = d.finish_reason
+                resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
+                                             stop_reason=_stop_reason(reason),
+                                             stop_sequence=d.stop_sequence)
+                resp.tokens.extend(self._token_infos(d))
+                if reason != FinishReason.NOT_FINISHED:
+                    resp.seed = p.req.seed_returned
+                yield resp
+        except EngineError as exc:
+            await self._abort_engine_error(context, rlog, exc)
+        except asyncio.CancelledError:
+            rlog.info("stream cancelled by the client after %d tokens", generated)
+            raise
+        rlog.info("stream done: %d tokens, %s, %.3f s", generated, reason.name,
+                  time.monotonic() - arrived)
 
-    async def _generate_one(self, text: str, params: pb.Parameters,
-                            context: grpc.aio.ServicerContext, cid: str,
-                            index: int) -> pb.GenerationResponse:
-        req, ids = await self._prepare(text, params, context, f"requests[{index}].text")
+    async def _generate_one(self, p: _Prepared, rlog: RequestLog) -> pb.GenerationResponse:
         resp = pb.GenerationResponse()
-        self._input_details(req, text, ids, resp)
-        parts: list[str] = [resp.text] if req.input_text else []
-        async for d in self._run(req, ids, context, cid):
+        parts: list[str] = []
+        first = True
+        async for d in self._deltas(p, rlog):
+            if first:
+                self._input_details(p, d, resp)
+                parts.append(resp.text)  # the input text when asked, else ""
+                first = False
             parts.append(d.text)
             if d.num_generated >= 0:
                 resp.generated_token_count = d.num_generated
             resp.tokens.extend(self._token_infos(d))
-            resp.stop_reason = int(d.finish_reason)
+            resp.stop_reason = _stop_reason(d.finish_reason)
             resp.stop_sequence = d.stop_sequence
         resp.text = "".join(parts)
-        resp.seed = req.seed_returned
+        resp.seed = p.req.seed_returned
         return resp
 
     async def Generate(self, request: pb.BatchedGenerationRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
-        cid = _correlation_id(context)
+        arrived = time.monotonic()
+        rlog = _request_log(context)
+        await self._check_supported(request, context, rlog)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests: must not be empty")
-        # Validate every input before any is submitted, so a bad one wastes no work.
-        for i, r in enumerate(request.requests):
-            await self._prepare(r.text, request.params, context, f"requests[{i}].text")
-        log.info("batch %s: %d requests", cid, len(request.requests))
-        results = await asyncio.gather(*(
-            self._generate_one(r.text, request.params, context, cid, i)
-            for i, r in enumerate(request.requests)))
+        # Every input is validated before any is submitted, so a bad one wastes no work.
+        prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
+                                        arrived, rlog)
+                    for i, r in enumerate(request.requests)]
+        rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
+                  sum(len(p.ids) for p in prepared))
+        tasks = [asyncio.ensure_future(self._generate_one(p, rlog)) for p in prepared]
+        try:
+            # A cancelled call cancels the gather, which cancels (and so aborts) every task.
+            results = await asyncio.gather(*tasks)
+        except EngineError as exc:
+            for t in tasks:  # the others would run on for an answer nobody gets
+                t.cancel()
+            await self._abort_engine_error(context, rlog, exc)
+        except asyncio.CancelledError:
+            rlog.info("batch cancelled by the client")
+            raise
+        rlog.info("batch done: %d tokens, %s, %.3f s",
+                  sum(r.generated_token_count for r in results),
+                  " ".join(pb.StopReason.Name(r.stop_reason) for r in results),
+                  time.monotonic() - arrived)
         return pb.BatchedGenerationResponse(responses=results)
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
+        await self._check_supported(request, context, _request_log(context))
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
-            ids, offsets = self.tok.encode_with_offsets(r.text)
+            if len(r.text) > THREAD_ENCODE_CHARS:
+                ids, offsets = await asyncio.to_thread(self.tok.encode_with_offsets, r.text)
+            else:
+                ids, offsets = self.tok.encode_with_offsets(r.text)
             if request.truncate_input_tokens and len(ids) > request.truncate_input_tokens:
+                # The same end-keeping truncation as generation applies to its prompts.
                 ids = ids[-request.truncate_input_tokens:]
                 offsets = offsets[-request.truncate_input_tokens:]
-            resp = pb.TokenizeResponse(token_count=len(ids))
+            resp = out.responses.add(token_count=len(ids))
             if request.return_tokens:
                 resp.tokens.extend(self.tok.id_to_token(i) for i in ids)
             if request.return_offsets:
                 resp.offsets.extend(pb.TokenizeResponse.Offset(start=s, end=e)
                                     for s, e in offsets)
-            out.responses.append(resp)
         return out
 
     async def ModelInfo(self, request: pb.ModelInfoRequest,
@@ -179,3 +306,23 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
                                     max_sequence_length=limits.max_model_len,
                                     max_new_tokens=limits.max_new_tokens)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    """Read-only: the scheduler's latest counters, as the frontend last received them."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+
+    async def Stats(self, request: admin_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> admin_pb2.StatsResponse:
+        stats = self.engine.stats
+        if stats is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "no statistics yet: the scheduler has not reported")
+        assert stats is not None
+        return admin_pb2.StatsResponse(**asdict(stats))
+
+
+def add_admin_service(server: grpc.aio.Server, engine: EngineClient) -> None:
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(engine), server)

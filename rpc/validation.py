@@ -50,6 +50,10 @@ class Request:
     input_text: bool
     input_tokens: bool
     seed_returned: int  # 0 for greedy
+    # Which parts of the input tokens' TokenInfo to fill from the prompt logprobs.
+    input_logprobs: bool = False
+    input_ranks: bool = False
+    input_top_n: int = 0
 
 
 def _finite(field: str, value: float) -> float:
@@ -58,22 +62,43 @@ def _finite(field: str, value: float) -> float:
     return value
 
 
+def check_unsupported(request: pb.SingleGenerationRequest | pb.BatchedGenerationRequest
+                      | pb.BatchedTokenizeRequest) -> None:
+    """Prompt-tuning prefixes and LoRA adapters: this server has neither."""
+    for name in ("prefix_id", "adapter_id"):
+        value = getattr(request, name)
+        # An explicitly empty id names nothing, so clients that always set the field still work.
+        if request.HasField(name) and value:
+            kind = "prompt-tuning prefixes" if name == "prefix_id" else "adapters"
+            raise UnsupportedError(f"{name}: {kind} are not supported by this server "
+                                   f"(got {value!r}); leave {name} unset")
+
+
 def validate_params(params: pb.Parameters, limits: Limits) -> Request:
-    if params.decoding.WhichOneof("guided"):
-        raise UnsupportedError(
-            f"params.decoding.{params.decoding.WhichOneof('guided')}: guided decoding is not "
-            "supported by this server")
+    guided = params.decoding.WhichOneof("guided")
+    if guided:
+        raise UnsupportedError(f"params.decoding.{guided}: guided decoding is not supported by "
+                               "this server")
     sampling = _sampling(params, limits)
     options = _options(params, limits)
+    r = params.response
+    detail = r.token_logprobs or r.token_ranks or r.top_n_tokens > 0
+    prompt_detail = r.input_tokens and detail
     sampling.logprobs = options.logprobs or options.ranks
-    sampling.top_n = options.top_n
+    # top_n_tokens applies to the input tokens too; the worker computes prompt and generated
+    # alternatives with the same n.
+    sampling.top_n = r.top_n_tokens if (r.generated_tokens or prompt_detail) else 0
+    sampling.prompt_logprobs = prompt_detail
     stopping = params.stopping
     return Request(
         sampling=sampling, options=options,
         time_limit=stopping.time_limit_millis / 1000.0 if stopping.time_limit_millis else None,
         truncate_input_tokens=params.truncate_input_tokens,
-        input_text=params.response.input_text, input_tokens=params.response.input_tokens,
-        seed_returned=0 if sampling.greedy else sampling.seed)
+        input_text=r.input_text, input_tokens=r.input_tokens,
+        seed_returned=0 if sampling.greedy else sampling.seed,
+        input_logprobs=prompt_detail and r.token_logprobs,
+        input_ranks=prompt_detail and r.token_ranks,
+        input_top_n=r.top_n_tokens if prompt_detail else 0)
 
 
 def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
@@ -84,16 +109,17 @@ def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
         temperature = _finite("params.sampling.temperature", s.temperature)
         if temperature < 0:
             raise ValidationError("params.sampling.temperature",
-                                  f"must be >= 0, got {temperature}")
+                                  f"must be >= 0, got {temperature:g}")
     if not sampled:
         temperature = 0.0
     top_p = _finite("params.sampling.top_p", s.top_p)
     if not 0.0 <= top_p <= 1.0:
-        raise ValidationError("params.sampling.top_p", f"must be in [0, 1], got {top_p}")
+        raise ValidationError("params.sampling.top_p", f"must be in [0, 1], got {top_p:g}")
     typical_p = _finite("params.sampling.typical_p", s.typical_p)
     if not 0.0 <= typical_p <= 1.0:
         raise ValidationError("params.sampling.typical_p",
-                              f"must be in [0, 1], got {typical_p}")
+                              f"must be in [0, 1], got {typical_p:g}")
+    # top_k < 0 cannot arrive: the field is a uint32 on the wire.
     if s.top_k > limits.vocab_size:
         raise ValidationError("params.sampling.top_k",
                               f"must be <= the vocabulary size {limits.vocab_size}, "
@@ -101,7 +127,7 @@ def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
     rp = _finite("params.decoding.repetition_penalty", params.decoding.repetition_penalty)
     if rp < 0 or rp > MAX_REPETITION_PENALTY:
         raise ValidationError("params.decoding.repetition_penalty",
-                              f"must be in (0, {MAX_REPETITION_PENALTY}] (0 = unset), got {rp}")
+                              f"must be in (0, {MAX_REPETITION_PENALTY:g}] (0 = unset), got {rp:g}")
     lp_start, lp_decay = 0, 1.0
     if params.decoding.HasField("length_penalty"):
         lp = params.decoding.length_penalty
@@ -109,7 +135,7 @@ def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
         lo, hi = LENGTH_PENALTY_DECAY_RANGE
         if not lo <= lp_decay <= hi:
             raise ValidationError("params.decoding.length_penalty.decay_factor",
-                                  f"must be in [{lo:g}, {hi:g}], got {lp_decay}")
+                                  f"must be in [{lo:g}, {hi:g}], got {lp_decay:g}")
         lp_start = lp.start_index
     max_new, min_new = _lengths(params.stopping, limits)
     seed = s.seed if s.HasField("seed") else random.getrandbits(63)

@@ -8,11 +8,16 @@ plan waits queued at the worker, so the worker never idles while we think.
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass, field
 
 from proto.config import ServerConfig
-from proto.messages import (AbortRequest, AddRequest, PlanProcessed, Shutdown, StepDone,
-                            StopHit, WorkerReady)
+from proto.messages import (AbortRequest, AddRequest, EngineStats, Heartbeat, PlanProcessed,
+                            Shutdown, StepDone, StopHit, WorkerReady)
+from rpc import faults
 from rpc.channels import Receiver, Sender
+from rpc.peers import role_watch
+from rpc.process import PlanWatchdog
 from scheduler.core import Scheduler, SchedulerParams
 
 log = logging.getLogger("tandem.scheduler")
@@ -35,9 +40,19 @@ def run_scheduler(cfg: ServerConfig) -> None:
     to_frontend: Sender = Sender(addr.frontend_inbox)
     sched: Scheduler | None = None
     early: list[object] = []  # requests that came before the worker was ready
+    watchdog = PlanWatchdog(cfg.step_timeout)  # supervision: a plan that never ends
+    to_supervisor: Sender | None = Sender(addr.supervisor) if addr.supervisor else None
+    stats_sent: tuple[float, EngineStats | None] = (0.0, None)
+    times = Timings()
+    peers = role_watch(cfg, "scheduler")
     try:
         while True:
-            msg = inbox.get(timeout=1.0)
+            watch_worker(watchdog, to_supervisor)
+            if sched is not None:  # here, not after planning: an idle wake-up sends too
+                stats_sent = report_stats(sched, times, to_frontend, stats_sent)
+            if peers is not None:
+                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+            msg = inbox.get(timeout=STATS_INTERVAL)
             if msg is None:
                 continue
             # Everything already waiting first: the next plan should know every finish.
@@ -45,6 +60,13 @@ def run_scheduler(cfg: ServerConfig) -> None:
                 if isinstance(m, Shutdown):
                     to_worker.put(m)
                     return
+                if isinstance(m, Heartbeat):
+                    if peers is not None:
+                        peers.seen(m)
+                    continue
+                if isinstance(m, StepDone):
+                    watchdog.done(m.plan_id)
+                times.on(m, cfg.num_postproc_workers)
                 if isinstance(m, WorkerReady):
                     sched = Scheduler(make_params(cfg, m))
                     log.info("ready: %d KV blocks of %d, max_model_len %d", m.num_kv_blocks,
@@ -60,7 +82,10 @@ def run_scheduler(cfg: ServerConfig) -> None:
             if sched is None:
                 continue
             while sched.ready_to_plan():
-                to_worker.put(sched.build_plan())
+                plan = sched.build_plan()
+                faults.maybe_fire("scheduler", plan.plan_id)  # tests only; no-op otherwise
+                watchdog.sent(plan.plan_id)
+                to_worker.put(plan)
             # Failures come from dispatch and from planning (a request that outgrew the cache).
             for failure in sched.take_failures():
                 to_frontend.put(failure)
@@ -68,6 +93,56 @@ def run_scheduler(cfg: ServerConfig) -> None:
         inbox.close()
         to_worker.close()
         to_frontend.close()
+        if to_supervisor is not None:
+            to_supervisor.close()
+
+
+def watch_worker(watchdog: PlanWatchdog, to_supervisor: Sender | None) -> None:
+    """Tell the launcher once when the running plan outlives step_timeout."""
+    hung = watchdog.check()
+    if hung is not None and to_supervisor is not None:
+        log.error("plan %d has run %.1f s (step timeout %.0f s): the gpu worker looks hung",
+                  hung.plan_id, hung.seconds, watchdog.timeout)
+        to_supervisor.put(hung)
+
+
+STATS_INTERVAL = 0.2  # seconds; the admin view lags the scheduler by at most this
+
+
+@dataclass
+class Timings:
+    """Where the worker's and postproc workers' time went, from StepDone / PlanProcessed."""
+
+    started: float = field(default_factory=time.monotonic)
+    num_plans: int = 0
+    worker_busy_s: float = 0.0
+    forward_s: float = 0.0
+    postproc_busy_s: float = 0.0
+
+    def on(self, msg: object, num_postproc: int) -> None:
+        if isinstance(msg, StepDone):
+            self.num_plans += 1
+            self.worker_busy_s += msg.wall_time
+            self.forward_s += msg.forward_time
+        elif isinstance(msg, PlanProcessed):
+            self.postproc_busy_s += msg.busy_s / num_postproc
+
+
+def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
+                 sent: tuple[float, EngineStats | None]) -> tuple[float, EngineStats | None]:
+    """Send the frontend's admin counters every STATS_INTERVAL."""
+    now = time.monotonic()
+    if now - sent[0] < STATS_INTERVAL:
+        return sent
+    s = sched.stats
+    # Sent even when nothing changed: the clock (uptime_s) is part of what readers need.
+    stats = EngineStats(s.num_free_blocks, sched.params.num_blocks, s.num_running,
+                        s.num_waiting, s.num_preemptions, s.prefix_hit_tokens,
+                        s.prefix_query_tokens, s.tokens_delivered, s.tokens_after_finish,
+                        now - times.started, times.num_plans, times.worker_busy_s,
+                        times.forward_s, times.postproc_busy_s)
+    to_frontend.put(stats)
+    return now, stats
 
 
 def dispatch(sched: Scheduler, msg: object, to_frontend: Sender) -> None:

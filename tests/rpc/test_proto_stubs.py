@@ -10,14 +10,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def test_stubs_match_the_proto(tmp_path: pathlib.Path) -> None:
     (tmp_path / "proto").mkdir()
-    (tmp_path / "proto" / "generation.proto").write_text(
-        (ROOT / "proto" / "generation.proto").read_text())
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
-                    "--pyi_out=.", "--grpc_python_out=.", "proto/generation.proto"],
-                   cwd=tmp_path, check=True)
-    for name in ("generation_pb2.py", "generation_pb2_grpc.py", "generation_pb2.pyi"):
-        fresh = (tmp_path / "proto" / name).read_text()
-        assert fresh == (ROOT / "proto" / name).read_text(), f"{name} is stale: run make proto"
+    for stem in ("generation", "admin"):
+        (tmp_path / "proto" / f"{stem}.proto").write_text(
+            (ROOT / "proto" / f"{stem}.proto").read_text())
+        subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
+                        "--pyi_out=.", "--grpc_python_out=.", f"proto/{stem}.proto"],
+                       cwd=tmp_path, check=True)
+        for name in (f"{stem}_pb2.py", f"{stem}_pb2_grpc.py", f"{stem}_pb2.pyi"):
+            fresh = (tmp_path / "proto" / name).read_text()
+            assert fresh == (ROOT / "proto" / name).read_text(), f"{name} is stale: run make proto"
 
 
 def test_field_numbers_follow_tgis() -> None:

@@ -1,0 +1,41 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_hit_tokens", "prefix_query_tokens", "tokens_delivered", "tokens_after_finish", "uptime_s", "num_plans", "worker_busy_s", "forward_s", "postproc_busy_s")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_AFTER_FINISH_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PLANS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    POSTPROC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    tokens_delivered: int
+    tokens_after_finish: int
+    uptime_s: float
+    num_plans: int
+    worker_busy_s: float
+    forward_s: float
+    postproc_busy_s: float
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., tokens_delivered: _Optional[int] = ..., tokens_after_finish: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_plans: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., postproc_busy_s: _Optional[float] = ...) -> None: ...
