@@ -24,6 +24,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose KV is in the cache
     prefill_chunk: int = 0  # tokens to prefill in the current plan
+    num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
     finished: FinishReason = FinishReason.NOT_FINISHED
 
     @property

@@ -14,8 +14,10 @@ import torch
 from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
 from proto.config import ServerConfig
-from proto.messages import Shutdown, StepPlan, WorkerReady
+from proto.messages import Heartbeat, Shutdown, StepPlan, WorkerReady
+from rpc import faults
 from rpc.channels import Receiver, Sender
+from rpc.peers import HEARTBEAT_INTERVAL, role_watch
 from rpc.token_channel import TokenWriter
 
 log = logging.getLogger("tandem.gpu_worker")
@@ -42,14 +44,22 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         to_scheduler.put(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                                      runner.vocab_size))
         log.info("ready (pid %d)", os.getpid())
+        peers = role_watch(cfg, "gpu-worker")
         while True:
-            msg = inbox.get(timeout=1.0)
+            if peers is not None:
+                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+            msg = inbox.get(timeout=HEARTBEAT_INTERVAL if peers else 1.0)
             if msg is None:
+                continue
+            if isinstance(msg, Heartbeat):
+                if peers is not None:
+                    peers.seen(msg)
                 continue
             if isinstance(msg, Shutdown):
                 log.info("shutting down: %s", msg.reason)
                 return
             if isinstance(msg, StepPlan):
+                faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
                 to_scheduler.put(runner.execute(msg, publisher))
             else:
                 log.error("unexpected message %s", type(msg).__name__)

@@ -1,23 +1,36 @@
 """Hands each step's tokens to the postproc channel without stalling the device.
 
-On CUDA the step's tensors are copied into pinned host buffers with `non_blocking=True`
-and a CUDA event is recorded; a publisher thread waits on that event (not the stream) and
-then writes the `TokenBatch`, so the next step's kernels are already queued when the copy
-lands.  On CPU the tensors are already in host memory and go out at once.
+Calling the publisher inside the K-step loop only *queues* the step: on CUDA its tensors are
+copied into pinned host buffers with `non_blocking=True` and a CUDA event is recorded; on
+CPU the step's tensors are queued as they are.  A publisher thread then turns each queued
+step into a `TokenBatch` and writes it to the sink, so nothing in the loop reads a device
+value (`forbid_host_sync()` checks this in the tests) and the next step's work is already
+under way while a step is written out:
+
+* on CUDA the thread waits on the copy's event (not on the stream), then reads the pinned
+  buffers;
+* on CPU there is no asynchronous stream: an op has finished computing when its Python call
+  returns, so the queued tensors are complete and the thread's `.numpy()` reads finished
+  memory, waiting for nothing.  Those tensors are never written again (every step makes new
+  ones), so the read cannot race the loop.
+
+Prompt detail (`PromptDetail`, host arrays from a prefill) goes through the same queue, so
+the sink sees every message in the order the runner produced it.
 """
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from gpu_worker.batch import DecodeBatch, StepTensors
-from proto.messages import StepPlan, TokenBatch
+from proto.messages import PromptDetail, StepPlan, TokenBatch
 
-Sink = Callable[[TokenBatch], None]
+Message = TokenBatch | PromptDetail
+Sink = Callable[[Message], None]
 
 
 def _np(t: torch.Tensor | None, dtype: type) -> np.ndarray | None:
@@ -34,6 +47,18 @@ def to_token_batch(plan: StepPlan, request_ids: np.ndarray, st: StepTensors,
         top_logprobs=_np(st.top_logprobs, np.float32), last=last)
 
 
+class _Step:
+    """A queued step: host-readable tensors once `event` (CUDA only) has fired."""
+
+    __slots__ = ("plan", "request_ids", "host", "last", "event")
+
+    def __init__(self, plan: StepPlan, request_ids: np.ndarray, host: StepTensors, last: bool,
+                 event: torch.cuda.Event | None) -> None:
+        self.plan, self.request_ids, self.host, self.last, self.event = (
+            plan, request_ids, host, last, event)
+
+
+_STOP = object()
 
 
 class TokenPublisher:
@@ -42,55 +67,65 @@ class TokenPublisher:
         self._cuda = device.type == "cuda"
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        if self._cuda:
-            self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._thread.start()
 
     def __call__(self, plan: StepPlan, batch: DecodeBatch, st: StepTensors, last: bool) -> None:
-        if not self._cuda:
-            self._sink(to_token_batch(plan, batch.request_ids, st, last))
-            return
-        host = StepTensors(st.step, *[_pinned_copy(t) for t in (
-            st.token_ids, st.finish, st.logprobs, st.ranks, st.top_ids, st.top_logprobs)])
-        event = torch.cuda.Event()
-        event.record()
-        self._queue.put((plan, batch.request_ids, host, last, event))
+        """Queue one step; reads no device value (safe inside the K-step loop)."""
+        event = None
+        host = st
+        if self._cuda:
+            host = StepTensors(st.step, _pinned(st.token_ids), _pinned(st.finish),
+                               _pinned_copy(st.logprobs), _pinned_copy(st.ranks),
+                               _pinned_copy(st.top_ids), _pinned_copy(st.top_logprobs))
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.put(_Step(plan, batch.request_ids, host, last, event))
+
+    def send_detail(self, msg: PromptDetail) -> None:
+        """Queue a prefill's prompt detail behind everything queued before it."""
+        self._queue.put(msg)
 
     def end_of_plan(self, plan: StepPlan) -> None:
         """Marker for a plan without decode rows, so postproc still reports PlanProcessed."""
-        msg = TokenBatch(plan.plan_id, -1, np.zeros(0, dtype=np.int64),
-                         np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint8), last=True)
-        if self._cuda:
-            self._queue.put(msg)
-        else:
-            self._sink(msg)
+        self._queue.put(TokenBatch(plan.plan_id, -1, np.zeros(0, dtype=np.int64),
+                                   np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.uint8),
+                                   last=True))
 
     def flush(self) -> None:
         """Wait until everything queued has been written (end of plan)."""
-        if self._cuda:
-            self._queue.join()
+        self._queue.join()
         if self._error is not None:
             raise RuntimeError("token publisher failed") from self._error
+
+    def close(self) -> None:
+        """Write what is queued, then stop the thread."""
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             try:
-                if isinstance(item, TokenBatch):
-                    self._sink(item)
-                else:
-                    plan, rids, host, last, event = item
-                    event.synchronize()
-                    self._sink(to_token_batch(plan, rids, host, last))
+                if item is _STOP:
+                    return
+                if isinstance(item, _Step):
+                    if item.event is not None:
+                        item.event.synchronize()
+                    item = to_token_batch(item.plan, item.request_ids, item.host, item.last)
+                self._sink(item)
             except BaseException as exc:  # surfaced to the main loop by flush()
                 self._error = exc
             finally:
                 self._queue.task_done()
 
 
-def _pinned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is None:
-        return None
+def _pinned(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+def _pinned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else _pinned(t)

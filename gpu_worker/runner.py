@@ -7,20 +7,26 @@ and a copy event, see `gpu_worker.publisher`), while the next step is already co
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
 from gpu_worker.models import load_model
 from gpu_worker.sampler import Sampler
-from proto.messages import FinishReason, NewRequest, StepDone, StepPlan
+from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, StepPlan
 
 if TYPE_CHECKING:
+    from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
     from gpu_worker.publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
@@ -42,7 +48,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto",
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
-                 max_model_len: int = 0, max_num_seqs: int = 64) -> None:
+                 max_model_len: int = 0, max_num_seqs: int = 64,
+                 cuda_graphs: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
@@ -61,6 +68,17 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
         self.sampler = Sampler()
         self.requests: dict[int, RequestState] = {}
+        self._details: list[PromptDetail] = []  # prompt detail waiting to be published
+        # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
+        self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and os.environ.get(
+                "TANDEM_CUDA_GRAPHS", "1") != "0":
+            from gpu_worker.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
+                                       -(-self.max_model_len // block_size), block_size,
+                                       self.device)
 
     def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
         cfg = self.model.config
@@ -99,6 +117,8 @@ class ModelRunner:
             req = RequestState(new.request_id, prompt, len(prompt), new.sampling,
                                list(new.block_ids))
             self.requests[new.request_id] = req
+            if new.sampling.prompt_logprobs and len(prompt) == 1:
+                self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         req.prefill_chunk = new.num_prefill_tokens
 
@@ -106,13 +126,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, reqs: list[RequestState]) -> None:
-        """KV for each request's next chunk of history, all chunks in one forward."""
+        """KV for each request's next chunk of history, all chunks in one forward.
+
+        Requests that asked for prompt logprobs get the chunk's scores queued as PromptDetail.
+        """
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         lens: list[int] = []
-        seq_lens: list[int] = []
+        starts: list[int] = []
         for r in reqs:
             start, end = r.num_computed, r.num_computed + r.prefill_chunk
             assert end <= len(r.history) - 1, f"prefill past the last token of {r.request_id}"
@@ -122,7 +145,9 @@ class ModelRunner:
             blocks = np.asarray(r.block_ids, dtype=np.int64)
             slots += (blocks[p // bs] * bs + p % bs).tolist()
             lens.append(end - start)
-            seq_lens.append(end)
+            starts.append(start)
+        seq_lens = [s + n for s, n in zip(starts, lens, strict=True)]
+        offsets = np.concatenate([[0], np.cumsum(lens)])
         dev = self.device
         width = max(len(r.block_ids) for r in reqs)
         table = np.zeros((len(reqs), width), dtype=np.int32)
@@ -132,27 +157,41 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
             block_tables=torch.from_numpy(table).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(lens)]),
-                                         dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=dev),
             query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
-        self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                   torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta)
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
+                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta)
+        sel = prompt_logprobs.select_rows(reqs, starts, offsets[:-1].tolist(), lens)
+        self._details += prompt_logprobs.score(self.model, hidden, sel)
         for r in reqs:
             r.num_computed += r.prefill_chunk
             r.prefill_chunk = 0
 
-    @torch.inference_mode()
-    def decode_step(self, b: DecodeBatch, step: int) -> StepTensors:
-        """One forward + sample for every row; no host reads."""
+    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       active: torch.Tensor, block_tables: torch.Tensor,
+                       max_seq_len: int) -> torch.Tensor:
+        """Logits [B, V] of one decode forward; masked rows write the scratch block only."""
         bs = self.block_size
-        block = b.block_tables.gather(1, (b.positions // bs).unsqueeze(1)).squeeze(1)
-        slots = torch.where(b.active, block.to(torch.int64) * bs + b.positions % bs, -1)
+        # A row masked after finishing may sit one past its last block: clamp its lookup.
+        index = (positions // bs).clamp_(max=block_tables.shape[1] - 1).unsqueeze(1)
+        block = block_tables.gather(1, index).squeeze(1)
+        slots = torch.where(active, block.to(torch.int64) * bs + positions % bs, -1)
         meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=b.block_tables,
-            seq_lens=(b.positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
-            max_seq_len=b.max_position + step + 1, is_decode=True)
-        hidden = self.model(b.input_ids, b.positions, self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
+            slot_mapping=slots, block_tables=block_tables,
+            seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
+            max_seq_len=max_seq_len, is_decode=True)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def decode_step(self, b: DecodeBatch, step: int,
+                    graph: GraphStep | None = None) -> StepTensors:
+        """One forward + sample for every row; no host reads."""
+        if graph is not None:
+            logits = graph(b)
+        else:
+            logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
+                                         b.max_position + step + 1)
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
@@ -183,26 +222,22 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a whole plan
 
-    def execute(self, plan: StepPlan, publish: "TokenPublisher") -> StepDone:
+    def execute(self, plan: StepPlan, publish: TokenPublisher) -> StepDone:
         t0 = time.monotonic()
         self.apply(plan)
         chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
         if chunked:
             self.prefill(chunked)
+        for detail in self._details:  # before any token of theirs
+            publish.send_detail(detail)
+        self._details = []
         decoding = [r for r in self.requests.values() if r.decoding]
         steps: list[StepTensors] = []
-        batch = None
         if decoding:
             batch = build_decode_batch(decoding, self.vocab_size, self.device)
-            last = plan.num_steps - 1
-            for k in range(plan.num_steps):
-                st = self.decode_step(batch, k)
-                steps.append(st)
-                if plan.publish_per_step:
-                    publish(plan, batch, st, k == last)
-            if not plan.publish_per_step:
-                for st in steps:
-                    publish(plan, batch, st, st.step == last)
+            graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
+            with self.step_guard():
+                steps = self._decode_loop(plan, batch, publish, graph)
         else:
             publish.end_of_plan(plan)
         publish.flush()
@@ -211,6 +246,21 @@ class ModelRunner:
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         return done
+
+    def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,
+                     graph: GraphStep | None) -> list[StepTensors]:
+        """K steps back to back; publishing only queues device tensors (no host read)."""
+        last = plan.num_steps - 1
+        steps = []
+        for k in range(plan.num_steps):
+            st = self.decode_step(batch, k, graph)
+            steps.append(st)
+            if plan.publish_per_step:
+                publish(plan, batch, st, k == last)
+        if not plan.publish_per_step:  # sync mode: the plan's tokens go out after its last step
+            for st in steps:
+                publish(plan, batch, st, st.step == last)
+        return steps
 
     def _collect(self, plan: StepPlan, decoding: list[RequestState],
                  steps: list[StepTensors]) -> StepDone:

@@ -2,20 +2,28 @@
 
 Over the shared-memory ring (one writer, N readers, every reader sees every batch and
 keeps its own rows) when `Addresses.ring_name` is set, else over ZeroMQ: the writer then
-splits each batch by owner and pushes each part into that postproc worker's inbox.
+splits each batch by owner and pushes each part into that postproc worker's inbox.  A
+`PromptDetail` (one request's prompt logprobs) goes to its owner only.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
 from proto import codec
 from proto.config import Addresses
-from proto.messages import TokenBatch
+from proto.messages import PromptDetail, TokenBatch
 from rpc.channels import Receiver, Sender
 
 
 def owner(request_id: int, num_workers: int) -> int:
     return request_id % num_workers
+
+
+def detail_for(msg: PromptDetail, index: int, num_workers: int) -> PromptDetail | None:
+    """The detail when postproc worker `index` owns its request, else None."""
+    return msg if owner(msg.request_id, num_workers) == index else None
 
 
 def rows_for(batch: TokenBatch, index: int, num_workers: int) -> TokenBatch:
@@ -50,9 +58,12 @@ class TokenWriter:
         if self._ring is not None:
             self._ring.wait_ready(self._ready_timeout)
 
-    def put(self, batch: TokenBatch) -> None:
+    def put(self, batch: TokenBatch | PromptDetail) -> None:
         if self._ring is not None:
             self._ring.put_frames(codec.encode(batch))
+            return
+        if isinstance(batch, PromptDetail):
+            self._senders[owner(batch.request_id, self._n)].put(batch)
             return
         for i, s in enumerate(self._senders):
             s.put(rows_for(batch, i, self._n))
@@ -74,11 +85,20 @@ class TokenReader:
         self._n = len(addr.postproc_inboxes)
         self._ring = RingReader(addr.ring_name, index, addr.ring_doorbell, addr.ring_side)
 
-    def get(self, timeout: float | None) -> TokenBatch | None:
-        frames = self._ring.get_frames(timeout)
-        if frames is None:
-            return None
-        return rows_for(codec.decode(frames), self.index, self._n)
+    def get(self, timeout: float | None) -> TokenBatch | PromptDetail | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            frames = self._ring.get_frames(timeout)
+            if frames is None:
+                return None
+            msg = codec.decode(frames)
+            if not isinstance(msg, PromptDetail):
+                return rows_for(msg, self.index, self._n)
+            if detail_for(msg, self.index, self._n) is not None:
+                return msg
+            # Another worker's detail: keep waiting for ours within the same timeout.
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
 
     def close(self) -> None:
         self._ring.close()
@@ -88,4 +108,5 @@ def open_reader(addr: Addresses, index: int) -> TokenReader | None:
     return TokenReader(addr, index) if addr.ring_name else None
 
 
-__all__ = ["TokenWriter", "TokenReader", "open_reader", "owner", "rows_for", "Receiver"]
+__all__ = ["TokenWriter", "TokenReader", "open_reader", "owner", "rows_for", "detail_for",
+           "Receiver"]

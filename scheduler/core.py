@@ -253,7 +253,9 @@ class Scheduler:
         """Start (or resume) the head of the queue; False when it has to wait."""
         if not self._fits_alone(req, self._positions_after(req, req.num_tokens - 1)):
             return True
-        hits = self._blocks.lookup(self._cacheable_hashes(req))
+        # Prompt logprobs need every prompt position computed: no cached prefix for those.
+        hits = [] if req.sampling.prompt_logprobs else self._blocks.lookup(
+            self._cacheable_hashes(req))
         num_cached = len(hits) * self.params.block_size
         num_prefill = self._chunk(req.num_tokens - 1 - num_cached, draft.budget)
         if num_prefill is None:

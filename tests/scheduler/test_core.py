@@ -800,3 +800,20 @@ def test_nobody_overtakes_the_head_of_the_queue() -> None:
     plan = sched.build_plan()
     assert [n.request_id for n in plan.new] == [1]
     assert sched.stats.num_waiting == 2
+
+
+def test_prompt_logprobs_requests_never_take_cached_prefix_blocks() -> None:
+    sched = Scheduler(params(num_steps=1))
+    prompt = list(range(100, 112))  # three full blocks
+    add(sched, 1, prompt)
+    sched.build_plan()  # request 1's prompt blocks are registered from here on
+    scored = AddRequest(2, np.array([*prompt, 9], dtype=np.int32),
+                        SamplingParams(max_new_tokens=8, prompt_logprobs=True), 0.0)
+    assert sched.add_request(scored) is None
+    add(sched, 3, [*prompt, 9])
+    plan = sched.build_plan()
+    new = {n.request_id: n for n in plan.new}
+    assert new[2].num_cached_tokens == 0, "every prompt position must be computed to score it"
+    assert new[2].num_prefill_tokens == len(prompt)
+    assert new[3].num_cached_tokens == 12, "the same prompt without prompt logprobs hits"
+    sched.check_invariants()

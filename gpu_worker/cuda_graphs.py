@@ -1,0 +1,141 @@
+"""CUDA graphs for the decode forward (CUDA only; the CPU path never imports this module).
+
+A decode step of a small batch is dominated by kernel launches: a few hundred small kernels
+whose launch cost exceeds their run time.  Replaying a captured graph launches them all at
+once.  What is captured is `ModelRunner.forward_decode` (slot mapping, attention metadata,
+the whole model and the LM head) over static input buffers; the sampler, the finish checks
+and the state advance run eagerly after each replay on the graph's logits, so every
+sampling option works on the graph path too.
+
+Graphs are keyed by (batch bucket, gather width bucket):
+
+* the batch is padded up to a bucket (1, 2, 4, 8, then multiples of 16 up to max_num_seqs);
+  padded rows are masked (slot -1: their KV lands in the scratch block) and ignored;
+* the SDPA decode path gathers a host-known number of blocks per row, fixed at capture, so
+  the width is bucketed by powers of two of blocks up to ceil(max_model_len / block_size);
+  a plan uses the smallest width that covers its longest row after its K steps.
+
+Graphs are captured lazily, the first time a plan needs a key, into one shared memory pool
+(replays never overlap: one stream, one step at a time).  Anything the graphs do not cover
+(a batch above the largest bucket, a row longer than the widest width) runs eagerly, as does
+everything after a failed capture.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.batch import DecodeBatch
+
+log = logging.getLogger(__name__)
+
+# (input_ids, positions, active, block_tables, max_seq_len) -> logits [B, V]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+GraphStep = Callable[["DecodeBatch"], torch.Tensor]
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    out = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    out += list(range(16, max_num_seqs, 16))
+    return out + [max_num_seqs]
+
+
+def width_buckets(max_blocks: int) -> list[int]:
+    out, w = [], 1
+    while w < max_blocks:
+        out.append(w)
+        w *= 2
+    return out + [max_blocks]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: ForwardFn, max_num_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device) -> None:
+        self._forward = forward
+        self._block_size = block_size
+        self._batches = batch_buckets(max_num_seqs)
+        self._widths = width_buckets(max_blocks_per_seq)
+        n, w = self._batches[-1], self._widths[-1]
+        self._ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self._pos = torch.zeros(n, dtype=torch.int64, device=device)
+        self._active = torch.zeros(n, dtype=torch.bool, device=device)
+        self._tables = torch.zeros(n, w, dtype=torch.int32, device=device)
+        self._graphs: dict[tuple[int, int], tuple[Replayable, torch.Tensor]] = {}
+        self._pool: Any = None  # a graph memory pool handle, made at the first capture
+        self.enabled = True
+
+    def for_plan(self, b: DecodeBatch, num_steps: int) -> GraphStep | None:
+        """A step function replaying the right graph for this plan's batch, or None (eager)."""
+        if not self.enabled:
+            return None
+        rows = b.size
+        # The longest row reads max_position + num_steps positions by the plan's last step.
+        need = -(-(b.max_position + num_steps) // self._block_size)
+        bucket = next((x for x in self._batches if x >= rows), None)
+        width = next((x for x in self._widths if x >= need), None)
+        if bucket is None or width is None or b.block_tables.shape[1] > self._tables.shape[1]:
+            return None
+        self._tables[:bucket].zero_()
+        self._tables[:rows, : b.block_tables.shape[1]].copy_(b.block_tables)
+        self._ids[rows:bucket].zero_()
+        self._pos[rows:bucket].zero_()
+        self._active[:bucket].zero_()  # masked while capturing; each step copies its rows in
+        entry = self._graphs.get((bucket, width))
+        if entry is None:
+            entry = self._capture(bucket, width)
+            if entry is None:
+                return None
+        graph, logits = entry
+
+        def step(batch: DecodeBatch) -> torch.Tensor:
+            self._ids[:rows].copy_(batch.input_ids)
+            self._pos[:rows].copy_(batch.positions)
+            self._active[:rows].copy_(batch.active)
+            graph.replay()
+            return logits[:rows]
+
+        return step
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int, width: int) -> tuple[Replayable, torch.Tensor] | None:
+        ids, pos, active = self._ids[:bucket], self._pos[:bucket], self._active[:bucket]
+        tables = self._tables[:bucket, :width]
+        max_seq_len = width * self._block_size
+
+        def run() -> torch.Tensor:
+            return self._forward(ids, pos, active, tables, max_seq_len)
+
+        try:
+            entry = self._record(run)
+        except Exception:  # noqa: BLE001 - any capture failure means: run eagerly from now on
+            log.exception("CUDA graph capture failed (batch %d, %d blocks); decoding eagerly",
+                          bucket, width)
+            self.enabled = False
+            return None
+        self._graphs[(bucket, width)] = entry
+        log.info("captured decode graph: batch %d, %d blocks per row", bucket, width)
+        return entry
+
+    def _record(self, run: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:
+        """Capture `run` into a graph; its output tensor is rewritten by every replay."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # Warm up on a side stream first (lazy library init must not be captured).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the publisher thread may wait on copy events meanwhile.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = run()
+        return graph, out

@@ -1,0 +1,124 @@
+"""Input-token detail: each prompt token's logprob, rank and top-n given its prefix.
+
+A prefill forward over positions [start, end) of a request yields hidden states whose logits
+predict the tokens at positions start + 1 .. end.  The worker prefills history[:len - 1], so
+across a request's chunks every prompt token 1 .. L-1 is predicted by exactly one position
+(0 .. L-2); token 0 has no prefix.  `RequestState.num_prompt_scored` remembers how far a
+request got, so re-prefilling after preemption (or a later chunk overlapping nothing new)
+never sends a token twice.
+
+Only the rows of requests that asked are sent through the LM head, in slices, so a long
+flattened prefill never materialises [T, vocab] logits.  Scores are taken from the raw model
+logits (no penalties, no temperature), as HF's forward gives them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from proto.messages import PromptDetail
+
+if TYPE_CHECKING:
+    from gpu_worker.batch import RequestState
+    from gpu_worker.models import CausalLM
+
+log = logging.getLogger(__name__)
+
+# LM-head rows per slice: bounds the float32 logits to ROWS_PER_SLICE * vocab at a time.
+ROWS_PER_SLICE = 256
+
+
+@dataclass
+class _Span:
+    req: RequestState
+    first: int  # first prompt position scored by this span (the token at first + 1)
+    count: int
+
+
+@dataclass
+class ScoreRows:
+    """Which rows of a flattened prefill score which prompt tokens."""
+
+    rows: list[int] = field(default_factory=list)  # indices into the forward's tokens
+    targets: list[int] = field(default_factory=list)  # the token each row scores
+    spans: list[_Span] = field(default_factory=list)  # consecutive runs of rows, per request
+
+
+def select_rows(reqs: list[RequestState], chunk_starts: list[int],
+                row_offsets: list[int], chunk_lens: list[int]) -> ScoreRows:
+    """The rows to score in a prefill of `reqs`, whose chunk i starts at history position
+    chunk_starts[i] and at row row_offsets[i] of the flattened forward."""
+    sel = ScoreRows()
+    for r, start, offset, n in zip(reqs, chunk_starts, row_offsets, chunk_lens, strict=True):
+        if not r.sampling.prompt_logprobs:
+            continue
+        if r.num_prompt_scored < start < r.num_prompt:
+            log.warning("request %d: prompt positions %d..%d were never computed (prefix "
+                        "cache?); their prompt logprobs are missing", r.request_id,
+                        r.num_prompt_scored, start - 1)
+            r.num_prompt_scored = min(start, r.num_prompt - 1)
+        lo = max(start, r.num_prompt_scored)
+        hi = min(start + n, r.num_prompt - 1)
+        if hi <= lo:
+            continue
+        sel.rows.extend(range(offset + lo - start, offset + hi - start))
+        sel.targets.extend(r.history[lo + 1: hi + 1])
+        sel.spans.append(_Span(r, lo, hi - lo))
+    return sel
+
+
+@torch.inference_mode()
+def score(model: CausalLM, hidden: torch.Tensor, sel: ScoreRows) -> list[PromptDetail]:
+    """PromptDetail messages for the selected rows of a prefill's hidden states [T, H]."""
+    if not sel.rows:
+        return []
+    dev = hidden.device
+    rows = torch.tensor(sel.rows, dtype=torch.int64, device=dev)
+    targets = torch.tensor(sel.targets, dtype=torch.int64, device=dev).unsqueeze(1)
+    top_n = max(s.req.sampling.top_n for s in sel.spans)
+    parts: list[tuple[torch.Tensor, ...]] = []
+    for a in range(0, len(sel.rows), ROWS_PER_SLICE):
+        b = a + ROWS_PER_SLICE
+        lp = torch.log_softmax(model.compute_logits(hidden.index_select(0, rows[a:b])), dim=1)
+        chosen = lp.gather(1, targets[a:b])
+        ranks = (lp > chosen).sum(dim=1, dtype=torch.int32).add_(1)
+        part: tuple[torch.Tensor, ...] = (chosen.squeeze(1), ranks)
+        if top_n > 0:
+            top_lp, top_ids = torch.topk(lp, min(top_n, lp.shape[1]), dim=1)
+            part += (top_ids.to(torch.int32), top_lp)
+        parts.append(part)
+    # The prefill's one host read for this detail (outside the K-step decode loop).
+    host = [torch.cat(cols).cpu().numpy() for cols in zip(*parts, strict=True)]
+    return _messages(sel, host)
+
+
+def _messages(sel: ScoreRows, host: list[np.ndarray]) -> list[PromptDetail]:
+    out = []
+    targets = np.asarray(sel.targets, dtype=np.int32)
+    at = 0
+    for s in sel.spans:
+        r, end = s.req, at + s.count
+        n = r.sampling.top_n
+        out.append(PromptDetail(
+            request_id=r.request_id, start=s.first + 1, token_ids=targets[at:end],
+            logprobs=host[0][at:end].astype(np.float32, copy=False), ranks=host[1][at:end],
+            top_ids=host[2][at:end, :n] if n > 0 else None,
+            top_logprobs=host[3][at:end, :n] if n > 0 else None,
+            last=s.first + s.count == r.num_prompt - 1))
+        r.num_prompt_scored = s.first + s.count
+        at = end
+    return out
+
+
+def empty_detail(req: RequestState) -> PromptDetail:
+    """The whole detail of a one-token prompt: nothing to score, but the reader learns so."""
+    n = req.sampling.top_n
+    return PromptDetail(
+        request_id=req.request_id, start=1, token_ids=np.zeros(0, dtype=np.int32),
+        logprobs=np.zeros(0, dtype=np.float32), ranks=np.zeros(0, dtype=np.int32),
+        top_ids=np.zeros((0, n), dtype=np.int32) if n > 0 else None,
+        top_logprobs=np.zeros((0, n), dtype=np.float32) if n > 0 else None, last=True)
