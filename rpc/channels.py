@@ -26,6 +26,14 @@ def _ipc_path(addr: str) -> str | None:
     return addr[len("ipc://"):] if addr.startswith("ipc://") else None
 
 
+def bind_address(addr: str) -> str:
+    """Bind tcp on every interface: peers reach us by a service name that, inside a
+    container, may not resolve to the address we should listen on."""
+    if addr.startswith("tcp://"):
+        return "tcp://*:" + addr.rsplit(":", 1)[1]
+    return addr
+
+
 class _Socket:
     def __init__(self, addr: str, kind: int, bind: bool, hwm: int = DEFAULT_HWM) -> None:
         self.addr = addr
@@ -39,7 +47,7 @@ class _Socket:
             path = _ipc_path(addr)
             if path and os.path.exists(path):
                 os.unlink(path)  # a stale file from a crashed run would make bind fail
-            self.sock.bind(addr)
+            self.sock.bind(bind_address(addr))
         else:
             self.sock.connect(addr)
         self._closed = False
@@ -132,7 +140,7 @@ class AsyncReceiver(Generic[T]):
         if bind:
             if path and os.path.exists(path):
                 os.unlink(path)
-            self.sock.bind(addr)
+            self.sock.bind(bind_address(addr))
         else:
             self.sock.connect(addr)
 

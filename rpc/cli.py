@@ -1,7 +1,10 @@
 """The `tandem` command: one parser for every subcommand; heavy imports happen lazily.
 
-Environment variables are read here and nowhere else: `TANDEM_MODEL`, `TANDEM_HOST`,
-`TANDEM_PORT`, `TANDEM_LOG_LEVEL` give defaults for the matching flags.
+Environment variables are read here and nowhere else: every server flag takes its default
+from `TANDEM_<FLAG>` (e.g. `TANDEM_MODEL`, `TANDEM_PORT`, `TANDEM_NUM_SCHEDULER_STEPS`,
+`TANDEM_ASYNC_POSTPROC=false`, `TANDEM_SCHEDULER_ADDR` for `run-role`), which is how the
+docker-compose services are configured; `TANDEM_FAULT` arms fault injection for tests
+(`rpc.faults`; also the hidden flag `--fault`).
 """
 from __future__ import annotations
 
@@ -12,10 +15,10 @@ import os
 import sys
 from typing import Callable
 
-from proto.config import ServerConfig
+from proto.config import Addresses, ServerConfig
 
 ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host", "port",
-                                                                 "log_level")}
+                                                                 "log_level", "fault")}
 
 
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
@@ -55,13 +58,67 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "include-stop-sequence", d.include_stop_sequence,
                "default for requests that leave include_stop_sequence unset")
     p.add_argument("--torch-threads", type=int, default=d.torch_threads)
-    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout)
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout)
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM, seconds in-flight requests may take before they are "
+                        "cancelled")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout,
+                   help="a plan unfinished after this many seconds means a hung gpu worker: "
+                        "its stack is logged and the server exits non-zero (0: off)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
     p.add_argument("--log-level", default=ENV["log_level"] or d.log_level)
+    p.add_argument("--fault", default=ENV["fault"] or "", help=argparse.SUPPRESS)
+    _env_defaults(p)
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """`TANDEM_<DEST>` overrides the default of every flag already on `p`."""
+    for action in p._actions:
+        value = os.environ.get(f"TANDEM_{action.dest.upper()}")
+        if value is None or action.dest == "help":
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif action.type is not None:
+            action.default = action.type(value)
+        else:
+            action.default = value
+
+
+def add_role_arguments(p: argparse.ArgumentParser) -> None:
+    """Peer addresses for roles started one by one (tcp:// across containers)."""
+    p.add_argument("--frontend-addr", default="", help="the frontend's inbox, e.g. tcp://frontend:5550")
+    p.add_argument("--scheduler-addr", default="")
+    p.add_argument("--worker-addr", default="")
+    p.add_argument("--postproc-addrs", default="", help="comma-separated, in index order")
+    p.add_argument("--supervisor-addr", default="",
+                   help="where roles report failures (default: frontend port - 1)")
+    _env_defaults(p)
+
+
+def role_config(args: argparse.Namespace) -> ServerConfig:
+    """A standalone role's config: server flags plus the peers' addresses."""
+    missing = [n for n in ("frontend_addr", "scheduler_addr", "worker_addr", "postproc_addrs")
+               if not getattr(args, n)]
+    if missing:
+        raise SystemExit(f"run-role without --config-file needs "
+                         f"{', '.join('--' + m.replace('_', '-') for m in missing)} "
+                         f"(or TANDEM_{missing[0].upper()})")
+    postproc = tuple(a for a in args.postproc_addrs.split(",") if a)
+    supervisor = args.supervisor_addr or _port_offset(args.frontend_addr, -1)
+    addr = Addresses(scheduler_inbox=args.scheduler_addr, frontend_inbox=args.frontend_addr,
+                     worker_inbox=args.worker_addr, postproc_inboxes=postproc,
+                     token_pub="", supervisor=supervisor)
+    base = config_from_args(args)
+    return base.replace(addresses=addr, standalone=True, shm_ring=False,
+                        num_postproc_workers=len(postproc))
+
+
+def _port_offset(addr: str, delta: int) -> str:
+    head, port = addr.rsplit(":", 1)
+    return f"{head}:{int(port) + delta}"
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -92,12 +149,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
-    from rpc.process import init_child
+    from rpc.process import init_child, report_failure
 
-    with open(args.config_file) as f:
-        cfg = ServerConfig.from_json(f.read())
+    if args.config_file:  # started by the launcher
+        with open(args.config_file) as f:
+            cfg = ServerConfig.from_json(f.read())
+    else:
+        cfg = role_config(args)
+    if args.role == "frontend":
+        from rpc.launcher import serve
+        from rpc.process import set_title, setup_logging
+
+        setup_logging("frontend", cfg.log_level)
+        set_title("tandem: frontend")
+        return serve(cfg)
     role = args.role if args.role != "postproc" else f"postproc {args.index}"
-    init_child(role, cfg.log_level, args.parent_pid)
+    init_child(role, cfg, args.parent_pid)
     try:
         if args.role == "scheduler":
             from scheduler.main import run_scheduler
@@ -113,6 +180,9 @@ def cmd_run_role(args: argparse.Namespace) -> int:
             run_postproc(cfg, args.index)
     except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
         return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    except Exception as exc:  # the launcher hears why before our peers' exits confuse it
+        report_failure(role, cfg, exc)
+        raise
     return 0
 
 
@@ -150,8 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("run-role", help="run one process role (used by the launcher)")
-    p.add_argument("role", choices=["scheduler", "gpu-worker", "postproc"])
-    p.add_argument("--config-file", required=True)
+    p.add_argument("role", choices=["frontend", "scheduler", "gpu-worker", "postproc"])
+    p.add_argument("--config-file", default="",
+                   help="written by the launcher; else the server flags and peer addresses")
+    add_server_arguments(p)
+    add_role_arguments(p)
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0)
     p.set_defaults(func=cmd_run_role)
@@ -185,6 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("postproc", help="postproc tokens/s next to decode tokens/s")
     bench_postproc.add_arguments(p)
     p.set_defaults(func=bench_postproc.main)
+
+    p = bench.add_parser("soak", help="steady load for minutes; RSS growth of every process")
+    from rpc import bench_soak
+
+    bench_soak.add_arguments(p)
+    p.set_defaults(func=bench_soak.main)
+
+    from rpc import bench_ab
+
+    p = bench.add_parser("ab", help="sync/async x K table, each arm on a fresh server")
+    bench_ab.add_arguments(p)
+    p.set_defaults(func=bench_ab.main)
 
     p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
     p.add_argument("rest", nargs=argparse.REMAINDER)
