@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
 from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
 from proto.config import ServerConfig
-from proto.messages import Heartbeat, Shutdown, StepPlan, WorkerReady
+from proto.messages import Heartbeat, ProfileControl, Shutdown, StepPlan, WorkerReady
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import HEARTBEAT_INTERVAL, role_watch
+from rpc.tracing import TRACER, on_profile_control, set_role
 from rpc.token_channel import TokenWriter
 
 log = logging.getLogger("tandem.gpu_worker")
@@ -45,6 +47,9 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                                      runner.vocab_size))
         log.info("ready (pid %d)", os.getpid())
         peers = role_watch(cfg, "gpu-worker")
+        to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
+        set_role("gpu-worker")
+        idle_since = time.monotonic_ns()
         while True:
             if peers is not None:
                 peers.check()  # on its own (a container): lose the frontend, exit non-zero
@@ -60,7 +65,11 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 return
             if isinstance(msg, StepPlan):
                 faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
+                TRACER.record("idle", idle_since, time.monotonic_ns(), msg.plan_id)
                 to_scheduler.put(runner.execute(msg, publisher))
+                idle_since = time.monotonic_ns()
+            elif isinstance(msg, ProfileControl):
+                on_profile_control(msg, to_frontend)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
     finally:

@@ -24,6 +24,7 @@ from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decod
 from gpu_worker.models import load_model
 from gpu_worker.sampler import Sampler
 from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, StepPlan
+from rpc.tracing import TRACER
 
 if TYPE_CHECKING:
     from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
@@ -224,10 +225,12 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan, publish: TokenPublisher) -> StepDone:
         t0 = time.monotonic()
-        self.apply(plan)
+        with TRACER.span("apply", plan.plan_id):
+            self.apply(plan)
         chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
         if chunked:
-            self.prefill(chunked)
+            with TRACER.span("prefill", plan.plan_id):
+                self.prefill(chunked)
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
@@ -242,7 +245,8 @@ class ModelRunner:
             publish.end_of_plan(plan)
         publish.flush()
         forward_time = time.monotonic() - t0
-        done = self._collect(plan, decoding, steps)
+        with TRACER.span("collect", plan.plan_id):
+            done = self._collect(plan, decoding, steps)
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         return done
@@ -253,10 +257,13 @@ class ModelRunner:
         last = plan.num_steps - 1
         steps = []
         for k in range(plan.num_steps):
-            st = self.decode_step(batch, k, graph)
+            # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
+            with TRACER.span("forward", plan.plan_id, k):
+                st = self.decode_step(batch, k, graph)
             steps.append(st)
             if plan.publish_per_step:
-                publish(plan, batch, st, k == last)
+                with TRACER.span("publish", plan.plan_id, k):
+                    publish(plan, batch, st, k == last)
         if not plan.publish_per_step:  # sync mode: the plan's tokens go out after its last step
             for st in steps:
                 publish(plan, batch, st, st.step == last)

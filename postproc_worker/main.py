@@ -12,7 +12,7 @@ import time
 
 from postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
 from proto.config import ServerConfig
-from proto.messages import (Heartbeat, FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
+from proto.messages import (Heartbeat, ProfileControl, FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
                             PromptDetail, Ready, RegisterRequest, Shutdown, StopHit,
                             TokenBatch)
 from rpc import faults
@@ -21,7 +21,7 @@ from rpc.peers import role_watch
 from rpc.shm_ring import RingClosed
 from rpc.token_channel import open_reader, owner
 from rpc.tokenizer import Tokenizer
-from rpc.tracing import TRACER
+from rpc.tracing import TRACER, on_profile_control, set_role
 
 log = logging.getLogger("tandem.postproc")
 
@@ -145,12 +145,15 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
             send(proc.register(msg))
         elif isinstance(msg, ForgetRequest):
             proc.forget(msg.request_id)
+        elif isinstance(msg, ProfileControl):
+            on_profile_control(msg, to_frontend)
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
     to_frontend.put(Ready("postproc", index))
     log.info("ready (worker %d of %d)", index, len(addr.postproc_inboxes))
     peers = role_watch(cfg, "postproc", index)
+    set_role(f"postproc {index}")
     try:
         while True:
             if peers is not None:

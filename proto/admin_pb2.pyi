@@ -4,6 +4,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ProfileRequest(_message.Message):
+    __slots__ = ("duration_s",)
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    duration_s: float
+    def __init__(self, duration_s: _Optional[float] = ...) -> None: ...
+
+class ProfileResponse(_message.Message):
+    __slots__ = ("profiles_json",)
+    PROFILES_JSON_FIELD_NUMBER: _ClassVar[int]
+    profiles_json: bytes
+    def __init__(self, profiles_json: _Optional[bytes] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -39,6 +39,11 @@ class AdminStub:
                 request_serializer=proto_dot_admin__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_admin__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Profile = channel.unary_unary(
+                '/tandem.admin.Admin/Profile',
+                request_serializer=proto_dot_admin__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=proto_dot_admin__pb2.ProfileResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -51,6 +56,14 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Profile(self, request, context):
+        """Record spans in every process for a while and return them (JSON, one object per
+        process), for `tandem profile`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +71,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_admin__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_admin__pb2.StatsResponse.SerializeToString,
+            ),
+            'Profile': grpc.unary_unary_rpc_method_handler(
+                    servicer.Profile,
+                    request_deserializer=proto_dot_admin__pb2.ProfileRequest.FromString,
+                    response_serializer=proto_dot_admin__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +105,33 @@ class Admin:
             '/tandem.admin.Admin/Stats',
             proto_dot_admin__pb2.StatsRequest.SerializeToString,
             proto_dot_admin__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Profile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.admin.Admin/Profile',
+            proto_dot_admin__pb2.ProfileRequest.SerializeToString,
+            proto_dot_admin__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -339,6 +339,24 @@ class Heartbeat:
     index: int = 0
 
 
+@dataclass
+class ProfileControl:
+    """Frontend → every process: start recording spans, or stop and send them back."""
+
+    start: bool
+
+
+@dataclass
+class ProfileData:
+    """A process's recorded spans: rows of (name, start_ns, end_ns, plan, step)."""
+
+    role: str
+    started_ns: int
+    stopped_ns: int
+    spans: list
+    counters: list
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingParams,
     OutputOptions,
@@ -365,4 +383,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     EngineStats,
     ProcessFailed,
     Heartbeat,
+    ProfileControl,
+    ProfileData,
 )

@@ -245,6 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_arguments(p)
     p.set_defaults(func=cmd_health)
 
+    from rpc import profile_cli
+
+    p = sub.add_parser("profile", help="record spans in every process; trace, summary, PNG")
+    profile_cli.add_arguments(p)
+    p.set_defaults(func=profile_cli.main)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
     from rpc import bench_serve

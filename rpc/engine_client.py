@@ -8,6 +8,7 @@ scheduler, so the worker knows it before the first token can arrive.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -23,6 +24,8 @@ from proto.messages import (
     AddRequest,
     EngineStats,
     Heartbeat,
+    ProfileControl,
+    ProfileData,
     FinishReason,
     ForgetRequest,
     OutputBatch,
@@ -62,6 +65,9 @@ class EngineClient:
         self._inbox: AsyncReceiver = AsyncReceiver(addr.frontend_inbox, bind=True)
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
         self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
+        self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
+        self._profiles: list[ProfileData] = []
+        self._profiles_done: asyncio.Event | None = None
         self._streams: dict[int, _Stream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
@@ -94,6 +100,11 @@ class EngineClient:
             elif isinstance(msg, Ready):
                 self._ready_postproc.add(msg.index)
                 self._check_ready()
+            elif isinstance(msg, ProfileData):
+                self._profiles.append(msg)
+                if self._profiles_done is not None and \
+                        len(self._profiles) == 2 + len(self._to_postproc):
+                    self._profiles_done.set()
             elif isinstance(msg, Heartbeat):
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(msg)
@@ -202,6 +213,26 @@ class EngineClient:
             return
         self._to_scheduler.put(AbortRequest(rid))
         self._to_postproc[owner(rid, len(self._to_postproc))].put(ForgetRequest(rid))
+
+    async def profile(self, duration: float) -> list[dict]:
+        """Spans from every process over `duration` seconds (frontend's own included)."""
+        from rpc.tracing import TRACER
+
+        TRACER.role = "frontend"
+        peers = [self._to_scheduler, self._to_worker, *self._to_postproc]
+        self._profiles, self._profiles_done = [], asyncio.Event()
+        for s in peers:
+            s.put(ProfileControl(True))
+        TRACER.start()
+        await asyncio.sleep(duration)
+        own = TRACER.stop()
+        for s in peers:
+            s.put(ProfileControl(False))
+        try:  # the gpu worker answers between plans
+            await asyncio.wait_for(self._profiles_done.wait(), timeout=max(30.0, duration))
+        finally:
+            self._profiles_done = None
+        return [own] + [dataclasses.asdict(p) for p in self._profiles]
 
     def close(self) -> None:
         if self._reader is not None:

@@ -141,11 +141,11 @@ def format_summary(s: Summary) -> str:
              f"postprocessing under a device span: {s.postproc_overlap_pct:.1f}%  "
              f"postproc lag (steps) mean {s.postproc_lag_steps_mean:.2f} "
              f"max {s.postproc_lag_steps_max:.0f}", ""]
-    head = f"{'process / span':<28}{'count':>8}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}" \
+    head = f"  {'span':<26}{'count':>8}{'mean ms':>10}{'p50 ms':>10}{'p99 ms':>10}" \
            f"{'total ms':>11}"
     for p in s.processes:
         lines.append(f"{p.role:<28}busy {p.busy_pct:5.1f}%")
-        lines.append("  " + head[2:])
+        lines.append(head)
         for name, st in p.spans.items():
             lines.append(f"  {name:<26}{st.count:>8}{st.mean_ms:>10.3f}{st.p50_ms:>10.3f}"
                          f"{st.p99_ms:>10.3f}{st.total_ms:>11.1f}")

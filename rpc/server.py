@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import math
 import logging
 import time
 from collections.abc import AsyncIterator, MutableMapping
@@ -322,6 +324,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                 "no statistics yet: the scheduler has not reported")
         assert stats is not None
         return admin_pb2.StatsResponse(**asdict(stats))
+
+
+    async def Profile(self, request: admin_pb2.ProfileRequest,
+                      context: grpc.aio.ServicerContext) -> admin_pb2.ProfileResponse:
+        duration = request.duration_s
+        if not 0 < duration <= 600 or math.isnan(duration):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"duration_s: must be in (0, 600], got {duration}")
+        try:
+            profiles = await self.engine.profile(duration)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                "not every process sent its profile back")
+        return admin_pb2.ProfileResponse(profiles_json=json.dumps(profiles).encode())
 
 
 def add_admin_service(server: grpc.aio.Server, engine: EngineClient) -> None:

@@ -11,7 +11,11 @@ import collections
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proto.messages import ProfileControl
+    from rpc.channels import Sender
 
 MAX_SPANS = 500_000
 
@@ -103,3 +107,15 @@ TRACER = Tracer("process")
 def set_role(role: str) -> Tracer:
     TRACER.role = role
     return TRACER
+
+
+def on_profile_control(msg: "ProfileControl", reply: "Sender") -> None:
+    """What every process does with a ProfileControl from the frontend."""
+    from proto.messages import ProfileData
+
+    if msg.start:
+        TRACER.start()
+    else:
+        data = TRACER.stop()
+        reply.put(ProfileData(data["role"], data["started_ns"], data["stopped_ns"],
+                              data["spans"], data["counters"]))

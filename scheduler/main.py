@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 from proto.config import ServerConfig
 from proto.messages import (AbortRequest, AddRequest, EngineStats, Heartbeat, PlanProcessed,
+                            ProfileControl,
                             Shutdown, StepDone, StopHit, WorkerReady)
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import role_watch
+from rpc.tracing import TRACER, on_profile_control, set_role
 from rpc.process import PlanWatchdog
 from scheduler.core import Scheduler, SchedulerParams
 
@@ -44,6 +46,7 @@ def run_scheduler(cfg: ServerConfig) -> None:
     to_supervisor: Sender | None = Sender(addr.supervisor) if addr.supervisor else None
     stats_sent: tuple[float, EngineStats | None] = (0.0, None)
     times = Timings()
+    set_role("scheduler")
     peers = role_watch(cfg, "scheduler")
     try:
         while True:
@@ -82,7 +85,9 @@ def run_scheduler(cfg: ServerConfig) -> None:
             if sched is None:
                 continue
             while sched.ready_to_plan():
+                t0 = time.monotonic_ns()
                 plan = sched.build_plan()
+                TRACER.record("plan", t0, time.monotonic_ns(), plan.plan_id)
                 faults.maybe_fire("scheduler", plan.plan_id)  # tests only; no-op otherwise
                 watchdog.sent(plan.plan_id)
                 to_worker.put(plan)
@@ -150,6 +155,8 @@ def dispatch(sched: Scheduler, msg: object, to_frontend: Sender) -> None:
         rejected = sched.add_request(msg)
         if rejected is not None:
             to_frontend.put(rejected)
+    elif isinstance(msg, ProfileControl):
+        on_profile_control(msg, to_frontend)
     elif isinstance(msg, AbortRequest):
         sched.abort_request(msg.request_id)
     elif isinstance(msg, StepDone):
