@@ -259,6 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(p)
     p.set_defaults(func=bench_serve.main)
 
+    from gpu_worker import bench_step
+
+    p = bench.add_parser("step", help="decode ms/step at batch 1/8/32/64 next to HF generate()")
+    bench_step.add_arguments(p)
+    p.set_defaults(func=bench_step.main)
+
     from postproc_worker import bench as bench_postproc
 
     p = bench.add_parser("postproc", help="postproc tokens/s next to decode tokens/s")

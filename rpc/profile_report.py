@@ -219,7 +219,10 @@ def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float
     import matplotlib.pyplot as plt
 
     lo, hi = _window(profiles)
-    mid = lo + (hi - lo) // 2
+    # Centre on the device's work, not on the recording: a workload may fill only part of it.
+    forwards = sorted(s[1] for p in profiles if p["role"] == "gpu-worker"
+                      for s in p["spans"] if s[0] == "forward")
+    mid = forwards[len(forwards) // 2] if forwards else lo + (hi - lo) // 2
     w0 = max(lo, mid - int(window_ms * 5e5))
     w1 = min(hi, w0 + int(window_ms * 1e6))
     ordered = sorted(profiles, key=lambda p: _lane_order(p["role"]))
