@@ -38,6 +38,7 @@ from proto.messages import (
     SamplingParams,
     WorkerReady,
 )
+from rpc import metrics
 from rpc.channels import AsyncReceiver, Sender
 from rpc.token_channel import owner
 
@@ -110,6 +111,7 @@ class EngineClient:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
+                metrics.on_stats(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -173,6 +175,7 @@ class EngineClient:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
             self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started))
+            last_at: float | None = None
             while True:
                 item = await self._next(stream, deadline)
                 if item is None:  # time limit
@@ -181,6 +184,7 @@ class EngineClient:
                 if isinstance(item, EngineError):
                     raise item
                 if isinstance(item, RequestRejected):  # the postproc side still forgets it
+                    metrics.REJECTED.inc()
                     raise EngineError("RESOURCE_EXHAUSTED", item.message)
                 if isinstance(item, RequestFailed):  # e.g. outgrew the KV cache: TOKEN_LIMIT
                     log.warning("[%s] request %d ended by the scheduler: %s", name or "-", rid,
@@ -189,6 +193,7 @@ class EngineClient:
                     return
                 assert isinstance(item, OutputDelta), type(item)
                 ended_by_engine = item.finish_reason != FinishReason.NOT_FINISHED
+                last_at = _observe(stream.started, last_at, item)
                 yield item
                 if ended_by_engine:
                     return
@@ -241,3 +246,16 @@ class EngineClient:
         self._to_scheduler.close()
         for s in self._to_postproc:
             s.close()
+
+
+def _observe(started: float, last_at: float | None, d: OutputDelta) -> float:
+    """TTFT / inter-token / end-to-end latencies of one request into the histograms."""
+    now = time.monotonic()
+    if last_at is None:
+        metrics.TTFT.observe(now - started)
+    else:
+        metrics.ITL.observe(now - last_at)
+    if d.finish_reason != FinishReason.NOT_FINISHED:
+        metrics.E2E.observe(now - started)
+        metrics.REQUESTS.labels(d.finish_reason.name).inc()
+    return now

@@ -42,6 +42,7 @@ from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerH
 from rpc import faults
 from rpc.channels import AsyncReceiver
 from rpc.engine_client import EngineClient
+from rpc.metrics import serve_metrics
 from rpc.peers import frontend_watch
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.tokenizer import Tokenizer
@@ -224,6 +225,7 @@ class Launcher:
         add_admin_service(server, engine)
         self._bind(server)
         await server.start()
+        serve_metrics(self.cfg.metrics_port)
         await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         await _set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)

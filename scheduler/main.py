@@ -46,6 +46,7 @@ def run_scheduler(cfg: ServerConfig) -> None:
     to_supervisor: Sender | None = Sender(addr.supervisor) if addr.supervisor else None
     stats_sent: tuple[float, EngineStats | None] = (0.0, None)
     times = Timings()
+    stats_logged: tuple[float, int, float] = (time.monotonic(), 0, 0.0)
     set_role("scheduler")
     peers = role_watch(cfg, "scheduler")
     try:
@@ -53,6 +54,7 @@ def run_scheduler(cfg: ServerConfig) -> None:
             watch_worker(watchdog, to_supervisor)
             if sched is not None:  # here, not after planning: an idle wake-up sends too
                 stats_sent = report_stats(sched, times, to_frontend, stats_sent)
+                stats_logged = log_stats(sched, times, stats_logged)
             if peers is not None:
                 peers.check()  # on its own (a container): lose the frontend, exit non-zero
             msg = inbox.get(timeout=STATS_INTERVAL)
@@ -131,6 +133,27 @@ class Timings:
             self.forward_s += msg.forward_time
         elif isinstance(msg, PlanProcessed):
             self.postproc_busy_s += msg.busy_s / num_postproc
+
+
+STATS_LOG_INTERVAL = 10.0  # seconds between the one-line stats log entries
+
+
+def log_stats(sched: Scheduler, times: Timings,
+              last: tuple[float, int, float]) -> tuple[float, int, float]:
+    """One line per interval, like SGLang's decode log: load, speed, KV use, device busy."""
+    now = time.monotonic()
+    if now - last[0] < STATS_LOG_INTERVAL:
+        return last
+    s = sched.stats
+    span = now - last[0]
+    busy = (times.worker_busy_s - last[2]) / span
+    kv = 1.0 - s.num_free_blocks / max(sched.params.num_blocks, 1)
+    if s.num_running or s.num_waiting or s.tokens_delivered != last[1]:
+        log.info("running %d, waiting %d, gen %.1f tok/s, KV %.1f%%, device busy %.1f%%, "
+                 "preemptions %d", s.num_running, s.num_waiting,
+                 (s.tokens_delivered - last[1]) / span, 100 * kv, 100 * busy,
+                 s.num_preemptions)
+    return now, s.tokens_delivered, times.worker_busy_s
 
 
 def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,

@@ -56,3 +56,31 @@ def test_profile_under_load(fast_model_dir: pathlib.Path, tmp_path: pathlib.Path
     lanes = [e for e in trace["traceEvents"] if e["name"] == "process_name"]
     assert len(lanes) == 5
     profile_report.timeline_png(profiles, str(tmp_path / "t.png"))
+
+
+def test_metrics_endpoint_fills_histograms(fast_model_dir: pathlib.Path) -> None:
+    import urllib.request
+
+    from tests.e2e.server import free_port
+
+    port = free_port()
+    server = Server(str(fast_model_dir), "--metrics-port", str(port)).wait_ready()
+    try:
+        for _ in range(3):
+            list(server.client.stream("metrics please", GenerateOptions(max_new_tokens=6)))
+        import time
+
+        time.sleep(0.5)  # the scheduler's counters arrive every 0.2 s
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    finally:
+        assert server.stop() == 0
+
+    def value(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + " "))
+        return float(line.split()[-1])
+
+    assert value("tandem_time_to_first_token_seconds_count") >= 4  # warm-up + 3
+    assert value("tandem_inter_token_latency_seconds_count") >= 15
+    assert value("tandem_e2e_request_latency_seconds_count") >= 4
+    assert 0.0 < value("tandem_device_busy_ratio") <= 1.0
+    assert 'tandem_requests_total{reason="MAX_TOKENS"}' in text

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the frontend (`--metrics-port`), fed by the request streams and the
+scheduler's periodic EngineStats, so one endpoint covers every process."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+from proto.messages import EngineStats
+
+_LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+
+TTFT = Histogram("tandem_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY)
+ITL = Histogram("tandem_inter_token_latency_seconds", "Gap between streamed deltas",
+                buckets=_LATENCY)
+E2E = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
+                buckets=_LATENCY)
+REQUESTS = Counter("tandem_requests_total", "Finished requests", ["reason"])
+REJECTED = Counter("tandem_rejected_requests_total", "Requests refused by admission control")
+RUNNING = Gauge("tandem_num_requests_running", "Requests holding KV blocks")
+WAITING = Gauge("tandem_num_requests_waiting", "Queued requests (preempted included)")
+KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use")
+PREFIX_HIT = Gauge("tandem_prefix_cache_hit_ratio", "Prompt tokens served from the cache")
+PREEMPTIONS = Gauge("tandem_num_preemptions", "Preemptions since start")
+DEVICE_BUSY = Gauge("tandem_device_busy_ratio", "Gpu worker time inside plans / uptime")
+WASTED = Gauge("tandem_tokens_after_finish", "Tokens computed after a request finished")
+
+
+def serve_metrics(port: int) -> None:
+    if port:
+        start_http_server(port)
+
+
+def on_stats(s: EngineStats) -> None:
+    RUNNING.set(s.num_running)
+    WAITING.set(s.num_waiting)
+    if s.num_total_blocks:
+        KV_USAGE.set(1.0 - s.num_free_blocks / s.num_total_blocks)
+    if s.prefix_query_tokens:
+        PREFIX_HIT.set(s.prefix_hit_tokens / s.prefix_query_tokens)
+    PREEMPTIONS.set(s.num_preemptions)
+    if s.uptime_s > 0:
+        DEVICE_BUSY.set(min(1.0, s.worker_busy_s / s.uptime_s))
+    WASTED.set(s.tokens_after_finish)
