@@ -8,8 +8,8 @@ decode steps (contexts P+1 .. P+M).
   every step published through a `TokenPublisher` into a null sink; a plan's wall time over
   its K steps is one sample;
 * HF: greedy `generate(max_new_tokens = min_new_tokens = M + 1)` with a streamer that
-  timestamps every new token; the interval between two tokens is one sample (the first
-  token, which includes the prefill, starts the clock).
+  timestamps every new token; the time of K consecutive steps over K is one sample (the
+  first token, which includes the prefill, starts the clock).
 
 The figure is the median sample over `--repeats` runs, with the two sides alternating: on a
 shared machine a noisy neighbour stalls a few samples of either side, not the median.  torch
@@ -35,8 +35,10 @@ from proto.messages import NewRequest, SamplingParams, StepPlan
 @dataclass
 class Row:
     batch: int
-    ours_ms: float
+    ours_ms: float  # median sample
     hf_ms: float | None
+    ours_min_ms: float = 0.0  # fastest sample: what a quiet machine gives
+    hf_min_ms: float | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -115,8 +117,8 @@ class HF:
 
         self._stamps = Stamps
 
-    def samples(self, prompts: np.ndarray, steps: int) -> list[float]:
-        """Milliseconds between consecutive new tokens, after the first one."""
+    def samples(self, prompts: np.ndarray, steps: int, window: int) -> list[float]:
+        """Milliseconds per step over each `window` consecutive steps after the first token."""
         import torch
 
         ids = torch.from_numpy(prompts.astype(np.int64))
@@ -126,7 +128,8 @@ class HF:
                                 do_sample=False, max_new_tokens=steps + 1,
                                 min_new_tokens=steps + 1, pad_token_id=0, streamer=stamps)
         t = stamps.times[1:]  # [0] is the prompt; t[0] the first token (after the prefill)
-        return [(b - a) * 1e3 for a, b in zip(t[:-1], t[1:], strict=True)]
+        ends = list(range(window, steps + 1, window))
+        return [(t[e] - t[e - window]) / window * 1e3 for e in ends]
 
 
 def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
@@ -140,15 +143,16 @@ def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
             prompts = _prompts(b, prompt_len, vocab)
             ours.samples(prompts, k)  # warm-up (allocator, oneDNN primitives)
             if hf is not None:
-                hf.samples(prompts, 2)
+                hf.samples(prompts, 2, 1)
             mine: list[float] = []
             theirs: list[float] = []
             for r in range(repeats):
                 mine += ours.samples(prompts, steps)
                 if hf is not None:
-                    theirs += hf.samples(prompts, steps)
+                    theirs += hf.samples(prompts, steps, k)
                 _progress(f"batch {b}: run {r + 1}/{repeats}")
-            row = Row(b, float(np.median(mine)), float(np.median(theirs)) if theirs else None)
+            row = Row(b, float(np.median(mine)), float(np.median(theirs)) if theirs else None,
+                      min(mine), min(theirs) if theirs else None)
             rows.append(row)
             _progress(f"batch {b}: ours {row.ours_ms:.2f} ms/step" + (
                 "" if row.hf_ms is None or row.ratio is None

@@ -19,8 +19,8 @@ from proto.messages import Heartbeat, ProfileControl, Shutdown, StepPlan, Worker
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import HEARTBEAT_INTERVAL, role_watch
-from rpc.tracing import TRACER, on_profile_control, set_role
 from rpc.token_channel import TokenWriter
+from rpc.tracing import TRACER, on_profile_control, set_role
 
 log = logging.getLogger("tandem.gpu_worker")
 
