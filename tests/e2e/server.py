@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from rpc.bench_soak import tree_pids as process_tree
 from rpc.client import GenerateOptions, TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,23 +27,7 @@ def free_port() -> int:
 
 def tree_pids(root: int) -> set[int]:
     """Every live descendant of `root` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out: set[int] = set()
-    todo = [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
+    return set(process_tree(root)) - {root}
 
 
 def cmdline(pid: int) -> list[str]:
