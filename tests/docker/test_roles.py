@@ -15,6 +15,7 @@ import yaml
 
 from rpc.client import GenerateOptions, TandemClient
 from tests.e2e.server import ROOT, free_port
+from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -58,17 +59,7 @@ def localize(services: dict, model: str) -> tuple[dict[str, list[str]], dict[str
 
 @pytest.fixture(scope="module")
 def hf_texts(tiny_model_dir: pathlib.Path) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    out = []
-    for text, n in PROMPTS:
-        ids = tok(text, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
-    return out
+    return hf_greedy(tiny_model_dir, PROMPTS)
 
 
 def test_roles_serve_like_compose_and_exit_when_the_scheduler_dies(

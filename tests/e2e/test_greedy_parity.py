@@ -9,6 +9,7 @@ import pytest
 
 from rpc.client import GenerateOptions
 from tests.e2e.server import Server
+from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
@@ -22,17 +23,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_outputs(tiny_model_dir: pathlib.Path) -> dict[str, str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    out = {}
-    for text, n in PROMPTS:
-        ids = tok(text, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out[text] = tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
-    return out
+    return dict(zip([t for t, _ in PROMPTS], hf_greedy(tiny_model_dir, PROMPTS), strict=True))
 
 
 def stream_text(server: Server, text: str, n: int) -> tuple[str, int]:

@@ -9,24 +9,11 @@ import pytest
 
 from rpc.client import GenerateOptions
 from tests.e2e.server import Server
+from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
 WORDS = "alpha beta gamma delta river stone cloud light seven orange tiger music".split()
-
-
-def hf_greedy(model_dir: pathlib.Path, jobs: list[tuple[str, int]]) -> list[str]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = []
-    for text, n in jobs:
-        ids = tok(text, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
-    return out
 
 
 def run_all(server: Server, jobs: list[tuple[str, int]]) -> list[str]:
