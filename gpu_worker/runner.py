@@ -249,6 +249,7 @@ class ModelRunner:
             done = self._collect(plan, decoding, steps)
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
+        done.decode_only = bool(decoding) and not chunked
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,

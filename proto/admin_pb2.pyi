@@ -21,7 +21,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_hit_tokens", "prefix_query_tokens", "tokens_delivered", "tokens_after_finish", "uptime_s", "num_plans", "worker_busy_s", "forward_s", "postproc_busy_s")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_hit_tokens", "prefix_query_tokens", "tokens_delivered", "tokens_after_finish", "uptime_s", "num_plans", "worker_busy_s", "forward_s", "postproc_busy_s", "steady_busy_s", "steady_idle_s")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class StatsResponse(_message.Message):
     WORKER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     POSTPROC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    STEADY_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
@@ -50,4 +52,6 @@ class StatsResponse(_message.Message):
     worker_busy_s: float
     forward_s: float
     postproc_busy_s: float
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., tokens_delivered: _Optional[int] = ..., tokens_after_finish: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_plans: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., postproc_busy_s: _Optional[float] = ...) -> None: ...
+    steady_busy_s: float
+    steady_idle_s: float
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., tokens_delivered: _Optional[int] = ..., tokens_after_finish: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_plans: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., postproc_busy_s: _Optional[float] = ..., steady_busy_s: _Optional[float] = ..., steady_idle_s: _Optional[float] = ...) -> None: ...

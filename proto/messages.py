@@ -208,6 +208,10 @@ class StepDone:
     finish_reasons: np.ndarray  # uint8
     forward_time: float  # seconds the plan's forwards took (metrics)
     wall_time: float
+    # Seconds the worker waited for this plan after finishing the previous one, and whether
+    # the plan only continued decoding (no prefill): the device-idle share in steady decode.
+    idle_time: float = 0.0
+    decode_only: bool = False
 
 
 @dataclass
@@ -329,6 +333,9 @@ class EngineStats:
     worker_busy_s: float = 0.0  # sum of the gpu worker's plan wall times
     forward_s: float = 0.0  # sum of the plans' forward (prefill + decode) times
     postproc_busy_s: float = 0.0  # per postproc worker, averaged over the workers
+    # Decode-only plans: time inside them, and time the worker waited before them.
+    steady_busy_s: float = 0.0
+    steady_idle_s: float = 0.0
 
 
 @dataclass

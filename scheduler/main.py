@@ -125,12 +125,18 @@ class Timings:
     worker_busy_s: float = 0.0
     forward_s: float = 0.0
     postproc_busy_s: float = 0.0
+    steady_busy_s: float = 0.0
+    steady_idle_s: float = 0.0
 
     def on(self, msg: object, num_postproc: int) -> None:
         if isinstance(msg, StepDone):
             self.num_plans += 1
             self.worker_busy_s += msg.wall_time
             self.forward_s += msg.forward_time
+            # The wait before a plan with prefill is usually for new requests, not for us.
+            if msg.decode_only:
+                self.steady_busy_s += msg.wall_time
+                self.steady_idle_s += msg.idle_time
         elif isinstance(msg, PlanProcessed):
             self.postproc_busy_s += msg.busy_s / num_postproc
 
@@ -168,7 +174,8 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         s.num_waiting, s.num_preemptions, s.prefix_hit_tokens,
                         s.prefix_query_tokens, s.tokens_delivered, s.tokens_after_finish,
                         now - times.started, times.num_plans, times.worker_busy_s,
-                        times.forward_s, times.postproc_busy_s)
+                        times.forward_s, times.postproc_busy_s, times.steady_busy_s,
+                        times.steady_idle_s)
     to_frontend.put(stats)
     return now, stats
 
