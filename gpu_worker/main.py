@@ -26,8 +26,11 @@ log = logging.getLogger("tandem.gpu_worker")
 
 
 def build_runner(cfg: ServerConfig) -> ModelRunner:
-    if cfg.torch_threads:
-        torch.set_num_threads(cfg.torch_threads)
+    threads = cfg.torch_threads or len(cfg.worker_cpus)
+    if threads:
+        torch.set_num_threads(threads)
+    log.info("torch threads: %d%s", torch.get_num_threads(),
+             f", pinned to cores {list(cfg.worker_cpus)}" if cfg.worker_cpus else "")
     return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
                        block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
                        kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
@@ -65,8 +68,11 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 return
             if isinstance(msg, StepPlan):
                 faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
-                TRACER.record("idle", idle_since, time.monotonic_ns(), msg.plan_id)
-                to_scheduler.put(runner.execute(msg, publisher))
+                started = time.monotonic_ns()
+                TRACER.record("idle", idle_since, started, msg.plan_id)
+                done = runner.execute(msg, publisher)
+                done.idle_time = (started - idle_since) / 1e9
+                to_scheduler.put(done)
                 idle_since = time.monotonic_ns()
             elif isinstance(msg, ProfileControl):
                 on_profile_control(msg, to_frontend)

@@ -69,7 +69,11 @@ class ServerConfig:
     default_max_new_tokens: int = 20
     max_new_tokens: int = 1024  # the server's limit for one request
     include_stop_sequence: bool = True  # default when a request leaves it unset
-    torch_threads: int = 0  # 0: all cores the worker may use
+    torch_threads: int = 0  # 0: one per core the worker may use
+    # On a CPU device, cores kept for the frontend, scheduler and postproc workers; the gpu
+    # worker is pinned to the rest, so the "device" is never preempted by Python work.
+    # -1: 1 when the host has ≥ 2 cores and no CUDA device; 0: no pinning.
+    reserved_cpus: int = -1
     shutdown_timeout: float = 30.0
     step_timeout: float = 300.0  # a plan unfinished this long means a hung gpu worker
     metrics_port: int = 0
@@ -85,6 +89,9 @@ class ServerConfig:
     # Roles started one by one (`tandem run-role` with peer addresses, e.g. one container
     # each): no launcher watches the processes, so they watch each other by heartbeats.
     standalone: bool = False
+    # Set by the launcher from reserved_cpus: the cores each side is pinned to (empty: none).
+    worker_cpus: tuple[int, ...] = ()
+    service_cpus: tuple[int, ...] = ()
     addresses: Addresses = field(default_factory=lambda: Addresses("", "", "", (), ""))
 
     def to_json(self) -> str:
@@ -95,6 +102,8 @@ class ServerConfig:
         raw: dict[str, Any] = json.loads(text)
         addr = raw.pop("addresses")
         addr["postproc_inboxes"] = tuple(addr["postproc_inboxes"])
+        for key in ("worker_cpus", "service_cpus"):
+            raw[key] = tuple(raw.get(key, ()))
         return cls(**raw, addresses=Addresses(**addr))
 
     def replace(self, **changes: Any) -> "ServerConfig":

@@ -57,7 +57,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="the largest max_new_tokens a request may ask for")
     _bool_flag(p, "include-stop-sequence", d.include_stop_sequence,
                "default for requests that leave include_stop_sequence unset")
-    p.add_argument("--torch-threads", type=int, default=d.torch_threads)
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                   help="gpu worker's torch threads (0: one per core it is pinned to)")
+    p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
+                   help="CPU device: cores kept for the other processes, the gpu worker "
+                        "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds in-flight requests may take before they are "
                         "cancelled")

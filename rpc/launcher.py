@@ -44,6 +44,7 @@ from rpc.channels import AsyncReceiver
 from rpc.engine_client import EngineClient
 from rpc.metrics import serve_metrics
 from rpc.peers import frontend_watch
+from rpc.process import pin, split_cpus
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.tokenizer import Tokenizer
 from rpc.validation import Limits
@@ -99,7 +100,8 @@ class Launcher:
             self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-")
             addr = Addresses.local(self.run_dir, str(os.getpid()), cfg.num_postproc_workers,
                                    cfg.shm_ring)
-            self.cfg = cfg.replace(addresses=addr, run_dir=self.run_dir)
+            self.cfg = split_cpus(cfg.replace(addresses=addr, run_dir=self.run_dir))
+            pin("frontend", self.cfg)
         self.children: list[Child] = []
         self.exit_code = 0
         self._stop = asyncio.Event()

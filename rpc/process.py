@@ -148,11 +148,54 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
         log.warning("could not report the failure to the launcher: %s", err)
 
 
+# ---------------------------------------------------------------------- CPU placement
+
+
+def _cuda_present() -> bool:
+    """Cheap (no torch import): does this host expose an NVIDIA device?"""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/dxg")
+
+
+def split_cpus(cfg: ServerConfig) -> ServerConfig:
+    """Where each process runs when the model runs on the CPU.
+
+    The gpu worker gets every allowed core but `reserved_cpus`, one torch thread per core;
+    the frontend, scheduler and postproc workers share the reserved ones.  Without this they
+    preempt the worker's torch threads, and one preempted thread stalls every other at the
+    next barrier of a parallel op: the forward slows by far more than the Python work
+    costs, which is the opposite of overlap.  With an accelerator nothing is pinned.
+    """
+    if cfg.reserved_cpus == 0 or cfg.device == "cuda" or (cfg.device == "auto"
+                                                          and _cuda_present()):
+        return cfg
+    cores = sorted(os.sched_getaffinity(0))
+    reserved = cfg.reserved_cpus if cfg.reserved_cpus > 0 else 1
+    if len(cores) <= reserved:
+        if cfg.reserved_cpus > 0:
+            log.warning("--reserved-cpus %d leaves no core for the gpu worker (%d allowed); "
+                        "not pinning", reserved, len(cores))
+        return cfg
+    return cfg.replace(worker_cpus=tuple(cores[:-reserved]),
+                       service_cpus=tuple(cores[-reserved:]))
+
+
+def pin(role: str, cfg: ServerConfig) -> None:
+    """Move this process onto its side of `split_cpus` (no-op when nothing was split)."""
+    cpus = cfg.worker_cpus if role == "gpu-worker" else cfg.service_cpus
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:  # a cpuset changed under us: run unpinned rather than fail
+        log.warning("could not pin %s to cores %s: %s", role, list(cpus), e)
+
+
 def init_child(role: str, cfg: ServerConfig, parent_pid: int | None) -> None:
     from rpc import faults
 
     set_title(f"tandem: {role}")
     setup_logging(role, cfg.log_level)
+    pin(role, cfg)
     exit_on_sigterm()
     dump_stacks_on_sigusr1()
     faults.configure(cfg.fault)

@@ -234,3 +234,42 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
     assert deltas[-1].num_generated == 1001
     assert deltas[-1].finish_reason == FinishReason.MAX_TOKENS
     assert type(items[-1]).__name__ == "EngineError"
+
+
+# ---------------------------------------------------------------------- CPU placement
+
+
+def _placement(monkeypatch: pytest.MonkeyPatch, cores: set[int], cuda: bool = False,
+               **cfg: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from proto.config import ServerConfig
+    from rpc import process
+
+    monkeypatch.setattr(process.os, "sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(process, "_cuda_present", lambda: cuda)
+    out = process.split_cpus(ServerConfig(model="", **cfg))  # type: ignore[arg-type]
+    return out.worker_cpus, out.service_cpus
+
+
+def test_cpu_device_keeps_one_core_for_the_python_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _placement(monkeypatch, {0, 1}) == ((0,), (1,))
+    assert _placement(monkeypatch, {2, 5, 7, 9}) == ((2, 5, 7), (9,))
+    assert _placement(monkeypatch, {0, 1, 2, 3}, reserved_cpus=2) == ((0, 1), (2, 3))
+
+
+def test_nothing_is_pinned_with_an_accelerator_one_core_or_when_disabled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _placement(monkeypatch, {0, 1}, cuda=True) == ((), ())
+    assert _placement(monkeypatch, {0, 1}, device="cuda") == ((), ())
+    assert _placement(monkeypatch, {0}) == ((), ())
+    assert _placement(monkeypatch, {0, 1}, reserved_cpus=0) == ((), ())
+    assert _placement(monkeypatch, {0, 1}, reserved_cpus=2) == ((), ())
+    # An explicit CPU device is pinned even on a host with a GPU.
+    assert _placement(monkeypatch, {0, 1}, cuda=True, device="cpu") == ((0,), (1,))
+
+
+def test_placement_survives_the_config_file_round_trip() -> None:
+    from proto.config import ServerConfig
+
+    cfg = ServerConfig(model="m", worker_cpus=(0, 1), service_cpus=(2,))
+    assert ServerConfig.from_json(cfg.to_json()) == cfg
