@@ -15,7 +15,7 @@ $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# The CPU build of torch; an unpinned torch would pull a multi-GB CUDA build.
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,bench]'
 	@touch $(STAMP)
 
 serve: bootstrap

@@ -2,9 +2,12 @@
 
 For every arm (K ∈ --steps × {sync, async}) it starts `tandem serve` on the same model,
 runs the same seeded `bench serve` workload against it, and reads the engine's counters
-before and after (admin Stats): device idle share (time the gpu worker waited for a plan
-over wall time), mean forward time per plan and mean postprocessing time per plan.  It
-writes a markdown table with ratios to sync K=1, a JSON file and a PNG chart.
+before and after (admin Stats): device idle share (time the gpu worker waited for a plan)
+over the whole run and in steady decode (plans without prefill), mean forward time per
+plan and mean postprocessing time per plan, plus the CPU seconds each process used.
+`--peers` runs the same workload against `transformers serve --continuous-batching` and
+static-batch `generate()` in the same invocation.  It writes a markdown table with ratios
+to sync K=1, a JSON file and a PNG chart.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import time
 from typing import Any
 
 from rpc.bench_serve import BenchConfig, run_benchmark
+from rpc.bench_soak import role_of, tree_pids
 from rpc.client import TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,8 +76,10 @@ def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     plans = max(d.get("num_plans", 0.0), 1.0)
     wall = max(d.get("uptime_s", 0.0), 1e-9)
+    steady = d.get("steady_busy_s", 0.0) + d.get("steady_idle_s", 0.0)
     return {
         "device_idle_pct": 100.0 * max(0.0, 1.0 - d.get("worker_busy_s", 0.0) / wall),
+        "steady_idle_pct": 100.0 * d.get("steady_idle_s", 0.0) / steady if steady else 0.0,
         "forward_ms_per_plan": 1e3 * d.get("forward_s", 0.0) / plans,
         "postproc_ms_per_plan": 1e3 * d.get("postproc_busy_s", 0.0) / plans,
         "plans": d.get("num_plans", 0.0),
@@ -82,15 +88,90 @@ def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[st
     }
 
 
-def run_arm(model: str, arm: Arm, bench: BenchConfig, extra: list[str]) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class CpuMeter:
+    """CPU seconds per process of a server tree (and of this load generator) over a run:
+    on a CPU host every process shares the cores the forward pass runs on."""
+
+    def __init__(self, root: int, label: str = "") -> None:
+        self.pids = {p: label or role_of(p) for p in tree_pids(root)}
+        self.start = {p: cpu_seconds(p) for p in self.pids}
+        self.own = _own_cpu()
+
+    def stop(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, role in self.pids.items():
+            if role == "shm tracker":
+                continue
+            used = cpu_seconds(pid) - self.start[pid]
+            out[role] = out.get(role, 0.0) + max(used, 0.0)
+        out["load generator"] = _own_cpu() - self.own
+        return out
+
+
+@dataclasses.dataclass
+class Workload:
+    """One seeded dataset for every arm and peer, built before any clock starts."""
+
+    bench: BenchConfig
+    items: list[Any]
+    tokenizer: Any
+
+    @classmethod
+    def build(cls, bench: BenchConfig) -> Workload:
+        from rpc.bench_datasets import load_dataset
+        from rpc.bench_serve import _load_tokenizer
+
+        tok = _load_tokenizer(bench)
+        items = load_dataset(bench.dataset, tok, num_prompts=bench.num_prompts,
+                             input_len=bench.input_len, output_len=bench.output_len,
+                             range_ratio=bench.range_ratio, prefix_len=bench.prefix_len,
+                             dataset_path=bench.dataset_path, seed=bench.seed)
+        return cls(bench, list(items), tok)
+
+    def run(self, **changes: Any) -> dict[str, Any]:
+        """Warm the target up, then run the workload; `warmed` is called in between, so
+        counters read there leave the warm-up out."""
+        warmed = changes.pop("warmed", None)
+        cfg = dataclasses.replace(self.bench, progress=False, warmup=0, **changes)
+        if self.bench.warmup:
+            warm = self.items[:self.bench.warmup]
+            asyncio.run(run_benchmark(cfg, items=warm, tokenizer=self.tokenizer))
+        if warmed is not None:
+            warmed()
+        return asyncio.run(run_benchmark(cfg, items=self.items, tokenizer=self.tokenizer))
+
+
+def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:
     port = _free_port()
     proc = start_server(model, arm, extra, port)
     client = TandemClient(f"127.0.0.1:{port}")
     try:
         wait_ready(client, proc)
-        cfg = dataclasses.replace(bench, port=port, model=model, progress=False)
-        before = _counters(client)
-        result = asyncio.run(run_benchmark(cfg))
+        start: dict[str, Any] = {}
+
+        def warmed() -> None:
+            time.sleep(0.5)  # the scheduler reports counters every 0.2 s
+            start["counters"] = _counters(client)
+            start["meter"] = CpuMeter(proc.pid)
+
+        result = work.run(port=port, model=model, warmed=warmed)
+        result["cpu_s"] = start["meter"].stop()
+        before = start["counters"]
         time.sleep(0.5)  # the scheduler reports counters every 0.2 s
         result.update(engine_figures(before, _counters(client)))
         return result
@@ -103,10 +184,104 @@ def run_arm(model: str, arm: Arm, bench: BenchConfig, extra: list[str]) -> dict[
             proc.kill()
 
 
+PEERS = ("transformers-serve", "hf-generate")
+PEER_NAMES = {"transformers-serve": "transformers serve", "hf-generate": "hf generate()"}
+
+
+def transformers_cli() -> str:
+    """The `transformers` console script of this interpreter's environment."""
+    here = os.path.join(os.path.dirname(sys.executable), "transformers")
+    return here if os.path.exists(here) else "transformers"
+
+
+def run_transformers_serve(model: str, work: Workload, timeout: float = 300.0
+                           ) -> dict[str, Any]:
+    """The same workload against `transformers serve --continuous-batching` on `model`."""
+    import urllib.request
+
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [transformers_cli(), "serve", "--continuous-batching", "--device", "cpu",
+           "--port", str(port), model]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with {proc.returncode} "
+                                   "(is the bench extra installed?)")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("transformers serve did not become ready") from None
+                time.sleep(0.5)
+        _first_completion(port, model)  # it loads the model on the first request
+        meter: list[CpuMeter] = []
+        result = work.run(backend="transformers-serve", port=port, model=model,
+                          served_model_name=model,
+                          warmed=lambda: meter.append(CpuMeter(proc.pid, "transformers serve")))
+        result["cpu_s"] = meter[0].stop()
+        return result
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _first_completion(port: int, model: str) -> None:
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        resp.read()
+
+
+def run_hf_generate(model: str, work: Workload) -> dict[str, Any]:
+    """Static batches of `generate()` in this process: the bound with no server at all."""
+    return work.run(backend="hf-generate", model=model, device="cpu")
+
+
+def run_peer(name: str, model: str, work: Workload) -> dict[str, Any]:
+    if name == "transformers-serve":
+        return run_transformers_serve(model, work)
+    if name == "hf-generate":
+        return run_hf_generate(model, work)
+    raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+
+
+def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-key median of repeated runs (numbers only; CPU seconds per process too)."""
+    import statistics
+
+    out = dict(runs[-1])
+    for key, value in runs[-1].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(float(r[key]) for r in runs if key in r)
+    roles = {role for r in runs for role in r.get("cpu_s", {})}
+    out["cpu_s"] = {role: statistics.median(r.get("cpu_s", {}).get(role, 0.0) for r in runs)
+                    for role in sorted(roles)}
+    out["repeats"] = len(runs)
+    return out
+
+
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
            ("output_throughput", "out tok/s"), ("device_idle_pct", "device idle %"),
+           ("steady_idle_pct", "idle % in steady decode"),
            ("forward_ms_per_plan", "forward ms/plan"),
            ("postproc_ms_per_plan", "postproc ms/plan")]
+
+
+def _cell(r: dict[str, Any], key: str) -> str:
+    v = r.get(key)
+    return "–" if v is None else f"{v:.2f}"
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -115,11 +290,38 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         "throughput vs sync K=1 |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for name, r in results.items():
-        cells = [f"{r.get(k, float('nan')):.2f}" for k, _ in COLUMNS]
+        cells = [_cell(r, k) for k, _ in COLUMNS]
         tpot = r["mean_tpot_ms"] / base["mean_tpot_ms"] if base else float("nan")
         thr = r["output_throughput"] / base["output_throughput"] if base else float("nan")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {tpot:.2f}× | {thr:.2f}× |")
     return "\n".join(lines)
+
+
+def cpu_table(results: dict[str, dict[str, Any]]) -> str:
+    """CPU seconds per process over each run: where a CPU host's cores went."""
+    roles: list[str] = []
+    for r in results.values():
+        roles += [k for k in r.get("cpu_s", {}) if k not in roles]
+    lines = ["| arm | wall s | " + " | ".join(roles) + " |", "|" + "---|" * (len(roles) + 2)]
+    for name, r in results.items():
+        cpu = r.get("cpu_s", {})
+        cells = [f"{cpu[k]:.2f}" if k in cpu else "–" for k in roles]
+        lines.append(f"| {name} | {r.get('duration', 0.0):.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def peer_ratios(results: dict[str, dict[str, Any]]) -> str:
+    """Output throughput of Tandem's async arm with the largest K over each peer's, measured
+    in the same run."""
+    ours = [n for n in results if n.startswith("async K=")]
+    if not ours:
+        return ""
+    arm = max(ours, key=lambda n: int(n.split("=")[1]))
+    mine = results[arm]["output_throughput"]
+    parts = [f"{arm} output throughput = {mine / r['output_throughput']:.2f}× {name}'s"
+             for name, r in results.items()
+             if name in PEER_NAMES.values() and r.get("output_throughput")]
+    return "; ".join(parts)
 
 
 def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
@@ -129,15 +331,17 @@ def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(4.4 * 3, 3.8))
     for ax, (key, label) in zip(axes, [("mean_tpot_ms", "mean TPOT (ms)"),
                                        ("output_throughput", "output tok/s"),
-                                       ("device_idle_pct", "device idle (% of wall)")]):
-        values = [results[n].get(key, 0.0) for n in names]
-        colors = ["#1f77b4" if "async" in n else "#ff7f0e" for n in names]
+                                       ("steady_idle_pct", "device idle in steady decode (%)")],
+                                 strict=True):
+        values = [results[n].get(key) or 0.0 for n in names]
+        colors = ["#1f77b4" if "async" in n else "#ff7f0e" if "sync" in n else "#7f7f7f"
+                  for n in names]
         ax.bar(names, values, color=colors)
         ax.set_title(label)
-        ax.tick_params(axis="x", rotation=20)
+        ax.tick_params(axis="x", rotation=25)
         for i, v in enumerate(values):
             ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
     fig.suptitle(title)
@@ -152,12 +356,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="lengths drawn from [len·(1-r), len·(1+r)]; 0: all equal")
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--logprobs", type=int, default=None,
                    help="ask top-N token detail (more postprocessing per token)")
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="runs per arm, interleaved; the table shows per-figure medians")
+    p.add_argument("--peers", default="",
+                   help=f"comma-separated, from {', '.join(PEERS)}: the same workload "
+                        "against them, in this run (needs the bench extra)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every server (repeatable)")
     p.add_argument("--output-json", default="bench_ab.json")
@@ -167,22 +378,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, request_rate=args.request_rate,
+                        output_len=args.output_len, range_ratio=args.range_ratio,
+                        request_rate=args.request_rate,
                         max_concurrency=args.max_concurrency, logprobs=args.logprobs,
-                        stop=list(args.stop), seed=args.seed, warmup=4)
-    arms = [Arm(int(k), a) for k in args.steps.split(",") for a in (False, True)]
-    results: dict[str, dict[str, Any]] = {}
-    for i, arm in enumerate(arms, 1):
-        print(f"[bench ab] {i}/{len(arms)}: {arm.name} ...", file=sys.stderr, flush=True)
-        r = run_arm(args.model, arm, bench, list(args.server_arg))
-        results[arm.name] = r
-        print(f"[bench ab]   TPOT {r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} "
-              f"tok/s, device idle {r['device_idle_pct']:.1f}%", file=sys.stderr, flush=True)
-    text = table(results)
-    print(text)
-    keep = [k for k, _ in COLUMNS] + ["completed", "median_tpot_ms", "p99_tpot_ms",
-                                      "median_ttft_ms", "p99_itl_ms", "plans",
-                                      "wasted_tokens", "delivered_tokens"]
+                        stop=list(args.stop), seed=args.seed, warmup=4, model=args.model)
+    work = Workload.build(bench)
+    peers = [p for p in args.peers.split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise SystemExit(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
+    arms: list[Arm | str] = [Arm(int(k), a) for k in args.steps.split(",") for a in (False, True)]
+    arms += peers
+    runs: dict[str, list[dict[str, Any]]] = {}
+    total = len(arms) * args.repeats
+    n = 0
+    for rep in range(args.repeats):
+        # Alternate the order so a slow drift of the machine does not favour one side.
+        for arm in arms if rep % 2 == 0 else arms[::-1]:
+            n += 1
+            name = arm.name if isinstance(arm, Arm) else PEER_NAMES[arm]
+            print(f"[bench ab] {n}/{total}: {name} ...", file=sys.stderr, flush=True)
+            if isinstance(arm, Arm):
+                r = run_arm(args.model, arm, work, list(args.server_arg))
+            else:
+                r = run_peer(arm, args.model, work)
+            runs.setdefault(name, []).append(r)
+            idle = r.get("steady_idle_pct")
+            print(f"[bench ab]   TPOT {r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} "
+                  f"tok/s" + (f", idle in steady decode {idle:.1f}%" if idle is not None
+                              else ""), file=sys.stderr, flush=True)
+    results = {name: median_result(rs) for name, rs in runs.items()}
+    print(table(results))
+    print()
+    print(f"CPU seconds per process ({os.cpu_count()} cores = {os.cpu_count()} CPU s per s of "
+          "wall time):")
+    print(cpu_table(results))
+    ratios = peer_ratios(results)
+    if ratios:
+        print()
+        print(ratios)
+    keep = [k for k, _ in COLUMNS] + ["completed", "duration", "median_tpot_ms", "p99_tpot_ms",
+                                      "median_ttft_ms", "p99_itl_ms", "plans", "wasted_tokens",
+                                      "delivered_tokens", "cpu_s", "repeats"]
     with open(args.output_json, "w") as f:
         json.dump({n: {k: r.get(k) for k in keep} for n, r in results.items()}, f, indent=2)
     chart(results, args.png, args.title or f"Tandem A/B on {os.path.basename(args.model)}")
