@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: bootstrap serve test lint proto compose-check clean
+.PHONY: bootstrap serve test lint proto compose-check clean benchmarks
 
 # Each entry is one compose invocation; ':' joins overlay files.
 COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml
@@ -35,6 +35,10 @@ compose-check: bootstrap
 		"$$bin" $$args config -q || { echo "compose-check: $$spec is invalid"; exit 1; }; \
 		echo "compose-check: $$spec ok"; \
 	done
+
+# Reruns every benchmark and rewrites docs/BENCHMARKS.md (~15 min on 2 cores).
+benchmarks: bootstrap
+	$(BIN)/tandem bench report $(ARGS)
 
 lint: bootstrap
 	$(BIN)/ruff check .

@@ -287,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ab.add_arguments(p)
     p.set_defaults(func=bench_ab.main)
 
+    from rpc import bench_report
+
+    p = bench.add_parser("report", help="rerun the benchmarks, rewrite docs/BENCHMARKS.md")
+    bench_report.add_arguments(p)
+    p.set_defaults(func=bench_report.main)
+
     p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_ipc)
