@@ -344,6 +344,10 @@ class ProfileControl:
     """Frontend → every process: start recording spans, or stop and send them back."""
 
     start: bool
+    # gpu worker only: stop by itself after this many plans and send its data unasked (0: when
+    # told), and run torch.profiler over the same window into this file (absolute; "" = off).
+    plans: int = 0
+    torch_trace: str = ""
 
 
 @dataclass
@@ -355,6 +359,9 @@ class ProfileData:
     stopped_ns: int
     spans: list
     counters: list
+    plans: int = 0  # plans finished inside the window (gpu worker)
+    torch_trace: str = ""  # the torch.profiler trace the gpu worker wrote
+    torch_error: str = ""  # why it could not (the recording itself is still good)
 
 
 MESSAGE_TYPES: tuple[type, ...] = (

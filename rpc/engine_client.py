@@ -13,8 +13,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,14 +23,14 @@ from proto.messages import (
     AbortRequest,
     AddRequest,
     EngineStats,
-    Heartbeat,
-    ProfileControl,
-    ProfileData,
     FinishReason,
     ForgetRequest,
+    Heartbeat,
     OutputBatch,
     OutputDelta,
     OutputOptions,
+    ProfileControl,
+    ProfileData,
     Ready,
     RegisterRequest,
     RequestFailed,
@@ -41,6 +41,7 @@ from proto.messages import (
 from rpc import metrics
 from rpc.channels import AsyncReceiver, Sender
 from rpc.token_channel import owner
+from rpc.tracing import TRACER, ProfileWindow, set_role
 
 log = logging.getLogger("tandem.frontend")
 
@@ -53,10 +54,31 @@ class EngineError(Exception):
         self.code = code  # "RESOURCE_EXHAUSTED" | "UNAVAILABLE" | "INTERNAL"
 
 
+class ProfileBusy(Exception):
+    """A second profile was asked for while one is recording."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
     started: float
+
+
+@dataclass
+class _Recording:
+    """The ProfileData of one `tandem profile`, one per process role."""
+
+    expected: int
+    profiles: dict[str, ProfileData] = field(default_factory=dict)
+    worker_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, data: ProfileData) -> None:
+        self.profiles.setdefault(data.role, data)
+        if data.role == "gpu-worker":
+            self.worker_sent.set()
+        if len(self.profiles) >= self.expected:
+            self.complete.set()
 
 
 class EngineClient:
@@ -67,8 +89,8 @@ class EngineClient:
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
         self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
         self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
-        self._profiles: list[ProfileData] = []
-        self._profiles_done: asyncio.Event | None = None
+        set_role("frontend")
+        self._recording: _Recording | None = None  # the `tandem profile` in progress
         self._streams: dict[int, _Stream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
@@ -102,10 +124,8 @@ class EngineClient:
                 self._ready_postproc.add(msg.index)
                 self._check_ready()
             elif isinstance(msg, ProfileData):
-                self._profiles.append(msg)
-                if self._profiles_done is not None and \
-                        len(self._profiles) == 2 + len(self._to_postproc):
-                    self._profiles_done.set()
+                if self._recording is not None:
+                    self._recording.add(msg)
             elif isinstance(msg, Heartbeat):
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(msg)
@@ -219,31 +239,45 @@ class EngineClient:
         self._to_scheduler.put(AbortRequest(rid))
         self._to_postproc[owner(rid, len(self._to_postproc))].put(ForgetRequest(rid))
 
-    async def profile(self, duration: float) -> list[dict]:
-        """Spans from every process over `duration` seconds (frontend's own included)."""
-        from rpc.tracing import TRACER
+    async def profile(self, duration: float, plans: int = 0,
+                      torch_trace: str = "") -> list[dict]:
+        """Spans from every process (the frontend's own included), one dict per process.
 
-        TRACER.role = "frontend"
-        peers = [self._to_scheduler, self._to_worker, *self._to_postproc]
-        self._profiles, self._profiles_done = [], asyncio.Event()
-        for s in peers:
-            s.put(ProfileControl(True))
-        TRACER.start()
-        await asyncio.sleep(duration)
-        own = TRACER.stop()
-        for s in peers:
-            s.put(ProfileControl(False))
-        try:  # the gpu worker answers between plans
-            await asyncio.wait_for(self._profiles_done.wait(), timeout=max(30.0, duration))
+        The window ends after `duration` seconds or, with `plans`, once the gpu worker has
+        finished that many plans: it stops by itself and sends its data unasked, and its
+        arrival stops everyone else.  `torch_trace` (an absolute path) has the gpu worker run
+        torch.profiler over the same window and write its trace there.
+        """
+        if self._recording is not None:
+            raise ProfileBusy("a profile is already recording")
+        rec = self._recording = _Recording(expected=2 + len(self._to_postproc))
+        others = [self._to_scheduler, *self._to_postproc]
+        try:
+            self._to_worker.put(ProfileControl(True, plans, torch_trace))
+            for s in others:
+                s.put(ProfileControl(True))
+            TRACER.start(ProfileWindow(plans, time.monotonic_ns() + int(duration * 1e9)))
+            try:  # without a plan count the worker only answers the stop below
+                await asyncio.wait_for(rec.worker_sent.wait(), timeout=duration)
+            except asyncio.TimeoutError:
+                pass
+            own = TRACER.stop()
+            for s in others:
+                s.put(ProfileControl(False))
+            if not rec.worker_sent.is_set():
+                self._to_worker.put(ProfileControl(False))
+            # The gpu worker answers between plans, so the wait can be a plan long.
+            await asyncio.wait_for(rec.complete.wait(), timeout=max(30.0, duration))
         finally:
-            self._profiles_done = None
-        return [own] + [dataclasses.asdict(p) for p in self._profiles]
+            self._recording = None
+        return [own] + [dataclasses.asdict(p) for p in rec.profiles.values()]
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
         self._inbox.close()
         self._to_scheduler.close()
+        self._to_worker.close()
         for s in self._to_postproc:
             s.close()
 

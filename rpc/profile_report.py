@@ -46,6 +46,7 @@ class Summary:
     postproc_overlap_pct: float  # share of postprocessing time under a device span
     postproc_lag_steps_mean: float
     postproc_lag_steps_max: float
+    num_plans: int = 0  # plans the gpu worker ran inside the window
 
 
 # ---------------------------------------------------------------------- interval helpers
@@ -115,6 +116,7 @@ def summarize(profiles: Sequence[dict[str, Any]]) -> Summary:
     worker_spans = [s for p in profiles if p["role"] == "gpu-worker" for s in p["spans"]]
     device = _union([(s, e) for name, s, e, _, _ in worker_spans if name in DEVICE_SPANS])
     steps = sorted((s, e) for name, s, e, _, _ in worker_spans if name == "forward")
+    plans = {plan for _, _, _, plan, _ in worker_spans if plan >= 0}
     gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
     post = [(s, e) for p in profiles if p["role"].startswith("postproc")
             for name, s, e, _, _ in p["spans"] if name in POSTPROC_WORK]
@@ -130,11 +132,12 @@ def summarize(profiles: Sequence[dict[str, Any]]) -> Summary:
         num_steps=len(steps),
         postproc_overlap_pct=100.0 * _overlap(post, device) / post_total if post_total else 0.0,
         postproc_lag_steps_mean=float(np.mean(lags)) if lags else 0.0,
-        postproc_lag_steps_max=float(np.max(lags)) if lags else 0.0)
+        postproc_lag_steps_max=float(np.max(lags)) if lags else 0.0,
+        num_plans=len(plans))
 
 
 def format_summary(s: Summary) -> str:
-    lines = [f"window {s.window_ms:.1f} ms, {s.num_steps} decode steps",
+    lines = [f"window {s.window_ms:.1f} ms, {s.num_plans} plans, {s.num_steps} decode steps",
              f"device busy {s.device_busy_pct:.1f}%  idle {s.device_idle_pct:.1f}%  "
              f"gap between steps mean {s.step_gap_mean_ms:.3f} ms  p99 "
              f"{s.step_gap_p99_ms:.3f} ms",

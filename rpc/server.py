@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import logging
+import math
+import os
 import time
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import asdict, dataclass
@@ -21,7 +22,7 @@ from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
-from rpc.engine_client import EngineClient, EngineError
+from rpc.engine_client import EngineClient, EngineError, ProfileBusy
 from rpc.tokenizer import Tokenizer
 from rpc.validation import (
     Limits,
@@ -325,19 +326,27 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         assert stats is not None
         return admin_pb2.StatsResponse(**asdict(stats))
 
-
     async def Profile(self, request: admin_pb2.ProfileRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.ProfileResponse:
-        duration = request.duration_s
+        duration, path = request.duration_s, request.torch_trace_path
         if not 0 < duration <= 600 or math.isnan(duration):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"duration_s: must be in (0, 600], got {duration}")
+        if path and not os.path.isabs(path):  # the gpu worker's working folder is not ours
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"torch_trace_path: must be absolute, got {path!r}")
         try:
-            profiles = await self.engine.profile(duration)
+            profiles = await self.engine.profile(duration, request.plans, path)
+        except ProfileBusy as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "not every process sent its profile back")
-        return admin_pb2.ProfileResponse(profiles_json=json.dumps(profiles).encode())
+        worker = next((p for p in profiles if p["role"] == "gpu-worker"), {})
+        return admin_pb2.ProfileResponse(
+            profiles_json=json.dumps(profiles).encode(), plans_recorded=worker.get("plans", 0),
+            torch_trace_path=worker.get("torch_trace", ""),
+            torch_trace_error=worker.get("torch_error", ""))
 
 
 def add_admin_service(server: grpc.aio.Server, engine: EngineClient) -> None:

@@ -26,7 +26,7 @@ def test_profile_under_load(fast_model_dir: pathlib.Path, tmp_path: pathlib.Path
     try:
         for t in threads:
             t.start()
-        profiles = record("127.0.0.1", server.port, 2.0)
+        profiles = record("127.0.0.1", server.port, 2.0).profiles
     finally:
         stop.set()
         for t in threads:
