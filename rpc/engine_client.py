@@ -113,8 +113,9 @@ class EngineClient:
         while True:
             msg = await self._inbox.get()
             if isinstance(msg, OutputBatch):
-                for d in msg.deltas:
-                    self._route(d.request_id, d)
+                with TRACER.span("route"):
+                    for d in msg.deltas:
+                        self._route(d.request_id, d)
             elif isinstance(msg, (RequestRejected, RequestFailed)):
                 self._route(msg.request_id, msg)
             elif isinstance(msg, WorkerReady):
@@ -176,18 +177,24 @@ class EngineClient:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineError("UNAVAILABLE", message))
 
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
-                       name: str = "") -> AsyncIterator[OutputDelta]:
+                       name: str = "", request_id: int | None = None,
+                       arrived: float | None = None) -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
         `name` (the client's correlation id) tags our log lines about the request.
+        `request_id` (from `new_request_id`) when the caller tagged spans with it already;
+        `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
-        rid = next(self._ids)
-        stream = _Stream(asyncio.Queue(), time.monotonic())
+        rid = self.new_request_id() if request_id is None else request_id
+        stream = _Stream(asyncio.Queue(), time.monotonic() if arrived is None else arrived)
         self._streams[rid] = stream
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ended_by_engine = False  # else (cancel, time limit, death) we must abort it

@@ -166,6 +166,12 @@ def _lane_order(role: str) -> tuple[int, str]:
     return (order.get(role, 3), role)
 
 
+def _span_args(plan: int, step: int) -> dict[str, int]:
+    if plan < 0 and step >= 0:  # a frontend span: the last field is the request id
+        return {"request": step}
+    return {"plan": plan, "step": step}
+
+
 def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Chrome/Perfetto JSON: one lane (pid) per process, flow arrows from each step's
     forward in the gpu worker to the postprocessing of its tokens."""
@@ -181,7 +187,7 @@ def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
                        "args": {"sort_index": pid}})
         for name, s, e, plan, step in p["spans"]:
             ev = {"ph": "X", "name": name, "pid": pid, "tid": 0, "ts": (s - lo) / 1e3,
-                  "dur": max(e - s, 1) / 1e3, "args": {"plan": plan, "step": step}}
+                  "dur": max(e - s, 1) / 1e3, "args": _span_args(plan, step)}
             events.append(ev)
             if p["role"] == "gpu-worker" and name == "forward":
                 forward_at[(plan, step)] = (pid, e)
@@ -210,7 +216,8 @@ def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
 COLORS = {"forward": "#1f77b4", "sample": "#17becf", "prefill": "#9467bd",
           "publish": "#ff7f0e", "collect": "#8c564b", "apply": "#7f7f7f",
           "detokenize": "#2ca02c", "read": "#bcbd22", "send": "#d62728",
-          "plan": "#e377c2", "tokenize": "#bcbd22", "stream_write": "#d62728"}
+          "plan": "#e377c2", "tokenize": "#bcbd22", "stream_write": "#d62728",
+          "validate": "#7f7f7f", "route": "#ff7f0e"}
 
 
 def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float = 200.0,

@@ -24,6 +24,7 @@ from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
 from rpc.tokenizer import Tokenizer
+from rpc.tracing import TRACER
 from rpc.validation import (
     Limits,
     Request,
@@ -79,6 +80,8 @@ class _Prepared:
     text: str
     ids: list[int]
     deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
+    rid: int  # the engine's request id, known before tokenizing so spans can name it
+    arrived: float  # time.monotonic() of the RPC's arrival
 
 
 def _stop_reason(reason: FinishReason) -> pb.StopReason:
@@ -102,10 +105,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, rid: int = -1) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
+            # No span: on its thread it overlaps the event loop's spans, and a lane's spans
+            # must nest or be disjoint.
             return await asyncio.to_thread(self.tok.encode, text)
-        return self.tok.encode(text)
+        with TRACER.span("tokenize", -1, rid):
+            return self.tok.encode(text)
 
     async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
                                rlog: RequestLog) -> None:
@@ -119,14 +125,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext, field: str, arrived: float,
                        rlog: RequestLog) -> _Prepared:
         limits = await self._ready_limits(context)
+        rid = self.engine.new_request_id()
         try:
-            req = validate_params(params, limits)
-            if not text:  # the tokenizer would still give [BOS]
-                raise ValidationError(field, "must not be empty")
-            ids = await self._encode(text)
-            if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
-                ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
-            check_prompt(len(ids), req.sampling.min_new_tokens, limits, field)
+            # Spans end before every await: other requests' spans run in between.
+            with TRACER.span("validate", -1, rid):
+                req = validate_params(params, limits)
+                if not text:  # the tokenizer would still give [BOS]
+                    raise ValidationError(field, "must not be empty")
+            ids = await self._encode(text, rid)
+            with TRACER.span("validate", -1, rid):
+                if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
+                    ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
+                check_prompt(len(ids), req.sampling.min_new_tokens, limits, field)
         except ValidationError as exc:
             rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -134,7 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         deadline = arrived + req.time_limit if req.time_limit else None
-        return _Prepared(req, text, ids, deadline)
+        return _Prepared(req, text, ids, deadline, rid, arrived)
 
     def _input_details(self, p: _Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
@@ -185,7 +195,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=rlog.cid)
+                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived)
 
     @staticmethod
     async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
@@ -212,18 +222,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             async for d in self._deltas(p, rlog):
                 if first:  # only now: a rejection must come before any response
-                    head = pb.GenerationResponse()
-                    self._input_details(p, d, head)
+                    with TRACER.span("stream_write", -1, p.rid):
+                        head = pb.GenerationResponse()
+                        self._input_details(p, d, head)
                     yield head
                     first = False
                 generated = d.num_generated if d.num_generated >= 0 else generated
                 reason = d.finish_reason
-                resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
-                                             stop_reason=_stop_reason(reason),
-                                             stop_sequence=d.stop_sequence)
-                resp.tokens.extend(self._token_infos(d))
-                if reason != FinishReason.NOT_FINISHED:
-                    resp.seed = p.req.seed_returned
+                with TRACER.span("stream_write", -1, p.rid):
+                    resp = self._stream_response(p, d, generated)
                 yield resp
         except EngineError as exc:
             await self._abort_engine_error(context, rlog, exc)
@@ -233,21 +240,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         rlog.info("stream done: %d tokens, %s, %.3f s", generated, reason.name,
                   time.monotonic() - arrived)
 
+    def _stream_response(self, p: _Prepared, d: OutputDelta,
+                         generated: int) -> pb.GenerationResponse:
+        resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
+                                     stop_reason=_stop_reason(d.finish_reason),
+                                     stop_sequence=d.stop_sequence)
+        resp.tokens.extend(self._token_infos(d))
+        if d.finish_reason != FinishReason.NOT_FINISHED:
+            resp.seed = p.req.seed_returned
+        return resp
+
     async def _generate_one(self, p: _Prepared, rlog: RequestLog) -> pb.GenerationResponse:
         resp = pb.GenerationResponse()
         parts: list[str] = []
         first = True
         async for d in self._deltas(p, rlog):
-            if first:
-                self._input_details(p, d, resp)
-                parts.append(resp.text)  # the input text when asked, else ""
-                first = False
-            parts.append(d.text)
-            if d.num_generated >= 0:
-                resp.generated_token_count = d.num_generated
-            resp.tokens.extend(self._token_infos(d))
-            resp.stop_reason = _stop_reason(d.finish_reason)
-            resp.stop_sequence = d.stop_sequence
+            # The batched RPC writes once at the end; each delta goes into its response here.
+            with TRACER.span("stream_write", -1, p.rid):
+                if first:
+                    self._input_details(p, d, resp)
+                    parts.append(resp.text)  # the input text when asked, else ""
+                    first = False
+                parts.append(d.text)
+                if d.num_generated >= 0:
+                    resp.generated_token_count = d.num_generated
+                resp.tokens.extend(self._token_infos(d))
+                resp.stop_reason = _stop_reason(d.finish_reason)
+                resp.stop_sequence = d.stop_sequence
         resp.text = "".join(parts)
         resp.seed = p.req.seed_returned
         return resp

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 MAX_SPANS = 500_000
 
-# (name, start_ns, end_ns, plan, step)
+# (name, start_ns, end_ns, plan, step).  A span outside any plan (plan -1) may name a request
+# in the last field instead: the frontend's spans carry the request id there.
 Span = tuple[str, int, int, int, int]
 
 
