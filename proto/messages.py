@@ -329,6 +329,9 @@ class EngineStats:
     worker_busy_s: float = 0.0  # sum of the gpu worker's plan wall times
     forward_s: float = 0.0  # sum of the plans' forward (prefill + decode) times
     postproc_busy_s: float = 0.0  # per postproc worker, averaged over the workers
+    # Arrival to first scheduling of each request first scheduled since the previous report,
+    # for the frontend's queue-time histogram (not part of the admin Stats answer).
+    queue_times_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -364,6 +367,18 @@ class ProfileData:
     torch_error: str = ""  # why it could not (the recording itself is still good)
 
 
+@dataclass
+class PostprocStats:
+    """Postproc → frontend, at most every 0.2 s and only on change: how far it lagged.
+
+    `lag_steps`: the most token batches (one per step) that the gpu worker had published and
+    this worker had not processed yet, over the interval since its previous report.
+    """
+
+    index: int
+    lag_steps: int
+
+
 MESSAGE_TYPES: tuple[type, ...] = (
     SamplingParams,
     OutputOptions,
@@ -392,4 +407,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Heartbeat,
     ProfileControl,
     ProfileData,
+    PostprocStats,
 )

@@ -29,6 +29,7 @@ from proto.messages import (
     OutputBatch,
     OutputDelta,
     OutputOptions,
+    PostprocStats,
     ProfileControl,
     ProfileData,
     Ready,
@@ -133,6 +134,8 @@ class EngineClient:
             elif isinstance(msg, EngineStats):
                 self.stats = msg
                 metrics.on_stats(msg)
+            elif isinstance(msg, PostprocStats):
+                metrics.on_postproc_stats(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 

@@ -7,8 +7,9 @@ worker's compute spans, and "overlap" is how much postprocessing ran inside it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -117,7 +118,7 @@ def summarize(profiles: Sequence[dict[str, Any]]) -> Summary:
     device = _union([(s, e) for name, s, e, _, _ in worker_spans if name in DEVICE_SPANS])
     steps = sorted((s, e) for name, s, e, _, _ in worker_spans if name == "forward")
     plans = {plan for _, _, _, plan, _ in worker_spans if plan >= 0}
-    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
     post = [(s, e) for p in profiles if p["role"].startswith("postproc")
             for name, s, e, _, _ in p["spans"] if name in POSTPROC_WORK]
     post_total = _length(post)
@@ -194,7 +195,7 @@ def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for pid, p in enumerate(ordered, start=1):
         if not p["role"].startswith("postproc"):
             continue
-        for name, s, e, plan, step in p["spans"]:
+        for name, s, _, plan, step in p["spans"]:
             src = forward_at.get((plan, step))
             if name not in POSTPROC_WORK or src is None:
                 continue

@@ -343,7 +343,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "no statistics yet: the scheduler has not reported")
         assert stats is not None
-        return admin_pb2.StatsResponse(**asdict(stats))
+        # Only the counters: per-report lists (queue times) feed the metrics, not this view.
+        fields = admin_pb2.StatsResponse.DESCRIPTOR.fields_by_name
+        return admin_pb2.StatsResponse(**{k: v for k, v in asdict(stats).items() if k in fields})
 
     async def Profile(self, request: admin_pb2.ProfileRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.ProfileResponse:
