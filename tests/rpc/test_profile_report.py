@@ -52,7 +52,7 @@ def test_chrome_trace_has_lanes_and_flows(tmp_path: pathlib.Path) -> None:
     finishes = [e for e in events if e["ph"] == "f"]
     assert len(starts) == len(finishes) == 4
     # An arrow never points back in time.
-    for s, f in zip(starts, finishes):
+    for s, f in zip(starts, finishes, strict=True):
         assert s["id"] == f["id"] and s["ts"] <= f["ts"]
     json.dumps(trace)
 
