@@ -279,6 +279,10 @@ class EngineClient:
             # The gpu worker answers between plans, so the wait can be a plan long.
             await asyncio.wait_for(rec.complete.wait(), timeout=max(30.0, duration))
         finally:
+            if TRACER.enabled:  # cancelled (the client went away): leave nobody recording
+                TRACER.stop()
+                for s in [*others, self._to_worker]:
+                    s.put(ProfileControl(False))
             self._recording = None
         return [own] + [dataclasses.asdict(p) for p in rec.profiles.values()]
 

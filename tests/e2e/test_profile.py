@@ -254,3 +254,29 @@ def test_metrics_endpoint_fills_histograms(server: Server) -> None:
     assert value("tandem_queue_time_seconds_sum") >= 0
     assert value('tandem_queue_time_seconds_bucket{le="+Inf"}') == queued
     assert value("tandem_postproc_lag_steps") >= 0  # present; its size depends on the load
+
+
+def test_a_recording_the_client_gave_up_on_leaves_nobody_recording(
+        server: Server, tmp_path: pathlib.Path) -> None:
+    from proto import admin_pb2, admin_pb2_grpc
+    from rpc.client import make_channel
+
+    torch_trace = tmp_path / "abandoned.json"
+    channel = make_channel(f"127.0.0.1:{server.port}")
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            admin_pb2_grpc.AdminStub(channel).Profile(
+                admin_pb2.ProfileRequest(duration_s=60, torch_trace_path=str(torch_trace)),
+                timeout=1.0)
+        assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        channel.close()
+    # The frontend told every process to stop at once: the worker's torch.profiler run ends
+    # and its file appears now, not after the 60 s nobody waits for any more.
+    deadline = time.monotonic() + 20
+    while not torch_trace.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert torch_trace.exists()
+    with load(server, streams=2):
+        rec = record("127.0.0.1", server.port, 1.0)
+    assert {p["role"] for p in rec.profiles} == ROLES
