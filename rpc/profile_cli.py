@@ -22,6 +22,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+import grpc
+
 from proto import admin_pb2, admin_pb2_grpc
 from rpc import profile_report
 from rpc.client import make_channel
@@ -130,6 +132,9 @@ def main(args: argparse.Namespace) -> int:
     _say(f"recording {what} ...")
     try:
         rec = record(args.host, args.port, duration, args.plans, torch_trace)
+    except grpc.RpcError as exc:  # the server's own words say what went wrong
+        _say(f"failed: {exc.code().name}: {exc.details()}")
+        return 1
     finally:
         if proc is not None:
             proc.wait()
