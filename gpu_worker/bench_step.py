@@ -15,6 +15,13 @@ The figure is the median sample over `--repeats` runs, with the two sides altern
 shared machine a noisy neighbour stalls a few samples of either side, not the median.  torch
 and transformers are imported only when the benchmark runs, so building the `tandem` parser
 stays light.
+
+`--trace` measures what span recording costs instead (the profiler's target: off < 1%, on
+< 5% of a decode step).  It alternates runs of ours with the process's tracer off and on, and
+times one span alone, off and on; spans per step times the cost of one, over the step time,
+is the share a run under `tandem profile` (on) or without it (off) pays.  The direct
+traced/untraced ratio is printed too, but on a shared machine its noise is larger than the
+effect.
 """
 from __future__ import annotations
 
@@ -162,6 +169,102 @@ def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
     return rows
 
 
+@dataclass
+class TraceRow:
+    batch: int
+    off_ms: float  # median ms/step, tracer off
+    on_ms: float  # median ms/step, tracer on
+    spans_per_step: float
+    span_off_ns: float  # one span, tracer off
+    span_on_ns: float
+
+    @property
+    def ratio(self) -> float:
+        return self.on_ms / self.off_ms
+
+    @property
+    def off_pct(self) -> float:
+        return 100 * self.spans_per_step * self.span_off_ns / (self.off_ms * 1e6)
+
+    @property
+    def on_pct(self) -> float:
+        return 100 * self.spans_per_step * self.span_on_ns / (self.off_ms * 1e6)
+
+
+def span_cost_ns(enabled: bool, n: int = 200_000) -> float:
+    """Nanoseconds one `with tracer.span(...)` costs, the bare loop taken off."""
+    from rpc.tracing import Tracer
+
+    tracer = Tracer("bench")
+    if enabled:
+        tracer.start()
+    best = float("inf")
+    for _ in range(5):  # the quietest of a few rounds: a neighbour's time slice is not ours
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            pass
+        t1 = time.perf_counter_ns()
+        for _ in range(n):
+            with tracer.span("forward", 1, 2):
+                pass
+        t2 = time.perf_counter_ns()
+        best = min(best, ((t2 - t1) - (t1 - t0)) / n)
+        tracer.spans.clear()
+    return best
+
+
+def _spans_per_step(spans: list[list[Any]]) -> float:
+    """Spans of the decode plans per decode step, plus the worker loop's one per plan."""
+    by_plan: dict[int, list[str]] = {}
+    for s in spans:
+        by_plan.setdefault(s[3], []).append(s[0])
+    decode = [names for names in by_plan.values() if "prefill" not in names]
+    steps = sum(names.count("forward") for names in decode)
+    return (sum(len(names) + 1 for names in decode)) / max(steps, 1)  # +1: "idle"
+
+
+def measure_trace(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
+                  repeats: int) -> list[TraceRow]:
+    from rpc.tracing import TRACER
+
+    ours = Ours(model, max(batches), prompt_len + steps + k, k)
+    costs = span_cost_ns(False), span_cost_ns(True)
+    rows = []
+    try:
+        for b in batches:
+            prompts = _prompts(b, prompt_len, ours.runner.vocab_size)
+            ours.samples(prompts, k)  # warm-up
+            samples: dict[bool, list[float]] = {False: [], True: []}
+            per_step: list[float] = []
+            for r in range(repeats):
+                for traced in ((False, True) if r % 2 == 0 else (True, False)):
+                    if traced:
+                        TRACER.start()
+                    samples[traced] += ours.samples(prompts, steps)
+                    if traced:
+                        per_step.append(_spans_per_step(TRACER.stop()["spans"]))
+                _progress(f"batch {b}: run {r + 1}/{repeats}")
+            row = TraceRow(b, float(np.median(samples[False])), float(np.median(samples[True])),
+                           float(np.mean(per_step)), *costs)
+            rows.append(row)
+            _progress(f"batch {b}: off {row.off_ms:.2f} ms/step, on {row.on_ms:.2f}, "
+                      f"span cost off {row.off_pct:.4f}%, on {row.on_pct:.3f}% of a step")
+    finally:
+        ours.close()
+    return rows
+
+
+def format_trace_table(rows: list[TraceRow]) -> str:
+    lines = ["| batch | ms/step off | ms/step on | on / off | spans/step | span ns off | "
+             "span ns on | off % of step | on % of step |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.batch} | {r.off_ms:.2f} | {r.on_ms:.2f} | {r.ratio:.3f} | "
+                     f"{r.spans_per_step:.2f} | {r.span_off_ns:.0f} | {r.span_on_ns:.0f} | "
+                     f"{r.off_pct:.4f} | {r.on_pct:.3f} |")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[Row]) -> str:
     lines = ["| batch | ours ms/step | HF ms/step | ours / HF |", "|---:|---:|---:|---:|"]
     for r in rows:
@@ -183,6 +286,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     p.add_argument("--json", default="", help="also write the figures to this file")
+    p.add_argument("--trace", action="store_true",
+                   help="measure span recording instead: tracer off vs on, and one span's cost")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -202,17 +307,26 @@ def main(args: argparse.Namespace) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",") if b]
         _progress(f"{model}: prompts of {args.prompt_len} tokens, {args.steps} decode steps, "
                   f"K={args.num_scheduler_steps}, {torch.get_num_threads()} threads")
-        rows = measure(model, batches, args.prompt_len, args.steps, args.num_scheduler_steps,
-                       args.repeats, not args.no_hf)
+        if args.trace:
+            trace_rows = measure_trace(model, batches, args.prompt_len, args.steps,
+                                       args.num_scheduler_steps, args.repeats)
+        else:
+            rows = measure(model, batches, args.prompt_len, args.steps,
+                           args.num_scheduler_steps, args.repeats, not args.no_hf)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(format_table(rows))
+    if args.trace:
+        print(format_trace_table(trace_rows))
+        figures = [dict(asdict(r), ratio=r.ratio, off_pct=r.off_pct, on_pct=r.on_pct)
+                   for r in trace_rows]
+    else:
+        print(format_table(rows))
+        figures = [dict(asdict(r), ratio=r.ratio) for r in rows]
     if args.json:
         report = {"model": args.model or f"tiny-{args.preset}", "threads": torch.get_num_threads(),
                   "prompt_len": args.prompt_len, "decode_steps": args.steps,
-                  "num_scheduler_steps": args.num_scheduler_steps,
-                  "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}
+                  "num_scheduler_steps": args.num_scheduler_steps, "rows": figures}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0

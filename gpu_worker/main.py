@@ -14,13 +14,14 @@ import torch
 
 from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
+from gpu_worker.torch_trace import TorchTrace
 from proto.config import ServerConfig
 from proto.messages import Heartbeat, ProfileControl, Shutdown, StepPlan, WorkerReady
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import HEARTBEAT_INTERVAL, role_watch
 from rpc.token_channel import TokenWriter
-from rpc.tracing import TRACER, on_profile_control, set_role
+from rpc.tracing import TRACER, on_plan_done, on_profile_control, set_role
 
 log = logging.getLogger("tandem.gpu_worker")
 
@@ -51,6 +52,7 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         log.info("ready (pid %d)", os.getpid())
         peers = role_watch(cfg, "gpu-worker")
         to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
+        torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
         idle_since = time.monotonic_ns()
         while True:
@@ -73,9 +75,10 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 done = runner.execute(msg, publisher)
                 done.idle_time = (started - idle_since) / 1e9
                 to_scheduler.put(done)
+                on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here
                 idle_since = time.monotonic_ns()
             elif isinstance(msg, ProfileControl):
-                on_profile_control(msg, to_frontend)
+                on_profile_control(msg, to_frontend, torch_trace)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
     finally:

@@ -12,9 +12,22 @@ import time
 
 from postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
 from proto.config import ServerConfig
-from proto.messages import (Heartbeat, ProfileControl, FinishReason, ForgetRequest, OutputBatch, OutputDelta, PlanProcessed,
-                            PromptDetail, Ready, RegisterRequest, Shutdown, StopHit,
-                            TokenBatch)
+from proto.messages import (
+    FinishReason,
+    ForgetRequest,
+    Heartbeat,
+    OutputBatch,
+    OutputDelta,
+    PlanProcessed,
+    PostprocStats,
+    ProfileControl,
+    PromptDetail,
+    Ready,
+    RegisterRequest,
+    Shutdown,
+    StopHit,
+    TokenBatch,
+)
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import role_watch
@@ -109,6 +122,35 @@ class Postprocessor:
             del self.finished[rid]
 
 
+STATS_INTERVAL = 0.2  # seconds between PostprocStats at most, as the scheduler's EngineStats
+
+
+class LagMeter:
+    """How many steps this worker runs behind the gpu worker, measured after each token batch:
+    the batches published and not yet processed.  A `lag_steps` counter in the profile, and the
+    most over each interval to the frontend's gauge."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.peak = 0  # the most since the previous report
+        self.sent = 0  # the frontend's gauge starts at 0
+        self.sent_at = 0.0
+
+    def observe(self, lag: int) -> None:
+        TRACER.counter("lag_steps", lag)
+        self.peak = max(self.peak, lag)
+
+    def report(self, now: float) -> PostprocStats | None:
+        """The interval's peak when one has ended and it differs from the last one sent."""
+        if now - self.sent_at < STATS_INTERVAL:
+            return None
+        peak, self.peak, self.sent_at = self.peak, 0, now
+        if peak == self.sent:
+            return None
+        self.sent = peak
+        return PostprocStats(self.index, peak)
+
+
 def run_postproc(cfg: ServerConfig, index: int) -> None:
     addr = cfg.addresses
     inbox: Receiver = Receiver(addr.postproc_inboxes[index], bind=True)
@@ -118,6 +160,11 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     proc = Postprocessor(Tokenizer.from_dir(cfg.model), index)
     last_expire = time.monotonic()
     busy: dict[int, float] = {}  # plan id -> seconds spent on its batches so far
+    lag = LagMeter(index)
+    queued = 0  # without the ring: token batches drained from the inbox, not handled yet
+
+    def backlog() -> int:
+        return ring.backlog() if ring is not None else queued
 
     def send(deltas: list[OutputDelta]) -> None:
         for d in deltas:  # stop hits first: the scheduler should drop these soonest
@@ -137,6 +184,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
             busy[msg.plan_id] = busy.get(msg.plan_id, 0.0) + time.perf_counter() - t0
             if msg.last:
                 to_scheduler.put(PlanProcessed(msg.plan_id, index, busy.pop(msg.plan_id)))
+            lag.observe(backlog())
         elif isinstance(msg, PromptDetail):
             # Over the ring every reader sees every message; only the owner keeps it.
             if owner(msg.request_id, len(addr.postproc_inboxes)) == index:
@@ -159,7 +207,11 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
             if peers is not None:
                 peers.check()  # on its own (a container): lose the frontend, exit non-zero
             # Registrations first: they must be known before the tokens they precede.
-            for msg in inbox.drain():
+            msgs = inbox.drain()
+            queued = sum(isinstance(m, TokenBatch) for m in msgs)
+            for msg in msgs:
+                if isinstance(msg, TokenBatch):
+                    queued -= 1
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, Heartbeat):
@@ -187,6 +239,9 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
             if now - last_expire > 1.0:
                 proc.expire(now)
                 last_expire = now
+            stats = lag.report(now)
+            if stats is not None:
+                to_frontend.put(stats)
     finally:
         if ring is not None:
             ring.close()

@@ -5,16 +5,26 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProfileRequest(_message.Message):
-    __slots__ = ("duration_s",)
+    __slots__ = ("duration_s", "plans", "torch_trace_path")
     DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    TORCH_TRACE_PATH_FIELD_NUMBER: _ClassVar[int]
     duration_s: float
-    def __init__(self, duration_s: _Optional[float] = ...) -> None: ...
+    plans: int
+    torch_trace_path: str
+    def __init__(self, duration_s: _Optional[float] = ..., plans: _Optional[int] = ..., torch_trace_path: _Optional[str] = ...) -> None: ...
 
 class ProfileResponse(_message.Message):
-    __slots__ = ("profiles_json",)
+    __slots__ = ("profiles_json", "plans_recorded", "torch_trace_path", "torch_trace_error")
     PROFILES_JSON_FIELD_NUMBER: _ClassVar[int]
+    PLANS_RECORDED_FIELD_NUMBER: _ClassVar[int]
+    TORCH_TRACE_PATH_FIELD_NUMBER: _ClassVar[int]
+    TORCH_TRACE_ERROR_FIELD_NUMBER: _ClassVar[int]
     profiles_json: bytes
-    def __init__(self, profiles_json: _Optional[bytes] = ...) -> None: ...
+    plans_recorded: int
+    torch_trace_path: str
+    torch_trace_error: str
+    def __init__(self, profiles_json: _Optional[bytes] = ..., plans_recorded: _Optional[int] = ..., torch_trace_path: _Optional[str] = ..., torch_trace_error: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

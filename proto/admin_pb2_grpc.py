@@ -58,7 +58,7 @@ class AdminServicer:
 
     def Profile(self, request, context):
         """Record spans in every process for a while and return them (JSON, one object per
-        process), for `tandem profile`.
+        process), for `tandem profile`.  One recording at a time (FAILED_PRECONDITION else).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -336,6 +336,9 @@ class EngineStats:
     # Decode-only plans: time inside them, and time the worker waited before them.
     steady_busy_s: float = 0.0
     steady_idle_s: float = 0.0
+    # Arrival to first scheduling of each request first scheduled since the previous report,
+    # for the frontend's queue-time histogram (not part of the admin Stats answer).
+    queue_times_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -351,6 +354,10 @@ class ProfileControl:
     """Frontend → every process: start recording spans, or stop and send them back."""
 
     start: bool
+    # gpu worker only: stop by itself after this many plans and send its data unasked (0: when
+    # told), and run torch.profiler over the same window into this file (absolute; "" = off).
+    plans: int = 0
+    torch_trace: str = ""
 
 
 @dataclass
@@ -362,6 +369,21 @@ class ProfileData:
     stopped_ns: int
     spans: list
     counters: list
+    plans: int = 0  # plans finished inside the window (gpu worker)
+    torch_trace: str = ""  # the torch.profiler trace the gpu worker wrote
+    torch_error: str = ""  # why it could not (the recording itself is still good)
+
+
+@dataclass
+class PostprocStats:
+    """Postproc → frontend, at most every 0.2 s and only on change: how far it lagged.
+
+    `lag_steps`: the most token batches (one per step) that the gpu worker had published and
+    this worker had not processed yet, over the interval since its previous report.
+    """
+
+    index: int
+    lag_steps: int
 
 
 MESSAGE_TYPES: tuple[type, ...] = (
@@ -392,4 +414,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     Heartbeat,
     ProfileControl,
     ProfileData,
+    PostprocStats,
 )

@@ -13,8 +13,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,14 +23,15 @@ from proto.messages import (
     AbortRequest,
     AddRequest,
     EngineStats,
-    Heartbeat,
-    ProfileControl,
-    ProfileData,
     FinishReason,
     ForgetRequest,
+    Heartbeat,
     OutputBatch,
     OutputDelta,
     OutputOptions,
+    PostprocStats,
+    ProfileControl,
+    ProfileData,
     Ready,
     RegisterRequest,
     RequestFailed,
@@ -41,6 +42,7 @@ from proto.messages import (
 from rpc import metrics
 from rpc.channels import AsyncReceiver, Sender
 from rpc.token_channel import owner
+from rpc.tracing import TRACER, ProfileWindow, set_role
 
 log = logging.getLogger("tandem.frontend")
 
@@ -53,10 +55,31 @@ class EngineError(Exception):
         self.code = code  # "RESOURCE_EXHAUSTED" | "UNAVAILABLE" | "INTERNAL"
 
 
+class ProfileBusy(Exception):
+    """A second profile was asked for while one is recording."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
     started: float
+
+
+@dataclass
+class _Recording:
+    """The ProfileData of one `tandem profile`, one per process role."""
+
+    expected: int
+    profiles: dict[str, ProfileData] = field(default_factory=dict)
+    worker_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    complete: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def add(self, data: ProfileData) -> None:
+        self.profiles.setdefault(data.role, data)
+        if data.role == "gpu-worker":
+            self.worker_sent.set()
+        if len(self.profiles) >= self.expected:
+            self.complete.set()
 
 
 class EngineClient:
@@ -67,8 +90,8 @@ class EngineClient:
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
         self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
         self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
-        self._profiles: list[ProfileData] = []
-        self._profiles_done: asyncio.Event | None = None
+        set_role("frontend")
+        self._recording: _Recording | None = None  # the `tandem profile` in progress
         self._streams: dict[int, _Stream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
@@ -91,8 +114,9 @@ class EngineClient:
         while True:
             msg = await self._inbox.get()
             if isinstance(msg, OutputBatch):
-                for d in msg.deltas:
-                    self._route(d.request_id, d)
+                with TRACER.span("route"):
+                    for d in msg.deltas:
+                        self._route(d.request_id, d)
             elif isinstance(msg, (RequestRejected, RequestFailed)):
                 self._route(msg.request_id, msg)
             elif isinstance(msg, WorkerReady):
@@ -102,16 +126,16 @@ class EngineClient:
                 self._ready_postproc.add(msg.index)
                 self._check_ready()
             elif isinstance(msg, ProfileData):
-                self._profiles.append(msg)
-                if self._profiles_done is not None and \
-                        len(self._profiles) == 2 + len(self._to_postproc):
-                    self._profiles_done.set()
+                if self._recording is not None:
+                    self._recording.add(msg)
             elif isinstance(msg, Heartbeat):
                 if self.on_heartbeat is not None:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
                 metrics.on_stats(msg)
+            elif isinstance(msg, PostprocStats):
+                metrics.on_postproc_stats(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -156,18 +180,24 @@ class EngineClient:
         for stream in self._streams.values():
             stream.queue.put_nowait(EngineError("UNAVAILABLE", message))
 
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
-                       name: str = "") -> AsyncIterator[OutputDelta]:
+                       name: str = "", request_id: int | None = None,
+                       arrived: float | None = None) -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
         `name` (the client's correlation id) tags our log lines about the request.
+        `request_id` (from `new_request_id`) when the caller tagged spans with it already;
+        `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
-        rid = next(self._ids)
-        stream = _Stream(asyncio.Queue(), time.monotonic())
+        rid = self.new_request_id() if request_id is None else request_id
+        stream = _Stream(asyncio.Queue(), time.monotonic() if arrived is None else arrived)
         self._streams[rid] = stream
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ended_by_engine = False  # else (cancel, time limit, death) we must abort it
@@ -219,31 +249,49 @@ class EngineClient:
         self._to_scheduler.put(AbortRequest(rid))
         self._to_postproc[owner(rid, len(self._to_postproc))].put(ForgetRequest(rid))
 
-    async def profile(self, duration: float) -> list[dict]:
-        """Spans from every process over `duration` seconds (frontend's own included)."""
-        from rpc.tracing import TRACER
+    async def profile(self, duration: float, plans: int = 0,
+                      torch_trace: str = "") -> list[dict]:
+        """Spans from every process (the frontend's own included), one dict per process.
 
-        TRACER.role = "frontend"
-        peers = [self._to_scheduler, self._to_worker, *self._to_postproc]
-        self._profiles, self._profiles_done = [], asyncio.Event()
-        for s in peers:
-            s.put(ProfileControl(True))
-        TRACER.start()
-        await asyncio.sleep(duration)
-        own = TRACER.stop()
-        for s in peers:
-            s.put(ProfileControl(False))
-        try:  # the gpu worker answers between plans
-            await asyncio.wait_for(self._profiles_done.wait(), timeout=max(30.0, duration))
+        The window ends after `duration` seconds or, with `plans`, once the gpu worker has
+        finished that many plans: it stops by itself and sends its data unasked, and its
+        arrival stops everyone else.  `torch_trace` (an absolute path) has the gpu worker run
+        torch.profiler over the same window and write its trace there.
+        """
+        if self._recording is not None:
+            raise ProfileBusy("a profile is already recording")
+        rec = self._recording = _Recording(expected=2 + len(self._to_postproc))
+        others = [self._to_scheduler, *self._to_postproc]
+        try:
+            self._to_worker.put(ProfileControl(True, plans, torch_trace))
+            for s in others:
+                s.put(ProfileControl(True))
+            TRACER.start(ProfileWindow(plans, time.monotonic_ns() + int(duration * 1e9)))
+            try:  # without a plan count the worker only answers the stop below
+                await asyncio.wait_for(rec.worker_sent.wait(), timeout=duration)
+            except asyncio.TimeoutError:
+                pass
+            own = TRACER.stop()
+            for s in others:
+                s.put(ProfileControl(False))
+            if not rec.worker_sent.is_set():
+                self._to_worker.put(ProfileControl(False))
+            # The gpu worker answers between plans, so the wait can be a plan long.
+            await asyncio.wait_for(rec.complete.wait(), timeout=max(30.0, duration))
         finally:
-            self._profiles_done = None
-        return [own] + [dataclasses.asdict(p) for p in self._profiles]
+            if TRACER.enabled:  # cancelled (the client went away): leave nobody recording
+                TRACER.stop()
+                for s in [*others, self._to_worker]:
+                    s.put(ProfileControl(False))
+            self._recording = None
+        return [own] + [dataclasses.asdict(p) for p in rec.profiles.values()]
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
         self._inbox.close()
         self._to_scheduler.close()
+        self._to_worker.close()
         for s in self._to_postproc:
             s.close()
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from proto.messages import EngineStats
+from proto.messages import EngineStats, PostprocStats
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# A request that finds room waits for the next plan only: milliseconds, so finer low buckets.
+_QUEUE = (0.001, 0.0025, *_LATENCY)
 
 TTFT = Histogram("tandem_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY)
 ITL = Histogram("tandem_inter_token_latency_seconds", "Gap between streamed deltas",
@@ -22,6 +24,13 @@ PREFIX_HIT = Gauge("tandem_prefix_cache_hit_ratio", "Prompt tokens served from t
 PREEMPTIONS = Gauge("tandem_num_preemptions", "Preemptions since start")
 DEVICE_BUSY = Gauge("tandem_device_busy_ratio", "Gpu worker time inside plans / uptime")
 WASTED = Gauge("tandem_tokens_after_finish", "Tokens computed after a request finished")
+QUEUE_TIME = Histogram("tandem_queue_time_seconds", "Arrival to first scheduling",
+                       buckets=_QUEUE)
+POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
+                     "Steps published by the gpu worker and not yet processed, the most over "
+                     "the postproc workers' latest reports")
+
+_lag_by_worker: dict[int, int] = {}
 
 
 def serve_metrics(port: int) -> None:
@@ -40,3 +49,11 @@ def on_stats(s: EngineStats) -> None:
     if s.uptime_s > 0:
         DEVICE_BUSY.set(min(1.0, s.worker_busy_s / s.uptime_s))
     WASTED.set(s.tokens_after_finish)
+    for q in s.queue_times_s:
+        QUEUE_TIME.observe(q)
+
+
+def on_postproc_stats(s: PostprocStats) -> None:
+    # The slowest worker is the one that holds streams back.
+    _lag_by_worker[s.index] = s.lag_steps
+    POSTPROC_LAG.set(max(_lag_by_worker.values()))

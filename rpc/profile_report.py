@@ -7,8 +7,9 @@ worker's compute spans, and "overlap" is how much postprocessing ran inside it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class Summary:
     postproc_overlap_pct: float  # share of postprocessing time under a device span
     postproc_lag_steps_mean: float
     postproc_lag_steps_max: float
+    num_plans: int = 0  # plans the gpu worker ran inside the window
 
 
 # ---------------------------------------------------------------------- interval helpers
@@ -115,7 +117,8 @@ def summarize(profiles: Sequence[dict[str, Any]]) -> Summary:
     worker_spans = [s for p in profiles if p["role"] == "gpu-worker" for s in p["spans"]]
     device = _union([(s, e) for name, s, e, _, _ in worker_spans if name in DEVICE_SPANS])
     steps = sorted((s, e) for name, s, e, _, _ in worker_spans if name == "forward")
-    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:])]
+    plans = {plan for _, _, _, plan, _ in worker_spans if plan >= 0}
+    gaps = [b[0] - a[1] for a, b in zip(steps, steps[1:], strict=False)]
     post = [(s, e) for p in profiles if p["role"].startswith("postproc")
             for name, s, e, _, _ in p["spans"] if name in POSTPROC_WORK]
     post_total = _length(post)
@@ -130,11 +133,12 @@ def summarize(profiles: Sequence[dict[str, Any]]) -> Summary:
         num_steps=len(steps),
         postproc_overlap_pct=100.0 * _overlap(post, device) / post_total if post_total else 0.0,
         postproc_lag_steps_mean=float(np.mean(lags)) if lags else 0.0,
-        postproc_lag_steps_max=float(np.max(lags)) if lags else 0.0)
+        postproc_lag_steps_max=float(np.max(lags)) if lags else 0.0,
+        num_plans=len(plans))
 
 
 def format_summary(s: Summary) -> str:
-    lines = [f"window {s.window_ms:.1f} ms, {s.num_steps} decode steps",
+    lines = [f"window {s.window_ms:.1f} ms, {s.num_plans} plans, {s.num_steps} decode steps",
              f"device busy {s.device_busy_pct:.1f}%  idle {s.device_idle_pct:.1f}%  "
              f"gap between steps mean {s.step_gap_mean_ms:.3f} ms  p99 "
              f"{s.step_gap_p99_ms:.3f} ms",
@@ -163,6 +167,12 @@ def _lane_order(role: str) -> tuple[int, str]:
     return (order.get(role, 3), role)
 
 
+def _span_args(plan: int, step: int) -> dict[str, int]:
+    if plan < 0 and step >= 0:  # a frontend span: the last field is the request id
+        return {"request": step}
+    return {"plan": plan, "step": step}
+
+
 def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Chrome/Perfetto JSON: one lane (pid) per process, flow arrows from each step's
     forward in the gpu worker to the postprocessing of its tokens."""
@@ -178,14 +188,14 @@ def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
                        "args": {"sort_index": pid}})
         for name, s, e, plan, step in p["spans"]:
             ev = {"ph": "X", "name": name, "pid": pid, "tid": 0, "ts": (s - lo) / 1e3,
-                  "dur": max(e - s, 1) / 1e3, "args": {"plan": plan, "step": step}}
+                  "dur": max(e - s, 1) / 1e3, "args": _span_args(plan, step)}
             events.append(ev)
             if p["role"] == "gpu-worker" and name == "forward":
                 forward_at[(plan, step)] = (pid, e)
     for pid, p in enumerate(ordered, start=1):
         if not p["role"].startswith("postproc"):
             continue
-        for name, s, e, plan, step in p["spans"]:
+        for name, s, _, plan, step in p["spans"]:
             src = forward_at.get((plan, step))
             if name not in POSTPROC_WORK or src is None:
                 continue
@@ -207,7 +217,8 @@ def chrome_trace(profiles: Sequence[dict[str, Any]]) -> dict[str, Any]:
 COLORS = {"forward": "#1f77b4", "sample": "#17becf", "prefill": "#9467bd",
           "publish": "#ff7f0e", "collect": "#8c564b", "apply": "#7f7f7f",
           "detokenize": "#2ca02c", "read": "#bcbd22", "send": "#d62728",
-          "plan": "#e377c2", "tokenize": "#bcbd22", "stream_write": "#d62728"}
+          "plan": "#e377c2", "tokenize": "#bcbd22", "stream_write": "#d62728",
+          "validate": "#7f7f7f", "route": "#ff7f0e"}
 
 
 def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float = 200.0,

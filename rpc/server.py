@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import logging
+import math
+import os
 import time
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import asdict, dataclass
@@ -21,8 +22,9 @@ from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
-from rpc.engine_client import EngineClient, EngineError
+from rpc.engine_client import EngineClient, EngineError, ProfileBusy
 from rpc.tokenizer import Tokenizer
+from rpc.tracing import TRACER
 from rpc.validation import (
     Limits,
     Request,
@@ -78,6 +80,8 @@ class _Prepared:
     text: str
     ids: list[int]
     deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
+    rid: int  # the engine's request id, known before tokenizing so spans can name it
+    arrived: float  # time.monotonic() of the RPC's arrival
 
 
 def _stop_reason(reason: FinishReason) -> pb.StopReason:
@@ -101,10 +105,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    async def _encode(self, text: str) -> list[int]:
+    async def _encode(self, text: str, rid: int = -1) -> list[int]:
         if len(text) > THREAD_ENCODE_CHARS:
+            # No span: on its thread it overlaps the event loop's spans, and a lane's spans
+            # must nest or be disjoint.
             return await asyncio.to_thread(self.tok.encode, text)
-        return self.tok.encode(text)
+        with TRACER.span("tokenize", -1, rid):
+            return self.tok.encode(text)
 
     async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
                                rlog: RequestLog) -> None:
@@ -118,14 +125,18 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext, field: str, arrived: float,
                        rlog: RequestLog) -> _Prepared:
         limits = await self._ready_limits(context)
+        rid = self.engine.new_request_id()
         try:
-            req = validate_params(params, limits)
-            if not text:  # the tokenizer would still give [BOS]
-                raise ValidationError(field, "must not be empty")
-            ids = await self._encode(text)
-            if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
-                ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
-            check_prompt(len(ids), req.sampling.min_new_tokens, limits, field)
+            # Spans end before every await: other requests' spans run in between.
+            with TRACER.span("validate", -1, rid):
+                req = validate_params(params, limits)
+                if not text:  # the tokenizer would still give [BOS]
+                    raise ValidationError(field, "must not be empty")
+            ids = await self._encode(text, rid)
+            with TRACER.span("validate", -1, rid):
+                if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
+                    ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
+                check_prompt(len(ids), req.sampling.min_new_tokens, limits, field)
         except ValidationError as exc:
             rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -133,7 +144,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         deadline = arrived + req.time_limit if req.time_limit else None
-        return _Prepared(req, text, ids, deadline)
+        return _Prepared(req, text, ids, deadline, rid, arrived)
 
     def _input_details(self, p: _Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
@@ -184,7 +195,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=rlog.cid)
+                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived)
 
     @staticmethod
     async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
@@ -211,18 +222,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             async for d in self._deltas(p, rlog):
                 if first:  # only now: a rejection must come before any response
-                    head = pb.GenerationResponse()
-                    self._input_details(p, d, head)
+                    with TRACER.span("stream_write", -1, p.rid):
+                        head = pb.GenerationResponse()
+                        self._input_details(p, d, head)
                     yield head
                     first = False
                 generated = d.num_generated if d.num_generated >= 0 else generated
                 reason = d.finish_reason
-                resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
-                                             stop_reason=_stop_reason(reason),
-                                             stop_sequence=d.stop_sequence)
-                resp.tokens.extend(self._token_infos(d))
-                if reason != FinishReason.NOT_FINISHED:
-                    resp.seed = p.req.seed_returned
+                with TRACER.span("stream_write", -1, p.rid):
+                    resp = self._stream_response(p, d, generated)
                 yield resp
         except EngineError as exc:
             await self._abort_engine_error(context, rlog, exc)
@@ -232,21 +240,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         rlog.info("stream done: %d tokens, %s, %.3f s", generated, reason.name,
                   time.monotonic() - arrived)
 
+    def _stream_response(self, p: _Prepared, d: OutputDelta,
+                         generated: int) -> pb.GenerationResponse:
+        resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
+                                     stop_reason=_stop_reason(d.finish_reason),
+                                     stop_sequence=d.stop_sequence)
+        resp.tokens.extend(self._token_infos(d))
+        if d.finish_reason != FinishReason.NOT_FINISHED:
+            resp.seed = p.req.seed_returned
+        return resp
+
     async def _generate_one(self, p: _Prepared, rlog: RequestLog) -> pb.GenerationResponse:
         resp = pb.GenerationResponse()
         parts: list[str] = []
         first = True
         async for d in self._deltas(p, rlog):
-            if first:
-                self._input_details(p, d, resp)
-                parts.append(resp.text)  # the input text when asked, else ""
-                first = False
-            parts.append(d.text)
-            if d.num_generated >= 0:
-                resp.generated_token_count = d.num_generated
-            resp.tokens.extend(self._token_infos(d))
-            resp.stop_reason = _stop_reason(d.finish_reason)
-            resp.stop_sequence = d.stop_sequence
+            # The batched RPC writes once at the end; each delta goes into its response here.
+            with TRACER.span("stream_write", -1, p.rid):
+                if first:
+                    self._input_details(p, d, resp)
+                    parts.append(resp.text)  # the input text when asked, else ""
+                    first = False
+                parts.append(d.text)
+                if d.num_generated >= 0:
+                    resp.generated_token_count = d.num_generated
+                resp.tokens.extend(self._token_infos(d))
+                resp.stop_reason = _stop_reason(d.finish_reason)
+                resp.stop_sequence = d.stop_sequence
         resp.text = "".join(parts)
         resp.seed = p.req.seed_returned
         return resp
@@ -323,21 +343,31 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "no statistics yet: the scheduler has not reported")
         assert stats is not None
-        return admin_pb2.StatsResponse(**asdict(stats))
-
+        # Only the counters: per-report lists (queue times) feed the metrics, not this view.
+        fields = admin_pb2.StatsResponse.DESCRIPTOR.fields_by_name
+        return admin_pb2.StatsResponse(**{k: v for k, v in asdict(stats).items() if k in fields})
 
     async def Profile(self, request: admin_pb2.ProfileRequest,
                       context: grpc.aio.ServicerContext) -> admin_pb2.ProfileResponse:
-        duration = request.duration_s
+        duration, path = request.duration_s, request.torch_trace_path
         if not 0 < duration <= 600 or math.isnan(duration):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"duration_s: must be in (0, 600], got {duration}")
+        if path and not os.path.isabs(path):  # the gpu worker's working folder is not ours
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"torch_trace_path: must be absolute, got {path!r}")
         try:
-            profiles = await self.engine.profile(duration)
+            profiles = await self.engine.profile(duration, request.plans, path)
+        except ProfileBusy as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except asyncio.TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 "not every process sent its profile back")
-        return admin_pb2.ProfileResponse(profiles_json=json.dumps(profiles).encode())
+        worker = next((p for p in profiles if p["role"] == "gpu-worker"), {})
+        return admin_pb2.ProfileResponse(
+            profiles_json=json.dumps(profiles).encode(), plans_recorded=worker.get("plans", 0),
+            torch_trace_path=worker.get("torch_trace", ""),
+            torch_trace_error=worker.get("torch_error", ""))
 
 
 def add_admin_service(server: grpc.aio.Server, engine: EngineClient) -> None:

@@ -786,6 +786,20 @@ class RingReader:
         self._next = n + 1
         return frames
 
+    def backlog(self) -> int:
+        """Messages the writer has published that this reader has not returned yet.
+
+        The writer fills slots in sequence order, so the unread ones are the run of slots from
+        ours whose sequence numbers continue ours; cheap (one load per unread message).
+        """
+        if self._closed:
+            return 0
+        seqs, n, slots = self._seqs, self._next, self.num_slots
+        count = 0
+        while count < slots and seqs[(n - 1 + count) % slots] == n + count:
+            count += 1
+        return count + (self._side_pending is not None)  # a side message not yet returned
+
     def _copy_frames(self, buf: memoryview, off: int, count: int, slot: int) -> list[Frame]:
         if 4 + 4 * count > self.slot_size:
             raise RingError(f"shm ring {self.name}: corrupt slot {slot} (frame count {count})")

@@ -100,6 +100,10 @@ class TokenReader:
             if deadline is not None:
                 timeout = max(0.0, deadline - time.monotonic())
 
+    def backlog(self) -> int:
+        """Messages the gpu worker published that this reader has not taken yet."""
+        return self._ring.backlog()
+
     def close(self) -> None:
         self._ring.close()
 

@@ -11,7 +11,7 @@ import collections
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from proto.messages import ProfileControl
@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 
 MAX_SPANS = 500_000
 
-# (name, start_ns, end_ns, plan, step)
+# (name, start_ns, end_ns, plan, step).  A span outside any plan (plan -1) may name a request
+# in the last field instead: the frontend's spans carry the request id there.
 Span = tuple[str, int, int, int, int]
 
 
@@ -36,7 +37,7 @@ _NO_SPAN = _NoSpan()
 class _Span(AbstractContextManager):
     __slots__ = ("_tracer", "_name", "_plan", "_step", "_start")
 
-    def __init__(self, tracer: "Tracer", name: str, plan: int, step: int) -> None:
+    def __init__(self, tracer: Tracer, name: str, plan: int, step: int) -> None:
         self._tracer, self._name, self._plan, self._step = tracer, name, plan, step
         self._start = time.monotonic_ns()
 
@@ -47,10 +48,17 @@ class _Span(AbstractContextManager):
 
 @dataclass
 class ProfileWindow:
-    """When to stop recording: after `plans` plans or at `deadline_ns`, whichever is first."""
+    """When a recording ends: after `plans` plans (0: no count) or at `deadline_ns` (0: none),
+    whichever comes first.  The gpu worker counts plans; the frontend keeps the deadline."""
 
     plans: int = 0
     deadline_ns: int = 0
+    plans_done: int = 0
+
+    def count_plan(self) -> bool:
+        """One more plan finished inside the window; True when that completes the count."""
+        self.plans_done += 1
+        return 0 < self.plans <= self.plans_done
 
 
 class Tracer:
@@ -62,6 +70,7 @@ class Tracer:
             maxlen=MAX_SPANS)
         self.started_ns = 0
         self.stopped_ns = 0
+        self.window = ProfileWindow()
 
     def span(self, name: str, plan: int = -1, step: int = -1) -> AbstractContextManager:
         if not self.enabled:
@@ -71,18 +80,25 @@ class Tracer:
     def record(self, name: str, start_ns: int, end_ns: int, plan: int = -1,
                step: int = -1) -> None:
         if self.enabled:
-            self.spans.append((name, start_ns, end_ns, plan, step))
+            # A span measured from before the start (idle since ...) begins with the window,
+            # so every span lies inside [started_ns, stopped_ns].
+            self.spans.append((name, max(start_ns, self.started_ns), end_ns, plan, step))
 
     def counter(self, name: str, value: float) -> None:
         if self.enabled:
             self.counters.append((name, time.monotonic_ns(), value))
 
-    def start(self) -> None:
+    def start(self, window: ProfileWindow | None = None) -> None:
         self.spans.clear()
         self.counters.clear()
+        self.window = window or ProfileWindow()
         self.started_ns = time.monotonic_ns()
         self.stopped_ns = 0
         self.enabled = True
+
+    def count_plan(self) -> bool:
+        """A plan finished: True when it was the window's last (recording should stop)."""
+        return self.enabled and self.window.count_plan()
 
     def stop(self) -> dict[str, Any]:
         """Stop and hand over everything recorded, as plain lists (msgpack-friendly)."""
@@ -94,6 +110,7 @@ class Tracer:
             "stopped_ns": self.stopped_ns,
             "spans": [list(s) for s in self.spans],
             "counters": [list(c) for c in self.counters],
+            "plans": self.window.plans_done,
         }
         self.spans.clear()
         self.counters.clear()
@@ -109,13 +126,40 @@ def set_role(role: str) -> Tracer:
     return TRACER
 
 
-def on_profile_control(msg: "ProfileControl", reply: "Sender") -> None:
+class ProfileExtra(Protocol):
+    """More recording over the same window (the gpu worker's torch.profiler)."""
+
+    def start(self, msg: ProfileControl) -> None: ...
+
+    def stop(self) -> tuple[str, str]:
+        """Finish; (file written, error), either may be ""."""
+        ...
+
+
+def on_profile_control(msg: ProfileControl, reply: Sender,
+                       extra: ProfileExtra | None = None) -> None:
     """What every process does with a ProfileControl from the frontend."""
+    if msg.start:
+        TRACER.start(ProfileWindow(plans=msg.plans))
+        if extra is not None:
+            extra.start(msg)
+    elif TRACER.enabled:
+        _send_profile(reply, extra)
+    # else: the window already ended by its plan count and the data went out unasked; the
+    # frontend's stop crossed it on the way.
+
+
+def on_plan_done(reply: Sender, extra: ProfileExtra | None = None) -> None:
+    """gpu worker, after each plan: the window's last plan ends the recording right here, so
+    it holds exactly that many whole plans, and the data goes to the frontend unasked."""
+    if TRACER.count_plan():
+        _send_profile(reply, extra)
+
+
+def _send_profile(reply: Sender, extra: ProfileExtra | None) -> None:
     from proto.messages import ProfileData
 
-    if msg.start:
-        TRACER.start()
-    else:
-        data = TRACER.stop()
-        reply.put(ProfileData(data["role"], data["started_ns"], data["stopped_ns"],
-                              data["spans"], data["counters"]))
+    data = TRACER.stop()
+    torch_trace, torch_error = extra.stop() if extra is not None else ("", "")
+    reply.put(ProfileData(data["role"], data["started_ns"], data["stopped_ns"], data["spans"],
+                          data["counters"], data["plans"], torch_trace, torch_error))

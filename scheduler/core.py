@@ -11,6 +11,7 @@ happens before.
 """
 from __future__ import annotations
 
+import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -120,6 +121,9 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_query_tokens = 0
         self._prefix_hit_blocks = 0
+        # Arrival (the frontend's clock: one monotonic clock per host) to first scheduling.
+        self._queue_times: list[float] = []
+        self.clock = time.monotonic  # tests replace it
 
     # ================================================================== messages in
 
@@ -183,6 +187,12 @@ class Scheduler:
         if progress is not None:
             progress.processed_by.add(msg.worker_index)
             self._retire_complete_plans()
+
+    def take_queue_times(self) -> list[float]:
+        """Seconds from arrival to first scheduling of each request first scheduled since the
+        previous call (a resumed request counts once, at its first start)."""
+        times, self._queue_times = self._queue_times, []
+        return times
 
     def take_failures(self) -> list[RequestFailed]:
         failures, self._failures = self._failures, []
@@ -266,6 +276,8 @@ class Scheduler:
             return False
         self._blocks.take(hits)
         req.blocks = hits + self._blocks.allocate(num_new)
+        if not req.known_to_worker:
+            self._queue_times.append(max(0.0, self.clock() - req.arrival_time))
         self._start_running(req, num_cached, len(hits))
         draft.schedule(req, num_prefill)
         draft.new.append(self._new_request_message(req, num_cached, num_prefill))

@@ -175,7 +175,7 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         s.prefix_query_tokens, s.tokens_delivered, s.tokens_after_finish,
                         now - times.started, times.num_plans, times.worker_busy_s,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
-                        times.steady_idle_s)
+                        times.steady_idle_s, sched.take_queue_times())
     to_frontend.put(stats)
     return now, stats
 

@@ -52,7 +52,7 @@ def test_chrome_trace_has_lanes_and_flows(tmp_path: pathlib.Path) -> None:
     finishes = [e for e in events if e["ph"] == "f"]
     assert len(starts) == len(finishes) == 4
     # An arrow never points back in time.
-    for s, f in zip(starts, finishes):
+    for s, f in zip(starts, finishes, strict=True):
         assert s["id"] == f["id"] and s["ts"] <= f["ts"]
     json.dumps(trace)
 
@@ -76,3 +76,14 @@ def test_tracer_off_records_nothing_and_on_records_spans() -> None:
     assert data["spans"][0][0] == "a" and data["spans"][0][3:] == [3, 1]
     assert data["counters"][0][2] == 2
     assert data["spans"][0][1] <= data["spans"][0][2]
+
+
+def test_frontend_spans_name_their_request() -> None:
+    frontend = {"role": "frontend", "started_ns": 0, "stopped_ns": 50 * MS, "counters": [],
+                "spans": [("tokenize", MS, 2 * MS, -1, 77), ("route", 3 * MS, 4 * MS, -1, -1)]}
+    events = pr.chrome_trace([*synthetic(), frontend])["traceEvents"]
+    tok = next(e for e in events if e["name"] == "tokenize")
+    assert tok["args"] == {"request": 77}
+    assert next(e for e in events if e["name"] == "route")["args"] == {"plan": -1, "step": -1}
+    s = pr.summarize([*synthetic(), frontend])
+    assert next(p for p in s.processes if p.role == "frontend").busy_pct == pytest.approx(4)

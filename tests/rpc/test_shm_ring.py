@@ -150,6 +150,28 @@ def test_writer_blocks_when_full_and_times_out(env: Env) -> None:
             assert reader.get_frames(1.0) == [b"3"]
 
 
+def test_backlog_counts_what_each_reader_has_not_read(env: Env) -> None:
+    name = env.segment()
+    bell, side = env.addrs("a")
+    with RingWriter(name, 2, bell, side, slot_size=256, num_slots=4) as writer:
+        with RingReader(name, 0, bell, side) as r0, RingReader(name, 1, bell, side) as r1:
+            writer.wait_ready(5.0)
+            assert r0.backlog() == r1.backlog() == 0
+            for i in range(3):
+                writer.put_frames([b"%d" % i], timeout=5.0)
+            assert r0.backlog() == r1.backlog() == 3
+            assert r0.get_frames(1.0) == [b"0"]
+            assert (r0.backlog(), r1.backlog()) == (2, 3)
+            for _ in range(3):
+                assert r1.get_frames(1.0) is not None
+            writer.put_frames([b"3"], timeout=5.0)  # wraps round into slot 0
+            writer.put_frames([b"4" * 600], timeout=5.0)  # side channel: still one message
+            assert (r0.backlog(), r1.backlog()) == (4, 2)
+            assert r1.get_frames(1.0) == [b"3"]
+            assert r1.backlog() == 1
+            assert r1.get_frames(1.0) is not None and r1.backlog() == 0
+
+
 def test_wait_ready_times_out_when_a_reader_never_attaches(env: Env) -> None:
     name = env.segment()
     bell, side = env.addrs("a")
