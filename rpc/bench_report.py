@@ -137,7 +137,17 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
 
 
 def ab_fast(ctx: Context) -> str:
-    return _ab(ctx, "fast", "")
+    text = _ab(ctx, "fast", "")
+    # The baselines must be as fast as they can be: the same arms without CPU pinning, the
+    # worker's torch threads on every core.
+    out = tempfile.mkdtemp(prefix="tandem-report-")
+    args = ["bench", "ab", "--model", ctx.models["fast"], *AB_WORKLOAD, "--steps", "1,8",
+            "--repeats", str(ctx.repeats), "--server-arg=--reserved-cpus=0"]
+    unpinned = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png",
+                      os.path.join(out, "ab.png"))
+    return "\n\n".join([text, "The same arms with `--reserved-cpus 0` (no pinning, torch "
+                          "threads on every core), to show no baseline was slowed by the "
+                          "placement:", code(shown(args, ctx)), unpinned.strip()])
 
 
 def ab_default(ctx: Context) -> str:
@@ -210,6 +220,18 @@ def step(ctx: Context) -> str:
         "timed steps, medians of alternating runs.", code(shown(args, ctx)), text.strip()])
 
 
+def overhead(ctx: Context) -> str:
+    args = ["bench", "step", "--trace", "--model", ctx.models["default"], "--threads", "1",
+            "--batch-sizes", "1,8,32,64", "--repeats", "4"]
+    text = tandem(*args)
+    return "\n\n".join([
+        "What span recording costs the gpu worker's decode step: runs with the tracer off "
+        "and on alternate; one span is also timed alone (targets: off < 1%, on < 5% of a "
+        "step). The on/off ratio of whole runs scatters with the neighbours on a shared "
+        "machine; the per-span cost × spans per step is the figure to read.",
+        code(shown(args, ctx)), text.strip()])
+
+
 def postproc(ctx: Context) -> str:
     args = ["bench", "postproc", "--model", ctx.models["default"], "--steps", "100"]
     text = tandem(*args)
@@ -237,6 +259,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
                    ab_default),
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
     "step": ("Decode step (`tandem bench step`)", step),
+    "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "soak": ("Soak (`tandem bench soak`)", soak),
