@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Sequence
 from enum import IntEnum
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np

@@ -29,7 +29,7 @@ class Addresses:
     supervisor: str = ""
 
     @classmethod
-    def local(cls, run_dir: str, tag: str, num_postproc: int, use_ring: bool) -> "Addresses":
+    def local(cls, run_dir: str, tag: str, num_postproc: int, use_ring: bool) -> Addresses:
         def ipc(name: str) -> str:
             return f"ipc://{run_dir}/{name}"
 
@@ -98,7 +98,7 @@ class ServerConfig:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "ServerConfig":
+    def from_json(cls, text: str) -> ServerConfig:
         raw: dict[str, Any] = json.loads(text)
         addr = raw.pop("addresses")
         addr["postproc_inboxes"] = tuple(addr["postproc_inboxes"])
@@ -106,7 +106,7 @@ class ServerConfig:
             raw[key] = tuple(raw.get(key, ()))
         return cls(**raw, addresses=Addresses(**addr))
 
-    def replace(self, **changes: Any) -> "ServerConfig":
+    def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
 
 

@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from proto.config import Addresses, ServerConfig
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from proto.messages import Heartbeat
 from rpc.channels import Sender
@@ -82,14 +83,14 @@ def peer_name(role: str, index: int = 0) -> str:
     return f"postproc {index}" if role == "postproc" else role
 
 
-def role_watch(cfg: "ServerConfig", role: str, index: int = 0) -> PeerWatch | None:
+def role_watch(cfg: ServerConfig, role: str, index: int = 0) -> PeerWatch | None:
     """A role's watch on the frontend, when it runs on its own; None under a launcher."""
     if not cfg.standalone:
         return None
     return PeerWatch(Heartbeat(role, index), [cfg.addresses.frontend_inbox], ["frontend"])
 
 
-def frontend_watch(cfg: "ServerConfig") -> PeerWatch:
+def frontend_watch(cfg: ServerConfig) -> PeerWatch:
     addr = cfg.addresses
     senders = [addr.scheduler_inbox, addr.worker_inbox, *addr.postproc_inboxes]
     expected = ["scheduler", "gpu-worker"] + [f"postproc {i}"

@@ -12,14 +12,23 @@ import time
 from dataclasses import dataclass, field
 
 from proto.config import ServerConfig
-from proto.messages import (AbortRequest, AddRequest, EngineStats, Heartbeat, PlanProcessed,
-                            ProfileControl,
-                            Shutdown, StepDone, StopHit, WorkerReady)
+from proto.messages import (
+    AbortRequest,
+    AddRequest,
+    EngineStats,
+    Heartbeat,
+    PlanProcessed,
+    ProfileControl,
+    Shutdown,
+    StepDone,
+    StopHit,
+    WorkerReady,
+)
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import role_watch
-from rpc.tracing import TRACER, on_profile_control, set_role
 from rpc.process import PlanWatchdog
+from rpc.tracing import TRACER, on_profile_control, set_role
 from scheduler.core import Scheduler, SchedulerParams
 
 log = logging.getLogger("tandem.scheduler")

@@ -38,7 +38,7 @@ def test_postproc_addresses_match_the_services() -> None:
     addrs = env["TANDEM_POSTPROC_ADDRS"].split(",")
     workers = sorted(n for n in services if n.startswith("postproc-"))
     assert len(addrs) == len(workers) == int(env["TANDEM_NUM_POSTPROC_WORKERS"])
-    for i, (addr, name) in enumerate(zip(addrs, workers)):
+    for i, (addr, name) in enumerate(zip(addrs, workers, strict=True)):
         assert addr.startswith(f"tcp://{name}:")
         assert services[name]["command"][-1] == str(i)
 

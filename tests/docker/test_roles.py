@@ -79,7 +79,7 @@ def test_roles_serve_like_compose_and_exit_when_the_scheduler_dies(
             assert time.monotonic() < deadline, "roles did not become ready"
             assert all(p.poll() is None for p in procs.values())
             time.sleep(0.3)
-        for (text, n), want in zip(PROMPTS, hf_texts):
+        for (text, n), want in zip(PROMPTS, hf_texts, strict=True):
             got = "".join(r.text for r in client.stream(
                 text, GenerateOptions(max_new_tokens=n, min_new_tokens=n)))
             assert got == want

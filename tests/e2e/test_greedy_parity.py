@@ -45,7 +45,7 @@ def test_concurrent_greedy_streams_equal_hf(tiny_model_dir: pathlib.Path,
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: stream_text(server, *p), PROMPTS))
-        for (text, n), (got, count) in zip(PROMPTS, results):
+        for (text, n), (got, count) in zip(PROMPTS, results, strict=True):
             assert count == n
             assert got == hf_outputs[text], f"K={steps} {mode}: {text!r}"
     finally:

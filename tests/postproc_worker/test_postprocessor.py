@@ -5,8 +5,7 @@ import numpy as np
 import pytest
 
 from postproc_worker.main import Postprocessor
-from proto.messages import (FinishReason, ForgetRequest, OutputOptions, RegisterRequest,
-                            TokenBatch)
+from proto.messages import FinishReason, ForgetRequest, OutputOptions, RegisterRequest, TokenBatch
 from rpc.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
 

@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 
 from proto import codec
-from proto.messages import (FinishReason, NewRequest, OutputBatch, OutputDelta, SamplingParams,
-                            StepDone, StepPlan, TokenBatch)
+from proto.messages import (
+    FinishReason,
+    NewRequest,
+    OutputBatch,
+    OutputDelta,
+    SamplingParams,
+    StepDone,
+    StepPlan,
+    TokenBatch,
+)
 
 
 def test_step_plan_round_trip_with_nested_dataclasses() -> None:
