@@ -87,7 +87,7 @@ def build_tiny_model(out_dir: str, preset: str = "default", seed: int = SEED) ->
         num_hidden_layers=p.num_hidden_layers, num_attention_heads=p.num_attention_heads,
         num_key_value_heads=p.num_key_value_heads,
         max_position_embeddings=p.max_position_embeddings, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, tie_word_embeddings=False, torch_dtype="float32")
+        pad_token_id=0, tie_word_embeddings=False, torch_dtype="float32")  # type: ignore[call-arg]
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -72,7 +72,7 @@ def encode(msg: Any) -> list[Frame]:
             arr = np.ascontiguousarray(arr)
             head = [arr.dtype.str, list(arr.shape)]
             if arr.nbytes >= INLINE_LIMIT:
-                frames.append(memoryview(arr).cast("B"))
+                frames.append(arr.data.cast("B"))
                 return msgpack.ExtType(_EXT_ARRAY_FRAME, _pack([*head, len(frames) - 1]))
             return msgpack.ExtType(_EXT_ARRAY, _pack([*head, arr.tobytes()]))
         if isinstance(obj, (np.integer, np.floating, np.bool_)):

@@ -87,7 +87,7 @@ def machine(ctx: Context) -> str:
                             capture_output=True).stdout.strip() or "unknown"
     return "\n".join([
         f"Machine: {os.cpu_count()} cores ({cpu}), {mem_gib:.0f} GiB, "
-        f"{'CUDA ' + torch.version.cuda if torch.cuda.is_available() else 'no GPU'}; "
+        f"{'CUDA ' + str(torch.version.cuda) if torch.cuda.is_available() else 'no GPU'}; "
         f"Python {platform.python_version()}, torch {torch.__version__}.",
         f"Generated {time.strftime('%Y-%m-%d')} at commit {commit} by `tandem bench report` "
         "(`make benchmarks`); shared machines are noisy, so compare figures as ratios "

@@ -38,7 +38,7 @@ class _Socket:
     def __init__(self, addr: str, kind: int, bind: bool, hwm: int = DEFAULT_HWM) -> None:
         self.addr = addr
         self._bind = bind
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self.sock = self._ctx.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, hwm)

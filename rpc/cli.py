@@ -86,7 +86,7 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse.BooleanOptionalAction):
             action.default = value.strip().lower() in ("1", "true", "yes", "on")
         elif action.type is not None:
-            action.default = action.type(value)
+            action.default = action.type(value)  # type: ignore[operator]
         else:
             action.default = value
 

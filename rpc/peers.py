@@ -45,7 +45,7 @@ class PeerWatch:
         self._thread.start()
 
     def _beat(self, addresses: list[str]) -> None:
-        senders = [Sender(a) for a in addresses]  # owned by this thread alone
+        senders: list[Sender] = [Sender(a) for a in addresses]  # owned by this thread alone
         try:
             while not self._stop.wait(HEARTBEAT_INTERVAL):
                 for s in senders:
