@@ -4,11 +4,16 @@ It starts a server (or attaches to one with `--target` and `--pid`), drives Pois
 arrivals at `--request-rate` through `TandemClient` streams from a thread pool (a mix of
 plain, token-detail and stop-sequence requests, so every output path runs), and samples
 the resident set size (VmRSS in /proc/<pid>/status) of every process of the server's tree.
-The first sample after `--warmup-s` is the start and the last one taken under load the end
-(both under load: allocators hand memory back once streams close, so an idle sample would
-flatter the end); the table shows per process (role from its `tandem: <role>` title)
-start, end, growth and the idle size after the load, and `--json` writes the whole series.
-With `--max-growth-pct` the exit code says whether it held.
+One-time allocations (oneDNN primitives for new shapes, allocator pools) happen in the first
+`--warmup-s` of load, which the comparison leaves out. The start is the median of the samples
+in the first `--window-s` after the warm-up and the end the median of those in the last
+`--window-s` under load: one sample swings by the buffers of whatever step is running at that
+instant (tens of MB in the gpu worker), a median of several does not. Both are under load:
+allocators hand memory back once streams close, so an idle end would flatter it. Per process
+(role from its `tandem: <role>` title) the table shows the RSS at the first sample, start, end,
+growth, the least-squares slope over every sample after the warm-up (MB/min) and the idle size
+after the load; `--json` writes the whole series. With `--max-growth-pct` the exit code says
+whether it held.
 
     tandem bench soak --minutes 10 --request-rate 4
 """
@@ -40,16 +45,52 @@ class ProcessRss:
     samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds, kB) under load
     idle_after_kb: int | None = None  # once the last request finished
 
-    def at(self, t: float) -> int | None:
-        """The first sample at or after `t` seconds (None if there is none)."""
-        return next((kb for s, kb in self.samples if s >= t), None)
+    def first(self) -> int | None:
+        return self.samples[0][1] if self.samples else None
 
-    def last(self) -> int | None:
-        return self.samples[-1][1] if self.samples else None
+    def median(self, t0: float, t1: float) -> int | None:
+        """Median kB of the samples taken in [t0, t1) seconds (None if there are none)."""
+        kb = sorted(k for s, k in self.samples if t0 <= s < t1)
+        return kb[len(kb) // 2] if kb else None
+
+    def slope_mb_per_min(self, t0: float) -> float | None:
+        """Least-squares RSS slope over the samples from `t0` on, in MB per minute."""
+        pts = [(s, k / 1024) for s, k in self.samples if s >= t0]
+        if len(pts) < 3:
+            return None
+        mt = sum(s for s, _ in pts) / len(pts)
+        mm = sum(m for _, m in pts) / len(pts)
+        var = sum((s - mt) ** 2 for s, _ in pts)
+        return 60.0 * sum((s - mt) * (m - mm) for s, m in pts) / var if var else None
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Where the start and end readings come from, in seconds since the load began."""
+
+    warmup_s: float
+    start: tuple[float, float]
+    end: tuple[float, float]
+
+    @classmethod
+    def of(cls, warmup_s: float, load_s: float, window_s: float) -> Windows:
+        # Never wider than half the measured span, so the two windows do not overlap.
+        w = max(0.0, min(window_s, (load_s - warmup_s) / 2))
+        return cls(warmup_s, (warmup_s, warmup_s + w), (load_s - w, load_s))
+
+    def describe(self) -> str:
+        return (f"RSS start = median of the samples at {self.start[0]:g}-{self.start[1]:g} s "
+                f"of load (after a {self.warmup_s:g} s warm-up), end = median at "
+                f"{self.end[0]:g}-{self.end[1]:g} s; MB/min = least-squares slope from "
+                f"{self.warmup_s:g} s on")
+
+    def readings(self, p: ProcessRss) -> tuple[int | None, int | None]:
+        return p.median(*self.start), p.median(*self.end)
 
 
 @dataclass
 class RequestStats:
+    sent: int = 0
     ok: int = 0
     failed: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
@@ -166,7 +207,8 @@ def drive(client: Any, rate: float, seconds: float, max_new_tokens: int, concurr
     sent = 0
     t0 = time.monotonic()
     next_at = t0
-    with ThreadPoolExecutor(concurrency, thread_name_prefix="soak") as pool:
+    pool = ThreadPoolExecutor(concurrency, thread_name_prefix="soak")
+    try:
         while not stop.is_set():
             next_at += rng.expovariate(rate)
             if next_at - t0 > seconds:
@@ -177,6 +219,12 @@ def drive(client: Any, rate: float, seconds: float, max_new_tokens: int, concurr
             pool.submit(one_request, client, seed * 1_000_003 + sent, max_new_tokens, stats,
                         next_at)
             sent += 1
+            stats.sent = sent
+    finally:
+        # Requests still queued behind `concurrency` open streams (a rate above what the
+        # server keeps up with) are dropped: the sampling is over, draining them could take
+        # longer than the soak itself. Open streams finish.
+        pool.shutdown(wait=True, cancel_futures=True)
     return sent
 
 
@@ -218,15 +266,18 @@ def growth_pct(start: int | None, end: int | None) -> float | None:
     return 100.0 * (end - start) / start
 
 
-def format_table(procs: list[ProcessRss], t_start: float) -> str:
-    lines = [f"{'process':<14}{'pid':>8}{'RSS start MB':>14}{'RSS end MB':>12}{'growth':>9}"
-             f"{'idle after MB':>15}", "-" * 72]
+def format_table(procs: list[ProcessRss], windows: Windows) -> str:
+    lines = [windows.describe(),
+             f"{'process':<14}{'pid':>8}{'at 0 s MB':>11}{'start MB':>10}{'end MB':>9}"
+             f"{'growth':>9}{'MB/min':>8}{'idle after MB':>15}", "-" * 84]
     for p in procs:
-        start, end = p.at(t_start), p.last()
+        start, end = windows.readings(p)
         g = growth_pct(start, end)
-        lines.append(f"{p.role:<14}{p.pid:>8}"
-                     f"{(start or 0) / 1024:>14.1f}{(end or 0) / 1024:>12.1f}"
+        slope = p.slope_mb_per_min(windows.warmup_s)
+        lines.append(f"{p.role:<14}{p.pid:>8}{(p.first() or 0) / 1024:>11.1f}"
+                     f"{(start or 0) / 1024:>10.1f}{(end or 0) / 1024:>9.1f}"
                      f"{'' if g is None else f'{g:+.1f}%':>9}"
+                     f"{'' if slope is None else f'{slope:+.2f}':>8}"
                      f"{(p.idle_after_kb or 0) / 1024:>15.1f}")
     return "\n".join(lines)
 
@@ -248,7 +299,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each request asks for between a quarter of this and this")
     p.add_argument("--concurrency", type=int, default=64, help="most streams open at once")
     p.add_argument("--warmup-s", type=float, default=60.0,
-                   help="load before the start sample: caches, allocator pools fill up")
+                   help="load before the start window: caches, allocator pools fill up")
+    p.add_argument("--window-s", type=float, default=60.0,
+                   help="start and end RSS are medians of the samples in a window this long")
     p.add_argument("--sample-every", type=float, default=10.0, help="RSS sampling period, s")
     p.add_argument("--target", default="", help="attach to HOST:PORT instead of starting")
     p.add_argument("--pid", type=int, default=0,
@@ -319,25 +372,31 @@ def main(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     rows = sorted(procs.values(), key=lambda p: p.pid)
-    t_start = args.warmup_s
-    print(format_table(rows, t_start))
+    windows = Windows.of(args.warmup_s, load_s, args.window_s)
+    print(format_table(rows, windows))
     lat = stats.latencies
     failed = sum(stats.failed.values())
-    print(f"requests: {stats.ok} ok, {failed} failed {stats.failed or ''}; "
+    dropped = stats.sent - stats.ok - failed
+    print(f"requests: {stats.sent} sent, {stats.ok} ok, {failed} failed"
+          f"{f' {stats.failed}' if stats.failed else ''}"
+          f"{f', {dropped} never started (queued when the load ended)' if dropped else ''}; "
           f"{stats.ok / max(t_end, 1e-9):.2f} req/s, {stats.tokens} tokens; latency p50 "
           f"{percentile(lat, 50):.2f} s p99 {percentile(lat, 99):.2f} s; start delay p99 "
           f"{percentile(stats.start_delays, 99):.3f} s")
-    worst = max((g for p in rows if (g := growth_pct(p.at(t_start), p.last())) is not None),
+    worst = max((g for p in rows if (g := growth_pct(*windows.readings(p))) is not None),
                 default=0.0)
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k != "func"},
                "target": target, "seconds": t_end,
-               "requests": {"ok": stats.ok, "failed": stats.failed, "tokens": stats.tokens,
+               "requests": {"sent": stats.sent, "ok": stats.ok, "failed": stats.failed,
+                            "tokens": stats.tokens,
                             "latency_p50_s": percentile(lat, 50),
                             "latency_p99_s": percentile(lat, 99)},
-               "processes": [{**asdict(p), "rss_start_kb": p.at(t_start),
-                              "rss_end_kb": p.last(),
-                              "growth_pct": growth_pct(p.at(t_start), p.last())}
+               "windows": asdict(windows),
+               "processes": [{**asdict(p), "rss_start_kb": windows.readings(p)[0],
+                              "rss_end_kb": windows.readings(p)[1],
+                              "growth_pct": growth_pct(*windows.readings(p)),
+                              "slope_mb_per_min": p.slope_mb_per_min(windows.warmup_s)}
                              for p in rows]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -110,6 +110,19 @@ def test_byte_level_bpe_shape() -> None:
     assert tok.id_to_token(tok.encode(" world")[-1]).startswith("Ġ")
 
 
+def test_word_cache_only_where_words_recur() -> None:
+    """SentencePiece-style pipelines keep the whole text as one word: a cache of those held
+    memory per distinct short prompt and was almost never hit, so it is off there; byte-level
+    BPE splits into recurring words and keeps it. Encoding is the same either way (the parity
+    tests above run with both)."""
+    sp = Tokenizer.from_dir(str(sentencepiece_dir()))
+    assert sp.raw.pre_tokenizer is not None
+    assert len(sp.raw.pre_tokenizer.pre_tokenize_str("a b")) == 1
+    assert not sp.word_cache
+    assert Tokenizer.from_dir(str(byte_level_bpe_dir())).word_cache
+    assert not Tokenizer.from_dir(str(wordpiece_dir())).word_cache  # no BPE, no such cache
+
+
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

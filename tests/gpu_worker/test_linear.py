@@ -1,0 +1,82 @@
+"""oneDNN-packed linears see a bounded set of row counts, whatever the batch shapes.
+
+oneDNN keeps a JIT-compiled primitive (about half a MB) per input shape; unbounded shapes made
+the gpu worker's RSS grow for as long as new prefill lengths and batch sizes turned up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.models import load_model
+from gpu_worker.models.llama import linear, onednn_fp32_usable, onednn_rows, pack_linear
+from tests.gpu_worker.model_utils import PagedDriver, make_tiny_checkpoint, random_prompts
+
+needs_onednn = pytest.mark.skipif(not onednn_fp32_usable(), reason="no fp32 oneDNN here")
+
+
+def test_onednn_rows_bounded_and_tight() -> None:
+    rows = [onednn_rows(m) for m in range(1, 4097)]
+    for m, r in enumerate(rows, start=1):
+        assert m <= r <= m + m // 8, m  # at most 12.5% padding rows
+    assert rows == sorted(rows)
+    assert all(onednn_rows(m) == m for m in [*range(1, 17), 32, 64, 128, 1024, 2048])
+    # 16 exact sizes, then 8 per octave: 16 + 8 * 7 up to 2048, 8 more per doubling.
+    assert len(set(rows[:2048])) == 72
+    assert len(set(rows)) == 80
+
+
+@needs_onednn
+def test_packed_linear_pads_rows_and_matches_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[int] = []
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.append(x.shape[0])
+        out: torch.Tensor = op(x, *args)
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 32, generator=g)
+    b = torch.randn(48, generator=g)
+    packed = pack_linear(w)
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    for m in (1, 16, 17, 33, 100, 300):
+        x = torch.randn(m, 32, generator=g)
+        out = linear(x, w, b, packed)
+        assert out.shape == (m, 48)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+        assert seen[-1] == onednn_rows(m)
+
+
+@needs_onednn
+def test_model_forwards_use_bucketed_shapes_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefills of every length 1..200 and decode batches of 1..40 rows: the packed op only
+    ever sees bucket sizes, far fewer than the distinct row counts."""
+    path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    model = load_model(path, torch.float32, torch.device("cpu"))
+    seen: set[int] = set()
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def spy(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.add(x.shape[0])
+        out: torch.Tensor = op(x, *args)
+        return out
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    lengths = list(range(1, 201))
+    driver = PagedDriver(model, num_blocks=2000, block_size=16)
+    seqs = [driver.new_seq(p) for p in random_prompts(lengths, model.config.vocab_size, seed=1)]
+    for s, n in zip(seqs, lengths, strict=True):
+        driver.append_greedy([s], driver.prefill([(s, n)]), 1000)
+    for batch in range(1, 41):
+        driver.append_greedy(seqs[:batch], driver.decode(seqs[:batch]), 1000)
+    buckets = {onednn_rows(m) for m in range(1, 201)}
+    assert seen <= buckets
+    assert len(seen) < len(lengths) // 3
