@@ -217,7 +217,9 @@ def step(ctx: Context) -> str:
     return "\n\n".join([
         "Decode ms/step through `ModelRunner.execute` (K=8 plans, every step published) "
         "next to HF `generate()` on the same checkpoint and batch; 128-token prompts, 64 "
-        "timed steps, medians of alternating runs.", code(shown(args, ctx)), text.strip()])
+        "timed steps, medians of alternating runs. Packed linears pad their rows to a "
+        "bounded set of sizes (batch ≤ 16 and powers of two run unpadded; see the soak).",
+        code(shown(args, ctx)), text.strip()])
 
 
 def overhead(ctx: Context) -> str:

@@ -247,7 +247,7 @@ def onednn_fp32_usable() -> bool:
     global _ONEDNN_OK
     if _ONEDNN_OK is None:
         _ONEDNN_OK = False
-        available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        available = torch.backends.mkldnn.is_available()
         if available and os.environ.get("TANDEM_ONEDNN", "1") != "0":
             try:
                 g = torch.Generator().manual_seed(0)
