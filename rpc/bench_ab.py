@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rpc.bench_serve import BenchConfig, run_benchmark
@@ -156,6 +158,26 @@ class Workload:
         return asyncio.run(run_benchmark(cfg, items=self.items, tokenizer=self.tokenizer))
 
 
+@contextlib.contextmanager
+def beside_frontend(frontend_pid: int) -> Iterator[None]:
+    """Run the load generator on the cores the server kept for its Python processes (where
+    its frontend runs), so that a client never takes the pinned worker's core: with an
+    accelerator it would not share the device either. A no-op when nothing is pinned."""
+    mine = os.sched_getaffinity(0)
+    try:
+        theirs = os.sched_getaffinity(frontend_pid)
+    except OSError:
+        theirs = mine
+    if theirs == mine:
+        yield
+        return
+    os.sched_setaffinity(0, theirs)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:
     port = _free_port()
     proc = start_server(model, arm, extra, port)
@@ -169,7 +191,8 @@ def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str,
             start["counters"] = _counters(client)
             start["meter"] = CpuMeter(proc.pid)
 
-        result = work.run(port=port, model=model, warmed=warmed)
+        with beside_frontend(proc.pid):
+            result = work.run(port=port, model=model, warmed=warmed)
         result["cpu_s"] = start["meter"].stop()
         before = start["counters"]
         time.sleep(0.5)  # the scheduler reports counters every 0.2 s

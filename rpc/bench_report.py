@@ -109,7 +109,8 @@ def _ab(ctx: Context, preset: str, peers: str) -> str:
             f"{ctx.repeats} interleaved runs. 'idle % in steady decode' is the share of time "
             "the gpu worker waited for a plan while it had requests to decode (plans "
             "without prefill); 'device idle %' is over the whole run, waits for new "
-            "requests included.")
+            "requests included. The load generator runs on the cores the server keeps for "
+            "its Python processes, never on the pinned worker's.")
     return "\n\n".join([head, code(shown(args, ctx)), text.strip(),
                         _ab_reading(results), f"![A/B, {preset} preset](img/ab_{preset}.png)"])
 
