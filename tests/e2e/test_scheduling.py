@@ -44,13 +44,13 @@ def test_preemption_under_kv_pressure_keeps_outputs(fast_model_dir: pathlib.Path
     assert got == want
 
 
-def settled_stats(server: Server, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    """Admin stats once the scheduler has reported an idle engine: its reports are periodic,
-    so the first read after the last stream may predate the last admissions."""
+def settled_stats(server: Server, delivered: int, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    """Admin stats once the scheduler has counted `delivered` tokens: its reports are
+    periodic, so a read right after the last stream can predate its last admissions."""
     deadline = time.monotonic() + timeout
     while True:
         stats = server.client.stats()
-        if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
+        if stats.tokens_delivered >= delivered or time.monotonic() > deadline:
             return stats
         time.sleep(0.1)
 
@@ -64,7 +64,7 @@ def test_shared_prefix_hits_the_cache_and_keeps_outputs(fast_model_dir: pathlib.
     try:
         first = run_all(server, jobs[:1])  # fills the cache with the prefix
         rest = run_all(server, jobs[1:])
-        stats = settled_stats(server)
+        stats = settled_stats(server, sum(n for _, n in jobs))
     finally:
         assert server.stop() == 0
     assert stats.prefix_hit_tokens >= 15 * 16 * (200 // 16 - 1)
