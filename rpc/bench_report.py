@@ -65,6 +65,13 @@ def shown(args: list[str], ctx: Context) -> str:
     return "tandem " + " ".join(names.get(a, a) for a in args)
 
 
+def scrub(text: str, ctx: Context) -> str:
+    """A command's output with the report's temporary model folders named by preset."""
+    for preset, path in ctx.models.items():
+        text = text.replace(path, f"/tmp/tiny-{preset}")
+    return text
+
+
 def code(*lines: str) -> str:
     return "```sh\n" + "\n".join(lines) + "\n```"
 
@@ -307,7 +314,7 @@ def main(args: argparse.Namespace) -> int:
     os.makedirs(ctx.frag, exist_ok=True)
     for i, key in enumerate(sections, 1):
         progress(f"section {i}/{len(sections)}: {key}")
-        text = SECTIONS[key][1](ctx)
+        text = scrub(SECTIONS[key][1](ctx), ctx)
         with open(os.path.join(ctx.frag, f"{key}.md"), "w") as f:
             f.write(text.strip() + "\n")
     path = os.path.join(ctx.docs, "BENCHMARKS.md")
