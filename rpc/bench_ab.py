@@ -359,14 +359,16 @@ def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
                                        ("output_throughput", "output tok/s"),
                                        ("steady_idle_pct", "device idle in steady decode (%)")],
                                  strict=True):
-        values = [results[n].get(key) or 0.0 for n in names]
+        raw = [results[n].get(key) for n in names]
+        values = [v or 0.0 for v in raw]
         colors = ["#1f77b4" if "async" in n else "#ff7f0e" if "sync" in n else "#7f7f7f"
                   for n in names]
         ax.bar(names, values, color=colors)
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=25)
-        for i, v in enumerate(values):
-            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
+        for i, v in enumerate(raw):  # a peer has no engine counters: say so, not 0
+            ax.text(i, v or 0.0, "n/a" if v is None else f"{v:.1f}", ha="center",
+                    va="bottom", fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
