@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rpc.bench_serve import BenchConfig, run_benchmark
-from rpc.bench_soak import role_of, tree_pids
+from rpc.bench_soak import free_port, role_of, tree_pids
 from rpc.client import TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,14 +39,6 @@ class Arm:
     @property
     def name(self) -> str:
         return f"{'async' if self.async_mode else 'sync'} K={self.steps}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(model: str, arm: Arm, extra: list[str], port: int) -> subprocess.Popen:
@@ -135,15 +127,10 @@ class Workload:
 
     @classmethod
     def build(cls, bench: BenchConfig) -> Workload:
-        from rpc.bench_datasets import load_dataset
-        from rpc.bench_serve import _load_tokenizer
+        from rpc.bench_serve import _load_tokenizer, build_dataset
 
         tok = _load_tokenizer(bench)
-        items = load_dataset(bench.dataset, tok, num_prompts=bench.num_prompts,
-                             input_len=bench.input_len, output_len=bench.output_len,
-                             range_ratio=bench.range_ratio, prefix_len=bench.prefix_len,
-                             dataset_path=bench.dataset_path, seed=bench.seed)
-        return cls(bench, list(items), tok)
+        return cls(bench, build_dataset(bench, tok), tok)
 
     def run(self, **changes: Any) -> dict[str, Any]:
         """Warm the target up, then run the workload; `warmed` is called in between, so
@@ -178,12 +165,27 @@ def beside_frontend(frontend_pid: int) -> Iterator[None]:
         os.sched_setaffinity(0, mine)
 
 
-def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:
-    port = _free_port()
+@contextlib.contextmanager
+def arm_server(model: str, arm: Arm, extra: list[str]
+               ) -> Iterator[tuple[subprocess.Popen, TandemClient, int]]:
+    """A fresh `tandem serve` for one arm, SERVING on a free port; stopped on exit."""
+    port = free_port()
     proc = start_server(model, arm, extra, port)
     client = TandemClient(f"127.0.0.1:{port}")
     try:
         wait_ready(client, proc)
+        yield proc, client, port
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:
+    with arm_server(model, arm, extra) as (proc, client, port):
         start: dict[str, Any] = {}
 
         def warmed() -> None:
@@ -198,13 +200,6 @@ def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str,
         time.sleep(0.5)  # the scheduler reports counters every 0.2 s
         result.update(engine_figures(before, _counters(client)))
         return result
-    finally:
-        client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 PEERS = ("transformers-serve", "hf-generate")
@@ -222,7 +217,7 @@ def run_transformers_serve(model: str, work: Workload, timeout: float = 300.0
     """The same workload against `transformers serve --continuous-batching` on `model`."""
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [transformers_cli(), "serve", "--continuous-batching", "--device", "cpu",
            "--port", str(port), model]

@@ -137,10 +137,6 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
                      f"{a8.get('steady_idle_pct', float('nan')):.2f}%; postprocessing "
                      f"{a8.get('postproc_ms_per_plan', float('nan')):.2f} ms per plan next to "
                      f"{a8.get('forward_ms_per_plan', float('nan')):.2f} ms of forward.")
-    for peer in ("transformers serve", "hf generate()"):
-        if peer in r:
-            lines.append(f"- async K=8 output throughput = "
-                         f"{ratio('async K=8', peer, 'output_throughput')} {peer}'s.")
     return "\n".join(lines)
 
 
@@ -164,19 +160,14 @@ def ab_default(ctx: Context) -> str:
 
 def profile(ctx: Context) -> str:
     """Async vs sync K=8 under the same load, recorded by `tandem profile`, side by side."""
-    from rpc.bench_ab import Arm, _free_port, start_server, wait_ready
-    from rpc.client import TandemClient
+    from rpc.bench_ab import Arm, arm_server
 
     model = ctx.models["fast"]
     summaries: dict[str, dict[str, Any]] = {}
     texts: dict[str, str] = {}
     out = tempfile.mkdtemp(prefix="tandem-report-")
     for mode in ("async", "sync"):
-        port = _free_port()
-        proc = start_server(model, Arm(8, mode == "async"), [], port)
-        client = TandemClient(f"127.0.0.1:{port}")
-        try:
-            wait_ready(client, proc)
+        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port):
             js = os.path.join(out, f"{mode}.json")
             texts[mode] = tandem(
                 "profile", "--port", str(port), "--duration", "3", "--summary-json", js,
@@ -184,10 +175,6 @@ def profile(ctx: Context) -> str:
                 "--output", os.path.join(out, f"{mode}_trace.json"),
                 "--", "bench", "serve", "--model", model, *PROFILE_WORKLOAD)
             summaries[mode] = json.load(open(js))
-        finally:
-            client.close()
-            proc.terminate()
-            proc.wait(60)
     cmd = [shown(["serve", "--model", model, "--num-scheduler-steps", "8"], ctx) +
            "   # --no-async-postproc for sync", shown(
                ["profile", "--duration", "3", "--png", "timeline.png", "--output",
@@ -219,47 +206,49 @@ def profile(ctx: Context) -> str:
         "\n```\n</details>"])
 
 
+def command_section(ctx: Context, intro: str, args: list[str], *, fenced: bool = False,
+                    timeout: float = 3600) -> str:
+    """The intro, the command as typed, and what it printed (`fenced`: as plain text)."""
+    text = tandem(*args, timeout=timeout).strip()
+    return "\n\n".join([intro, code(shown(args, ctx)),
+                        f"```\n{text}\n```" if fenced else text])
+
+
 def step(ctx: Context) -> str:
-    args = ["bench", "step", "--model", ctx.models["default"], "--threads", "2"]
-    text = tandem(*args)
-    return "\n\n".join([
+    return command_section(ctx, (
         "Decode ms/step through `ModelRunner.execute` (K=8 plans, every step published) "
         "next to HF `generate()` on the same checkpoint and batch; 128-token prompts, 64 "
         "timed steps, medians of alternating runs. Packed linears pad their rows to a "
-        "bounded set of sizes (batch ≤ 16 and powers of two run unpadded; see the soak).",
-        code(shown(args, ctx)), text.strip()])
+        "bounded set of sizes (batch ≤ 16 and powers of two run unpadded; see the soak)."),
+        ["bench", "step", "--model", ctx.models["default"], "--threads", "2"])
 
 
 def overhead(ctx: Context) -> str:
-    args = ["bench", "step", "--trace", "--model", ctx.models["default"], "--threads", "1",
-            "--batch-sizes", "1,8,32,64", "--repeats", "4"]
-    text = tandem(*args)
-    return "\n\n".join([
+    return command_section(ctx, (
         "What span recording costs the gpu worker's decode step: runs with the tracer off "
         "and on alternate; one span is also timed alone (targets: off < 1%, on < 5% of a "
         "step). The on/off ratio of whole runs scatters with the neighbours on a shared "
-        "machine; the per-span cost × spans per step is the figure to read.",
-        code(shown(args, ctx)), text.strip()])
+        "machine; the per-span cost × spans per step is the figure to read."),
+        ["bench", "step", "--trace", "--model", ctx.models["default"], "--threads", "1",
+         "--batch-sizes", "1,8,32,64", "--repeats", "4"])
 
 
 def postproc(ctx: Context) -> str:
-    args = ["bench", "postproc", "--model", ctx.models["default"], "--steps", "100"]
-    text = tandem(*args)
-    return "\n\n".join(["Postprocessing throughput next to the decode it has to keep up "
-                        "with.", code(shown(args, ctx)), "```\n" + text.strip() + "\n```"])
+    return command_section(
+        ctx, "Postprocessing throughput next to the decode it has to keep up with.",
+        ["bench", "postproc", "--model", ctx.models["default"], "--steps", "100"], fenced=True)
 
 
 def ipc(ctx: Context) -> str:
-    text = tandem("bench", "ipc")
-    return "\n\n".join(["Token channels: the shared-memory ring next to ZeroMQ.",
-                        code("tandem bench ipc"), "```\n" + text.strip() + "\n```"])
+    return command_section(ctx, "Token channels: the shared-memory ring next to ZeroMQ.",
+                           ["bench", "ipc"], fenced=True)
 
 
 def soak(ctx: Context) -> str:
-    args = ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}"]
-    text = tandem(*args, timeout=ctx.soak_minutes * 60 + 900)
-    return "\n\n".join(["Steady load; resident memory of every process at the start and "
-                        "the end.", code(shown(args, ctx)), "```\n" + text.strip() + "\n```"])
+    return command_section(
+        ctx, "Steady load; resident memory of every process at the start and the end.",
+        ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}"], fenced=True,
+        timeout=ctx.soak_minutes * 60 + 900)
 
 
 SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
