@@ -275,6 +275,16 @@ def _note(msg: str, stream: TextIO | None) -> None:
         print(msg, file=stream, flush=True)
 
 
+def build_dataset(config: BenchConfig, tokenizer: Any, *, warmup: bool = False
+                  ) -> list[BenchItem]:
+    """The run's requests (or, `warmup`, its `config.warmup` warm-up requests)."""
+    return load_dataset(config.dataset, tokenizer,
+                        num_prompts=config.warmup if warmup else config.num_prompts,
+                        input_len=config.input_len, output_len=config.output_len,
+                        range_ratio=config.range_ratio, prefix_len=config.prefix_len,
+                        dataset_path=config.dataset_path, seed=config.seed, warmup=warmup)
+
+
 async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | None = None,
                         backend: Backend | None = None, tokenizer: Any = None,
                         log_stream: TextIO | None = None) -> dict[str, Any]:
@@ -288,10 +298,7 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         config = _resolve_model(config)
         if tokenizer is None:
             tokenizer = _load_tokenizer(config)
-        items = load_dataset(config.dataset, tokenizer, num_prompts=config.num_prompts,
-                             input_len=config.input_len, output_len=config.output_len,
-                             range_ratio=config.range_ratio, prefix_len=config.prefix_len,
-                             dataset_path=config.dataset_path, seed=config.seed)
+        items = build_dataset(config, tokenizer)
     if not items:
         raise ValueError("no requests to send (--num-prompts 0?)")
     warmup_items: list[BenchItem] = []
@@ -299,11 +306,7 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         if config.dataset == "file" or tokenizer is None:
             warmup_items = [items[i % len(items)] for i in range(config.warmup)]
         else:
-            warmup_items = load_dataset(
-                config.dataset, tokenizer, num_prompts=config.warmup,
-                input_len=config.input_len, output_len=config.output_len,
-                range_ratio=config.range_ratio, prefix_len=config.prefix_len,
-                dataset_path=config.dataset_path, seed=config.seed, warmup=True)
+            warmup_items = build_dataset(config, tokenizer, warmup=True)
 
     if backend is None:
         if config.backend == "hf-generate" and math.isfinite(config.request_rate):
