@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,16 +12,11 @@ from collections.abc import Iterator
 
 import grpc
 
+from rpc.bench_soak import free_port  # noqa: F401  (tests import it from here)
 from rpc.bench_soak import tree_pids as process_tree
 from rpc.client import GenerateOptions, TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tree_pids(root: int) -> set[int]:
@@ -112,11 +106,12 @@ class Server:
 
 
 def running(model: str, *flags: str) -> Iterator[Server]:
+    """A module fixture's server: SERVING for the tests, then stopped with exit code 0."""
     server = Server(model, *flags).wait_ready()
     try:
         yield server
     finally:
-        server.stop()
+        assert server.stop() == 0
 
 
 class Stream:

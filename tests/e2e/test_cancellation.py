@@ -12,7 +12,7 @@ import pytest
 from proto import admin_pb2
 from proto import generation_pb2 as pb
 from rpc.client import GenerateOptions, TandemClient
-from tests.e2e.server import Server
+from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +21,7 @@ LONG = GenerateOptions(max_new_tokens=1000, min_new_tokens=1000)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
-    s = Server(str(tiny_model_dir)).wait_ready()
-    try:
-        yield s
-    finally:
-        assert s.stop() == 0
+    yield from running(str(tiny_model_dir))
 
 
 def wait_stats(client: TandemClient, ok: object, timeout: float = 10.0) -> admin_pb2.StatsResponse:

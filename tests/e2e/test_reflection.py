@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from rpc.client import GenerateOptions
-from tests.e2e.server import Server
+from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +25,7 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
-    s = Server(str(tiny_model_dir)).wait_ready()
-    try:
-        yield s
-    finally:
-        assert s.stop() == 0
+    yield from running(str(tiny_model_dir))
 
 
 def list_services(channel: grpc.Channel) -> list[str]:

@@ -15,7 +15,7 @@ import pytest
 
 from proto import generation_pb2 as pb
 from rpc.client import GenerateOptions
-from tests.e2e.server import Server
+from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow
 
@@ -26,12 +26,8 @@ PROMPT = "Once upon a time"
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
-    s = Server(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
-               "--dtype", "float32").wait_ready()
-    try:
-        yield s
-    finally:
-        assert s.stop() == 0
+    yield from running(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
+                          "--dtype", "float32")
 
 
 def stream(server: Server, text: str, **opts: object) -> list[pb.GenerationResponse]:

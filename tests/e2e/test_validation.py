@@ -12,7 +12,7 @@ import pytest
 
 from proto import generation_pb2 as pb
 from rpc.client import GenerateOptions
-from tests.e2e.server import Server
+from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow
 
@@ -24,12 +24,8 @@ LONG = "word " * 200  # ~200 tokens: over the max model length
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
-    s = Server(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
-               "--max-new-tokens", str(MAX_NEW_TOKENS)).wait_ready()
-    try:
-        yield s
-    finally:
-        assert s.stop() == 0
+    yield from running(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
+                          "--max-new-tokens", str(MAX_NEW_TOKENS))
 
 
 def opts(**kw: object) -> GenerateOptions:
