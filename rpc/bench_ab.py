@@ -123,6 +123,7 @@ class Workload:
 
     bench: BenchConfig
     items: list[Any]
+    warmup_items: list[Any]  # other prompts: a warm-up must not seed the prefix cache
     tokenizer: Any
 
     @classmethod
@@ -130,16 +131,16 @@ class Workload:
         from rpc.bench_serve import _load_tokenizer, build_dataset
 
         tok = _load_tokenizer(bench)
-        return cls(bench, build_dataset(bench, tok), tok)
+        warm = build_dataset(bench, tok, warmup=True) if bench.warmup else []
+        return cls(bench, build_dataset(bench, tok), warm, tok)
 
     def run(self, **changes: Any) -> dict[str, Any]:
         """Warm the target up, then run the workload; `warmed` is called in between, so
         counters read there leave the warm-up out."""
         warmed = changes.pop("warmed", None)
         cfg = dataclasses.replace(self.bench, progress=False, warmup=0, **changes)
-        if self.bench.warmup:
-            warm = self.items[:self.bench.warmup]
-            asyncio.run(run_benchmark(cfg, items=warm, tokenizer=self.tokenizer))
+        if self.warmup_items:
+            asyncio.run(run_benchmark(cfg, items=self.warmup_items, tokenizer=self.tokenizer))
         if warmed is not None:
             warmed()
         return asyncio.run(run_benchmark(cfg, items=self.items, tokenizer=self.tokenizer))
