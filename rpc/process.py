@@ -100,13 +100,39 @@ def orphaned(parent_pid: int) -> bool:
     return os.getppid() != parent_pid
 
 
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def parent_exiting(parent_pid: int) -> bool:
+    """Is the launcher gone or on its way out, even though `getppid()` still names it?
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked us exits.  When the launcher is
+    killed, its main thread (which forked every child) can go first while its gRPC threads
+    are still being torn down: we are then reparented to one of those threads, so
+    `getppid()` is unchanged, and an exit that trusted it would leave the run folder behind.
+    A leader thread that is a zombie, or a pending SIGKILL, tells the truth.
+    """
+    if orphaned(parent_pid):
+        return True
+    try:
+        with open(f"/proc/{parent_pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except OSError:
+        return True
+    if fields.get("State", "").split()[:1] in (["Z"], ["X"]):
+        return True
+    pending = (int(fields.get(k, "0").strip() or "0", 16) for k in ("SigPnd", "ShdPnd"))
+    return any(p & _SIGKILL_BIT for p in pending)
+
+
 def _cleanup_if_orphaned(parent_pid: int, run_dir: str, segments: tuple[str, ...]) -> None:
-    if orphaned(parent_pid):  # else the launcher is alive and removes them after we exit
+    # Else the launcher is alive, and removes them once every child has exited.
+    if parent_exiting(parent_pid):
         remove_run_files(run_dir, segments)
 
 
 def _watch_parent(parent_pid: int, run_dir: str, segments: tuple[str, ...]) -> None:
-    while not orphaned(parent_pid):
+    while not parent_exiting(parent_pid):
         time.sleep(PARENT_POLL_S)
     # PDEATHSIG has delivered SIGTERM already (Linux); elsewhere this is the only notice.
     try:

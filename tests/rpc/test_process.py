@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
 import signal
 import subprocess
 import sys
@@ -53,6 +54,12 @@ run_dir, segment, mode, root = sys.argv[2:6]
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1], run_dir, segment, mode,
                           str(os.getpid()), root])
 print(child.pid, flush=True)
+if mode == "leader-exit":  # on "go", only the main thread exits; another lives on a while
+    import ctypes, platform, threading, time
+    sys.stdin.readline()
+    threading.Thread(target=lambda: (time.sleep(5), os._exit(0))).start()
+    SYS_EXIT = {"x86_64": 60, "aarch64": 93}[platform.machine()]
+    ctypes.CDLL(None).syscall(SYS_EXIT, 0)
 sys.exit(child.wait())  # a child that fails to start closes the pipe: no hung test
 """
 
@@ -71,7 +78,7 @@ def start_family(mode: str, tmp: pathlib.Path) -> tuple[subprocess.Popen, int, s
     segment = f"tandem_test{os.getpid()}_{mode}"
     pathlib.Path(f"/dev/shm/{segment}").write_bytes(b"x")
     parent = subprocess.Popen([sys.executable, "-c", PARENT, CHILD, run_dir, segment, mode, ROOT],
-                              stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert parent.stdout is not None
     child = int(parent.stdout.readline())
     assert parent.stdout.readline().strip() == "ready", "child failed to start"  # shared pipe
@@ -100,6 +107,26 @@ def test_child_exits_and_cleans_up_when_parent_is_killed(tmp_path: pathlib.Path,
         assert not os.path.exists(f"/dev/shm/{segment}")
     finally:
         remove_run_files(run_dir, (segment,))  # whatever a failed run left
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64") or
+                    not sys.platform.startswith("linux"), reason="raw SYS_exit needs Linux")
+def test_child_cleans_up_when_launcher_main_thread_dies_first(tmp_path: pathlib.Path) -> None:
+    """A killed launcher's main thread can exit before its other threads: PDEATHSIG arrives
+    while getppid() still names the launcher, which must not stop the cleanup."""
+    parent, child, run_dir, segment = start_family("leader-exit", tmp_path)
+    try:
+        assert parent.stdin is not None
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert wait_gone(child, 2.0) < 2.0
+        assert parent.poll() is None  # the launcher's last thread is still there...
+        assert not os.path.exists(run_dir)  # ...and yet the child cleaned up
+        assert not os.path.exists(f"/dev/shm/{segment}")
+    finally:
+        parent.kill()
+        parent.wait()
+        remove_run_files(run_dir, (segment,))
 
 
 def test_stuck_child_is_forced_out(tmp_path: pathlib.Path) -> None:
