@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -189,9 +190,13 @@ def test_stop_sequence_include_and_exclude(server: Server, eos_run: list[pb.Gene
 
 def test_time_limit_returns_the_text_so_far(server: Server,
                                             eos_run: list[pb.GenerationResponse]) -> None:
-    # 250 tokens take seconds here; the limit ends the request well before.
+    # The limit is set from this machine's speed, to fall well inside the 250 tokens: a fixed
+    # one is either too short for a busy machine or too long for a fast one.
+    started = time.monotonic()
+    stream(server, EOS_PROMPT, max_new_tokens=50, min_new_tokens=50)
+    expected_s = (time.monotonic() - started) * 250 / 50
     msgs = stream(server, EOS_PROMPT, max_new_tokens=250, min_new_tokens=250,
-                  time_limit_millis=1000)
+                  time_limit_millis=max(50, int(expected_s * 1000 * 0.4)))
     last = msgs[-1]
     assert last.stop_reason == pb.TIME_LIMIT
     assert 0 < last.generated_token_count < 250
