@@ -18,7 +18,6 @@ built once per forward by :func:`prepare_attention` and shared by every layer.
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -37,7 +36,6 @@ except Exception:  # ImportError, or a broken CUDA extension raising at import
 
 # flash_attn 2.x only pages KV with block sizes that are multiples of this.
 _FLASH_BLOCK_MULTIPLE = 256
-_FLASH_DISABLED = os.environ.get("TANDEM_DISABLE_FLASH_ATTN", "") not in ("", "0")
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -117,11 +115,11 @@ class AttentionPlan:
     max_query_len: int = 0
 
 
-def _flash_usable(kv_cache: KVCache) -> bool:
+def flash_usable(kv_cache: KVCache) -> bool:
+    """Whether flash_attn can serve this cache (installed, CUDA, 16-bit, paged in 256s)."""
     k_cache = kv_cache[0]
     return (
         _fa_varlen is not None
-        and not _FLASH_DISABLED
         and k_cache.is_cuda
         and k_cache.dtype in (torch.float16, torch.bfloat16)
         and k_cache.shape[1] % _FLASH_BLOCK_MULTIPLE == 0
@@ -132,6 +130,7 @@ def prepare_attention(
     meta: AttentionMetadata,
     kv_cache: KVCache,
     sliding_windows: Iterable[int | None] = (None,),
+    allow_flash: bool = True,
 ) -> AttentionPlan:
     """Derive the per-forward tensors shared by all layers.
 
@@ -146,7 +145,7 @@ def prepare_attention(
     windows = list(dict.fromkeys(sliding_windows))
     slots = meta.slot_mapping.to(device=device, dtype=torch.int64)
     write_slots = torch.where(slots >= 0, slots, num_blocks * block_size)
-    use_flash = _flash_usable(kv_cache)
+    use_flash = allow_flash and flash_usable(kv_cache)
     plan = AttentionPlan(
         num_blocks=num_blocks, block_size=block_size, write_slots=write_slots, use_flash=use_flash
     )

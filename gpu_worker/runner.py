@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -50,11 +49,12 @@ class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto",
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
                  max_model_len: int = 0, max_num_seqs: int = 64,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, onednn: bool = True,
+                 flash_attn: bool = True) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn)
         cfg = self.model.config
         log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
                  cfg.architecture, self.dtype, self.device)
@@ -73,8 +73,7 @@ class ModelRunner:
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and os.environ.get(
-                "TANDEM_CUDA_GRAPHS", "1") != "0":
+        if cuda_graphs and self.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,

@@ -70,6 +70,9 @@ class ServerConfig:
     max_new_tokens: int = 1024  # the server's limit for one request
     include_stop_sequence: bool = True  # default when a request leaves it unset
     torch_threads: int = 0  # 0: one per core the worker may use
+    enforce_eager: bool = False  # CUDA: no decode graphs (every step launched from Python)
+    onednn: bool = True  # CPU float32: linear layers through oneDNN with pre-packed weights
+    flash_attn: bool = True  # CUDA 16-bit: flash_attn where it can page the cache, else SDPA
     # On a CPU device, cores kept for the frontend, scheduler and postproc workers; the gpu
     # worker is pinned to the rest, so the "device" is never preempted by Python work.
     # -1: 1 when the host has ≥ 2 cores and no CUDA device; 0: no pinning.

@@ -59,6 +59,12 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                "default for requests that leave include_stop_sequence unset")
     p.add_argument("--torch-threads", type=int, default=d.torch_threads,
                    help="gpu worker's torch threads (0: one per core it is pinned to)")
+    _bool_flag(p, "enforce-eager", d.enforce_eager,
+               "CUDA: launch every decode step from Python, no CUDA graphs")
+    _bool_flag(p, "onednn", d.onednn,
+               "CPU float32: linear layers through oneDNN with pre-packed weights")
+    _bool_flag(p, "flash-attn", d.flash_attn,
+               "CUDA 16-bit: flash_attn where it can serve the KV cache (else SDPA)")
     p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
                    help="CPU device: cores kept for the other processes, the gpu worker "
                         "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")

@@ -32,8 +32,13 @@ def load_model_args(model_dir: str) -> ModelArgs:
     return ModelArgs.from_hf_config(read_json(cfg_path), gen)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
+               onednn: bool = True, flash_attn: bool = True) -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
+
+    `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
+    (see `pack_linear`); False keeps plain F.linear.  `flash_attn`: attend with flash_attn
+    where it can serve the cache (CUDA, 16-bit); False always uses SDPA.
 
     Every expected tensor's presence and shape is checked before any data is read, so a
     broken checkpoint fails fast with a ValueError naming the tensor.
@@ -65,5 +70,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> Caus
         if extra:
             log.warning("ignoring %d unexpected checkpoint tensors: %s", len(extra), extra[:8])
         model.load_weights(lambda name: ckpt.get(name, dtype))
+    if onednn:
+        model.pack_weights()
+    model.allow_flash = flash_attn
     model.eval()
     return model

@@ -14,7 +14,6 @@ float32 then cast, RoPE cos/sin computed in float32 then cast to the model dtype
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -248,7 +247,7 @@ def onednn_fp32_usable() -> bool:
     if _ONEDNN_OK is None:
         _ONEDNN_OK = False
         available = torch.backends.mkldnn.is_available()
-        if available and os.environ.get("TANDEM_ONEDNN", "1") != "0":
+        if available:
             try:
                 g = torch.Generator().manual_seed(0)
                 w = torch.randn(300, 64, generator=g)
@@ -402,6 +401,8 @@ class CausalLM(nn.Module):
             self.lm_head = _param((args.vocab_size, args.hidden_size))
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self._packed_lm_head: torch.Tensor | None = None
+        # False: SDPA even where flash_attn could serve the cache (--no-flash-attn).
+        self.allow_flash = True
         # Distinct windows across layers: masks are built once per forward for each.
         self._windows: tuple[int | None, ...] = tuple(
             dict.fromkeys(args.sliding_windows or (None,))
@@ -429,7 +430,7 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden]."""
-        plan = prepare_attention(meta, kv_caches[0], self._windows)
+        plan = prepare_attention(meta, kv_caches[0], self._windows, self.allow_flash)
         cos, sin = self.rope_cos_sin(positions)
         x = F.embedding(input_ids, self.embed_tokens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -518,7 +519,12 @@ class CausalLM(nn.Module):
         left = [n for n, t in self.named_parameters() if t.is_meta]
         if left:
             raise ValueError(f"weights not loaded: {', '.join(left)}")
-        # Packed copies double these weights' CPU memory; CPU serving is for small models.
+
+    def pack_weights(self) -> None:
+        """oneDNN-packed copies of the linear weights (CPU float32; else a no-op).
+
+        Packed copies double these weights' CPU memory; CPU serving is for small models.
+        """
         self._packed_lm_head = pack_linear(self.lm_head)
         for layer in self.layers:
             cast(DecoderLayer, layer).pack()

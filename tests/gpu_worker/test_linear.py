@@ -80,3 +80,47 @@ def test_model_forwards_use_bucketed_shapes_only(
     buckets = {onednn_rows(m) for m in range(1, 201)}
     assert seen <= buckets
     assert len(seen) < len(lengths) // 3
+
+
+@needs_onednn
+def test_no_onednn_keeps_plain_linear_with_the_same_logits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--no-onednn: no packed weights, the oneDNN op is never called, same logits."""
+    path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    packed = load_model(path, torch.float32, torch.device("cpu"))
+    plain = load_model(path, torch.float32, torch.device("cpu"), onednn=False)
+    assert packed._packed_lm_head is not None and plain._packed_lm_head is None
+    prompts = random_prompts([7, 19], plain.config.vocab_size, seed=3)
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        driver = PagedDriver(model, num_blocks=64, block_size=16)
+        seqs = [driver.new_seq(p) for p in prompts]
+        return driver.prefill([(s, len(p)) for s, p in zip(seqs, prompts, strict=True)])
+
+    want = logits(packed)
+    calls = 0
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def spy(*args: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        out: torch.Tensor = op(*args)
+        return out
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
+    got = logits(plain)
+    assert calls == 0
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_worker_config_reaches_the_model(tmp_path: Path) -> None:
+    from gpu_worker.main import build_runner
+    from proto.config import ServerConfig
+
+    path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    cfg = ServerConfig(model=path, device="cpu", num_kv_blocks=8, max_num_seqs=2,
+                       onednn=False, flash_attn=False, enforce_eager=True)
+    runner = build_runner(cfg)
+    assert runner.model._packed_lm_head is None
+    assert runner.model.allow_flash is False and runner.graphs is None
