@@ -2,13 +2,15 @@
 
 Receive a `StepPlan` → apply its deltas → prefill → K decode steps, each step's tokens
 published to the postproc workers while the next computes → `StepDone` to the scheduler.
-It never waits for postprocessing: the scheduler has usually queued the next plan already.
+In async mode it says `PlanEnding` about `--plan-lead-ms` before a plan ends, so the next
+plan is queued by then: it never waits for postprocessing or for the scheduler.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -16,7 +18,14 @@ from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
 from gpu_worker.torch_trace import TorchTrace
 from proto.config import ServerConfig
-from proto.messages import Heartbeat, ProfileControl, Shutdown, StepPlan, WorkerReady
+from proto.messages import (
+    Heartbeat,
+    PlanEnding,
+    ProfileControl,
+    Shutdown,
+    StepPlan,
+    WorkerReady,
+)
 from rpc import faults
 from rpc.channels import Receiver, Sender
 from rpc.peers import HEARTBEAT_INTERVAL, role_watch
@@ -56,6 +65,13 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
         idle_since = time.monotonic_ns()
+
+        def pacing(plan_id: int) -> tuple[Callable[[], None] | None, float]:
+            """Paced planning (async mode): tell the scheduler when this plan is ending."""
+            if not (cfg.pace_plans and cfg.async_postproc):
+                return None, 0.0
+            return (lambda: to_scheduler.put(PlanEnding(plan_id))), cfg.plan_lead_ms / 1000
+
         while True:
             if peers is not None:
                 peers.check()  # on its own (a container): lose the frontend, exit non-zero
@@ -73,7 +89,7 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
                 started = time.monotonic_ns()
                 TRACER.record("idle", idle_since, started, msg.plan_id)
-                done = runner.execute(msg, publisher)
+                done = runner.execute(msg, publisher, *pacing(msg.plan_id))
                 done.idle_time = (started - idle_since) / 1e9
                 to_scheduler.put(done)
                 on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here

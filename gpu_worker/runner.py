@@ -72,6 +72,7 @@ class ModelRunner:
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
+        self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             from gpu_worker.cuda_graphs import DecodeGraphs
@@ -222,11 +223,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ a whole plan
 
-    def execute(self, plan: StepPlan, publish: TokenPublisher) -> StepDone:
+    def execute(self, plan: StepPlan, publish: TokenPublisher,
+                ending: Callable[[], None] | None = None, lead_s: float = 0.0) -> StepDone:
+        """Run one plan.  `ending`, when given, is called once about `lead_s` before the plan
+        ends (paced planning: the scheduler then builds the next one)."""
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
             self.apply(plan)
         chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
+        if ending is not None and not any(  # no decode steps to time: ask for the next plan now
+                not r.finished and r.num_computed + r.prefill_chunk == len(r.history) - 1
+                for r in self.requests.values()):
+            ending()
+            ending = None
         if chunked:
             with TRACER.span("prefill", plan.plan_id):
                 self.prefill(chunked)
@@ -239,7 +248,7 @@ class ModelRunner:
             batch = build_decode_batch(decoding, self.vocab_size, self.device)
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
             with self.step_guard():
-                steps = self._decode_loop(plan, batch, publish, graph)
+                steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s)
         else:
             publish.end_of_plan(plan)
         publish.flush()
@@ -252,11 +261,19 @@ class ModelRunner:
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,
-                     graph: GraphStep | None) -> list[StepTensors]:
+                     graph: GraphStep | None, ending: Callable[[], None] | None = None,
+                     lead_s: float = 0.0) -> list[StepTensors]:
         """K steps back to back; publishing only queues device tensors (no host read)."""
         last = plan.num_steps - 1
         steps = []
         for k in range(plan.num_steps):
+            # Latest step that still leaves `lead_s` of work, judged by the last step's time
+            # (on CUDA, launch time: the notice then comes early, which only costs admission
+            # latency, never an idle device).
+            if ending is not None and (k == last or (last - k) * self._step_s < lead_s):
+                ending()
+                ending = None
+            started = time.perf_counter()
             # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
             with TRACER.span("forward", plan.plan_id, k):
                 st = self.decode_step(batch, k, graph)
@@ -264,6 +281,7 @@ class ModelRunner:
             if plan.publish_per_step:
                 with TRACER.span("publish", plan.plan_id, k):
                     publish(plan, batch, st, k == last)
+            self._step_s = time.perf_counter() - started
         if not plan.publish_per_step:  # sync mode: the plan's tokens go out after its last step
             for st in steps:
                 publish(plan, batch, st, st.step == last)

@@ -70,6 +70,10 @@ class ServerConfig:
     max_new_tokens: int = 1024  # the server's limit for one request
     include_stop_sequence: bool = True  # default when a request leaves it unset
     torch_threads: int = 0  # 0: one per core the worker may use
+    # Async mode: build plan n+1 when the worker says plan n has about this much work left
+    # (PlanEnding), not as soon as plan n is sent: arrivals during plan n make plan n+1.
+    pace_plans: bool = True
+    plan_lead_ms: float = 5.0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched from Python)
     onednn: bool = True  # CPU float32: linear layers through oneDNN with pre-packed weights
     flash_attn: bool = True  # CUDA 16-bit: flash_attn where it can page the cache, else SDPA
@@ -97,6 +101,11 @@ class ServerConfig:
     service_cpus: tuple[int, ...] = ()
     addresses: Addresses = field(default_factory=lambda: Addresses("", "", "", (), ""))
 
+    def __post_init__(self) -> None:
+        problems = config_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
@@ -111,6 +120,33 @@ class ServerConfig:
 
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
+
+
+# field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.
+_LIMITS: dict[str, tuple[float, float | None]] = {
+    "port": (0, 65535), "metrics_port": (0, 65535),
+    "num_scheduler_steps": (1, 1024), "max_num_seqs": (1, None),
+    "max_num_batched_tokens": (1, None), "max_model_len": (0, None),
+    "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
+    "kv_cache_memory": (0, None), "max_queued_requests": (1, None),
+    "max_queued_tokens": (1, None), "default_max_new_tokens": (1, None),
+    "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
+    "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
+}
+
+
+def config_problems(cfg: ServerConfig) -> list[str]:
+    """What is wrong with `cfg`, each naming the flag and its limit (empty: nothing)."""
+    out = []
+    for name, (low, high) in _LIMITS.items():
+        value = getattr(cfg, name)
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"between {low} and {high}"
+            out.append(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+    if cfg.default_max_new_tokens > cfg.max_new_tokens:
+        out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
+                   f"--max-new-tokens ({cfg.max_new_tokens})")
+    return out
 
 
 @dataclass(frozen=True)

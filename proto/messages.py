@@ -198,6 +198,18 @@ class PromptDetail:
 
 
 @dataclass
+class PlanEnding:
+    """Plan `plan_id` has about `--plan-lead-ms` of work left (async mode, paced planning).
+
+    The scheduler builds the next plan now rather than the moment this one was sent, so a
+    request that arrived while this plan ran joins the very next one; the lead covers
+    building, sending and applying it, so the worker still never waits.
+    """
+
+    plan_id: int
+
+
+@dataclass
 class StepDone:
     """A plan ended: how many tokens each request got and which ones finished."""
 
@@ -415,4 +427,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ProfileControl,
     ProfileData,
     PostprocStats,
+    PlanEnding,
 )

@@ -35,16 +35,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Arm:
     steps: int
     async_mode: bool
+    paced: bool = True  # async only: --pace-plans (the default) or --no-pace-plans
 
     @property
     def name(self) -> str:
-        return f"{'async' if self.async_mode else 'sync'} K={self.steps}"
+        mode = "sync" if not self.async_mode else "async" if self.paced else "async unpaced"
+        return f"{mode} K={self.steps}"
 
 
 def start_server(model: str, arm: Arm, extra: list[str], port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "rpc.cli", "serve", "--model", model, "--port", str(port),
            "--num-scheduler-steps", str(arm.steps),
            "--async-postproc" if arm.async_mode else "--no-async-postproc",
+           "--pace-plans" if arm.paced else "--no-pace-plans",
            "--log-level", "WARNING", *extra]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL)
 
@@ -357,8 +360,8 @@ def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
                                  strict=True):
         raw = [results[n].get(key) for n in names]
         values = [v or 0.0 for v in raw]
-        colors = ["#1f77b4" if "async" in n else "#ff7f0e" if "sync" in n else "#7f7f7f"
-                  for n in names]
+        colors = ["#9ecae1" if "unpaced" in n else "#1f77b4" if "async" in n
+                  else "#ff7f0e" if "sync" in n else "#7f7f7f" for n in names]
         ax.bar(names, values, color=colors)
         ax.set_title(label)
         ax.tick_params(axis="x", rotation=25)
@@ -390,6 +393,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="",
                    help=f"comma-separated, from {', '.join(PEERS)}: the same workload "
                         "against them, in this run (needs the bench extra)")
+    p.add_argument("--unpaced", action="store_true",
+                   help="also run async arms with --no-pace-plans (plan n+1 built as soon as "
+                        "plan n is sent)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every server (repeatable)")
     p.add_argument("--output-json", default="bench_ab.json")
@@ -408,7 +414,9 @@ def main(args: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             raise SystemExit(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
-    arms: list[Arm | str] = [Arm(int(k), a) for k in args.steps.split(",") for a in (False, True)]
+    kinds = [(False, True), (True, True)] + ([(True, False)] if args.unpaced else [])
+    arms: list[Arm | str] = [Arm(int(k), a, paced) for k in args.steps.split(",")
+                             for a, paced in kinds]
     arms += peers
     runs: dict[str, list[dict[str, Any]]] = {}
     total = len(arms) * args.repeats

@@ -39,6 +39,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="K: decode steps per plan (1 = no multi-step)")
     _bool_flag(p, "async-postproc", d.async_postproc,
                "overlap postprocessing with the next plan (--no-async-postproc: sync baseline)")
+    _bool_flag(p, "pace-plans", d.pace_plans,
+               "async mode: build plan n+1 near the end of plan n (the worker says when), so "
+               "requests that arrive during plan n join plan n+1 (--no-pace-plans: as soon "
+               "as plan n is sent)")
+    p.add_argument("--plan-lead-ms", type=float, default=d.plan_lead_ms,
+                   help="with --pace-plans: how much of plan n's work is left, at least, when "
+                        "the worker asks for plan n+1 (covers building and sending it)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
@@ -132,16 +139,20 @@ def _port_offset(addr: str, delta: int) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    model = args.model
-    if not model:
-        from gpu_worker.tiny_model import ensure_default_model
-
-        model = str(ensure_default_model())
+    """The server's config; a flag out of range exits with status 2 naming it and its limit."""
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
-    values["model"] = model
     values["enable_prefix_caching"] = args.prefix_caching
-    return ServerConfig(**values)
+    try:
+        cfg = ServerConfig(**values)
+    except ValueError as e:  # before any model is built
+        print(f"tandem: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if cfg.model:
+        return cfg
+    from gpu_worker.tiny_model import ensure_default_model
+
+    return cfg.replace(model=str(ensure_default_model()))
 
 
 # ---------------------------------------------------------------------- subcommands

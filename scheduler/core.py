@@ -22,6 +22,7 @@ from proto.messages import (
     ContinueRequest,
     FinishReason,
     NewRequest,
+    PlanEnding,
     PlanProcessed,
     RequestFailed,
     RequestRejected,
@@ -34,6 +35,7 @@ from scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
 # scheduler, and a finish learned from StepDone(n) can only be inside the queued plan n+1.
+# With paced planning plan n+1 is built once the worker says plan n is ending (PlanEnding).
 MAX_OUTSTANDING_ASYNC = 2
 
 
@@ -50,6 +52,9 @@ class SchedulerParams:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    # Async mode: build plan n+1 only once plan n is ending (PlanEnding) or done, not as soon
+    # as plan n is sent, so that requests arriving during plan n still make plan n+1.
+    pace_plans: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,6 +79,7 @@ class SchedulerStats:
 @dataclass
 class _PlanProgress:
     step_done: bool = False
+    ending: bool = False  # the worker is running its last steps (PlanEnding)
     processed_by: set[int] = field(default_factory=set)
 
 
@@ -172,6 +178,11 @@ class Scheduler:
             if req is not None:  # else finished by counts, aborted, or reported again
                 self._finish(req, FinishReason(reason))
         self._retire_complete_plans()
+
+    def on_plan_ending(self, msg: PlanEnding) -> None:
+        progress = self._progress(msg.plan_id)
+        if progress is not None:
+            progress.ending = True
 
     def on_stop_hit(self, msg: StopHit) -> None:
         self._ledger.cut(msg.request_id, msg.num_tokens)
@@ -487,7 +498,10 @@ class Scheduler:
 
     def _pipeline_has_room(self) -> bool:
         if self.params.async_mode:
-            return self._num_outstanding() < MAX_OUTSTANDING_ASYNC
+            running = [p for p in self._plans.values() if not p.step_done]
+            if len(running) >= MAX_OUTSTANDING_ASYNC:
+                return False
+            return not self.params.pace_plans or all(p.ending for p in running)
         # Sync mode: plan n+1 waits for StepDone(n) and every postproc worker's PlanProcessed(n).
         return not self._plans
 

@@ -2,8 +2,9 @@
 
 Receive (requests and aborts from the frontend, `StepDone` from the gpu worker, `StopHit`
 and `PlanProcessed` from postproc) → update the request and block state → while the
-outstanding-plan rule allows, build the next `StepPlan` and send it.  In async mode one
-plan waits queued at the worker, so the worker never idles while we think.
+outstanding-plan rule allows, build the next `StepPlan` and send it.  In async mode the
+next plan is built while the worker runs the current one's last steps (`PlanEnding`) and
+waits queued at the worker, so the worker never idles while we think.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from proto.messages import (
     AddRequest,
     EngineStats,
     Heartbeat,
+    PlanEnding,
     PlanProcessed,
     ProfileControl,
     Shutdown,
@@ -41,7 +43,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         async_mode=cfg.async_postproc, num_postproc_workers=cfg.num_postproc_workers,
         enable_prefix_caching=cfg.enable_prefix_caching,
-        max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens)
+        max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
+        pace_plans=cfg.pace_plans)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:
@@ -198,6 +201,8 @@ def dispatch(sched: Scheduler, msg: object, to_frontend: Sender) -> None:
         on_profile_control(msg, to_frontend)
     elif isinstance(msg, AbortRequest):
         sched.abort_request(msg.request_id)
+    elif isinstance(msg, PlanEnding):
+        sched.on_plan_ending(msg)
     elif isinstance(msg, StepDone):
         sched.on_step_done(msg)
     elif isinstance(msg, StopHit):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import random
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,7 +146,8 @@ class Driver:
 
     # -- one plan
 
-    def run(self, k: int, per_step: bool = True) -> StepDone:
+    def run(self, k: int, per_step: bool = True, ending: Callable[[], None] | None = None,
+            lead_s: float = 0.0) -> StepDone:
         for rid, t in self.reqs.items():  # the scheduler drops finishes in the next plan
             if t.finish and not t.gone:
                 self.drop(rid)
@@ -168,7 +169,7 @@ class Driver:
                 plan.cont.append(ContinueRequest(rid, grown, t.chunk))
         self._new, self._drop, self._preempt = [], [], []
         first = len(self.messages)
-        done = self.runner.execute(plan, self.pub)
+        done = self.runner.execute(plan, self.pub, ending, lead_s)
         self._check_and_record(plan, self.messages[first:], done)
         self.plan_id += 1
         self.done.append(done)
@@ -303,6 +304,42 @@ def test_greedy_matches_hf_with_requests_joining_and_leaving(ckpt_root: Path, na
     assert 1 not in d.runner.requests
     full = [len(set(hf_greedy(path, p[r]))) for r in (0, 2, 3, 4, 5)]
     assert max(full) >= 8, "parity only means something if the output varies"
+
+
+def test_plan_ending_comes_once_with_the_lead_asked_for(llama: str) -> None:
+    """Paced planning: the notice comes at the latest step that leaves `lead_s` of work."""
+    d = Driver(make_runner(llama), seed=3)
+    long_prompt, *short = random_prompts([200, 20, 30], 512, seed=13)
+    notices: list[int] = []  # decode steps of the plan run before each notice
+    steps_run = 0
+    decode_step = d.runner.decode_step
+
+    def counted(*args: Any) -> Any:
+        nonlocal steps_run
+        steps_run += 1
+        return decode_step(*args)
+
+    d.runner.decode_step = counted  # type: ignore[method-assign]
+
+    def run(lead_s: float) -> None:
+        nonlocal steps_run
+        steps_run = 0
+        d.run(8, ending=lambda: notices.append(steps_run), lead_s=lead_s)
+
+    d.add(0, long_prompt, chunk=64)
+    run(0.0)  # prefill only: no steps to time, so at once
+    d.prefill(0, 200 - 1 - 64)
+    d.add(1, short[0])
+    d.add(2, short[1])
+    run(0.0)  # no lead: before the last step
+    run(60.0)  # more than a whole plan: before step 0
+    step_s = d.runner._step_s
+    assert step_s > 0
+    run(2.5 * step_s)  # ~3 steps' worth left
+    assert notices[:3] == [0, 7, 0]
+    assert 4 <= notices[3] <= 6, notices
+    d.run(8)  # no callback: nothing happens
+    assert len(notices) == 4
 
 
 def test_chunked_prefill_across_plans(llama: str) -> None:

@@ -33,3 +33,18 @@ def test_environment_sets_flag_defaults(monkeypatch: pytest.MonkeyPatch, name: s
 def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_ONEDNN", "0")
     assert serve_config(["--onednn"]).onednn is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be between 1 and 1024 (got 0)"),
+    (["--port", "70000"], "--port must be between 0 and 65535 (got 70000)"),
+    (["--plan-lead-ms", "-1"], "--plan-lead-ms must be >= 0 (got -1.0)"),
+    (["--num-postproc-workers", "0"], "--num-postproc-workers must be between 1 and 64"),
+    (["--max-new-tokens", "8"], "--default-max-new-tokens (20) must not exceed --max-new-tokens"),
+])
+def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
+        capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve_config(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err

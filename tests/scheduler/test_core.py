@@ -18,6 +18,7 @@ import pytest
 from proto.messages import (
     AddRequest,
     FinishReason,
+    PlanEnding,
     PlanProcessed,
     SamplingParams,
     StepDone,
@@ -394,6 +395,8 @@ class Simulation:
 
     def run_worker(self) -> None:
         plan = self.worker_inbox.popleft()
+        if self.params.pace_plans and self.params.async_mode:  # before its StepDone, in order
+            self.from_worker.append(PlanEnding(plan.plan_id))
         done, steps = self.worker.run(plan)
         self.from_worker.append(done)
         for index, inbox in enumerate(self.postproc_inbox):
@@ -410,6 +413,11 @@ class Simulation:
 
     def deliver_step_done(self) -> None:
         done = self.from_worker.popleft()
+        if isinstance(done, PlanEnding):
+            assert done.plan_id == self.plans_built - 1, "paced: no plan built past an unended one"
+            self.sched.on_plan_ending(done)
+            self.after_event()
+            return
         late = 1 if self.params.async_mode else 0
         assert self.plans_built - 1 - done.plan_id <= late, "too many plans outstanding"
         self.step_done_seen.add(done.plan_id)
@@ -540,6 +548,13 @@ def test_random_workload_small_cache(num_steps: int, async_mode: bool) -> None:
     assert stats.num_failed > 0, "prompts at max_model_len fail"
     hows = Counter(sim.ended.values())
     assert hows["stop"] and hows["worker"] and hows["abort"]
+
+
+@pytest.mark.parametrize("num_steps", [1, 4, 8])
+def test_random_workload_paced_planning(num_steps: int) -> None:
+    params = small_cache(num_steps, True, pace_plans=True)
+    stats = Simulation(params, seed=num_steps * 7 + 1).run().sched.stats
+    assert stats.num_preemptions > 0 and stats.num_failed > 0
 
 
 def test_random_workload_without_prefix_caching() -> None:
@@ -679,6 +694,38 @@ def test_async_mode_keeps_one_plan_queued_and_sync_mode_waits_for_postproc() -> 
     assert not sched.ready_to_plan(), "worker 0 has not processed plan 0 yet"
     sched.on_plan_processed(PlanProcessed(0, 0))
     assert sched.ready_to_plan()
+
+
+def test_paced_planning_builds_the_next_plan_once_the_running_one_is_ending() -> None:
+    sched = Scheduler(params(pace_plans=True))
+    add(sched, 1, 4, max_new=40)
+    plan0 = sched.build_plan()
+    add(sched, 2, 4, max_new=40)
+    assert not sched.ready_to_plan(), "plan 0 has just started: later arrivals may join plan 1"
+    add(sched, 3, 4, max_new=40)
+    sched.on_plan_ending(PlanEnding(plan0.plan_id))
+    plan1 = sched.build_plan()
+    assert {n.request_id for n in plan1.new} == {2, 3}
+    assert not sched.ready_to_plan() and sched.stats.plans_outstanding == 2
+    sched.on_step_done(step_done(0, tokens={1: 4}))
+    assert not sched.ready_to_plan(), "plan 1 is running and not ending yet"
+    sched.on_plan_ending(PlanEnding(plan1.plan_id))
+    assert sched.ready_to_plan()
+    sched.on_plan_ending(PlanEnding(0))  # a plan already done: nothing changes
+    assert sched.ready_to_plan()
+    with pytest.raises(ValueError, match="plan 7 was never built"):
+        sched.on_plan_ending(PlanEnding(7))
+    sched.build_plan()
+    sched.on_step_done(step_done(1, tokens={1: 4, 2: 4, 3: 4}))
+    sched.on_step_done(step_done(2, tokens={1: 4, 2: 4, 3: 4}))
+    assert sched.ready_to_plan(), "nothing running: plan at once"
+
+    sync = Scheduler(params(pace_plans=True, async_mode=False, num_postproc_workers=1))
+    add(sync, 1, 4, max_new=40)
+    sync.build_plan()
+    sync.on_step_done(step_done(0, tokens={1: 4}))
+    sync.on_plan_processed(PlanProcessed(0, 0))
+    assert sync.ready_to_plan(), "sync mode never waits for PlanEnding"
 
 
 def test_a_late_finish_is_dropped_in_the_next_built_plan() -> None:
