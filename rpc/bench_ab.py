@@ -395,12 +395,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against them, in this run (needs the bench extra)")
     p.add_argument("--unpaced", action="store_true",
                    help="also run async arms with --no-pace-plans (plan n+1 built as soon as "
-                        "plan n is sent)")
+                        "plan n is sent), for K > 1")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every server (repeatable)")
     p.add_argument("--output-json", default="bench_ab.json")
     p.add_argument("--png", default="bench_ab.png")
     p.add_argument("--title", default="")
+
+
+def engine_arms(steps: str, unpaced: bool) -> list[Arm]:
+    """sync and async for each K; with `unpaced`, async --no-pace-plans too where K > 1 (a
+    one-step plan asks for the next one at its start either way)."""
+    kinds = [(False, True), (True, True), (True, False)]
+    return [Arm(int(k), a, paced) for k in steps.split(",") for a, paced in kinds
+            if paced or (unpaced and int(k) > 1)]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -414,10 +422,7 @@ def main(args: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             raise SystemExit(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
-    kinds = [(False, True), (True, True)] + ([(True, False)] if args.unpaced else [])
-    arms: list[Arm | str] = [Arm(int(k), a, paced) for k in args.steps.split(",")
-                             for a, paced in kinds]
-    arms += peers
+    arms: list[Arm | str] = [*engine_arms(args.steps, args.unpaced), *peers]
     runs: dict[str, list[dict[str, Any]]] = {}
     total = len(arms) * args.repeats
     n = 0

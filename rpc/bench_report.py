@@ -102,11 +102,11 @@ def machine(ctx: Context) -> str:
         "(hidden 256, 4 layers, 32k vocab) and `--preset fast` (hidden 64, 2 layers)."])
 
 
-def _ab(ctx: Context, preset: str, peers: str) -> str:
+def _ab(ctx: Context, preset: str, peers: str, *extra: str) -> str:
     out = tempfile.mkdtemp(prefix="tandem-report-")
     png = os.path.join(ctx.img, f"ab_{preset}.png")
     args = ["bench", "ab", "--model", ctx.models[preset], *AB_WORKLOAD, "--steps", "1,8",
-            "--repeats", str(ctx.repeats)]
+            "--repeats", str(ctx.repeats), *extra]
     if peers:
         args += ["--peers", peers]
     text = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png", png,
@@ -132,6 +132,11 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
              f"K=1's and {ratio('async K=8', 'sync K=8', 'mean_tpot_ms')} sync K=8's (the "
              "seed measured 0.76× sync K=1 on an H100)."]
     a8 = r.get("async K=8", {})
+    if "async unpaced K=8" in r:
+        lines.append(f"- Paced planning: async K=8 output throughput "
+                     f"{ratio('async K=8', 'async unpaced K=8', 'output_throughput')} and mean "
+                     f"TTFT {ratio('async K=8', 'async unpaced K=8', 'mean_ttft_ms')} of "
+                     "`--no-pace-plans`'.")
     if a8:
         lines.append(f"- async K=8: device idle in steady decode "
                      f"{a8.get('steady_idle_pct', float('nan')):.2f}%; postprocessing "
@@ -141,7 +146,7 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
 
 
 def ab_fast(ctx: Context) -> str:
-    text = _ab(ctx, "fast", "")
+    text = _ab(ctx, "fast", "", "--unpaced")
     # The baselines must be as fast as they can be: the same arms without CPU pinning, the
     # worker's torch threads on every core.
     out = tempfile.mkdtemp(prefix="tandem-report-")
@@ -156,6 +161,34 @@ def ab_fast(ctx: Context) -> str:
 
 def ab_default(ctx: Context) -> str:
     return _ab(ctx, "default", "transformers-serve,hf-generate")
+
+
+def pacing(ctx: Context) -> str:
+    """Paced planning against building plan n+1 as soon as plan n is sent, open loop."""
+    out = tempfile.mkdtemp(prefix="tandem-report-")
+    args = ["bench", "ab", "--model", ctx.models["fast"], "--num-prompts", "160",
+            "--input-len", "128", "--output-len", "64", "--request-rate", "20",
+            "--max-concurrency", "64", "--steps", "8", "--unpaced", "--repeats",
+            str(ctx.repeats)]
+    text = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png",
+                  os.path.join(out, "ab.png"))
+    r = json.load(open(os.path.join(out, "ab.json")))
+    paced, unpaced = r.get("async K=8", {}), r.get("async unpaced K=8", {})
+    reading = ""
+    if paced.get("mean_ttft_ms") and unpaced.get("mean_ttft_ms"):
+        reading = (f"- Paced: mean TTFT {paced['mean_ttft_ms']:.1f} ms against "
+                   f"{unpaced['mean_ttft_ms']:.1f} ms unpaced "
+                   f"({paced['mean_ttft_ms'] / unpaced['mean_ttft_ms']:.2f}×), mean TPOT "
+                   f"{paced['mean_tpot_ms'] / unpaced['mean_tpot_ms']:.2f}×; forward "
+                   f"{paced.get('forward_ms_per_plan', float('nan')):.1f} ms per plan, idle "
+                   f"in steady decode {paced.get('steady_idle_pct', float('nan')):.2f}% "
+                   f"(unpaced {unpaced.get('steady_idle_pct', float('nan')):.2f}%).")
+    intro = ("Poisson arrivals at 20 requests/s (open loop, so throughput is the offered "
+             "load): async K=8 as served (`--pace-plans`: plan n+1 is built when the worker "
+             "says plan n is ending) next to `--no-pace-plans` (plan n+1 built as soon as "
+             "plan n is sent, so a request arriving during plan n waits for plan n+2). "
+             "Expected gain: about one plan of TTFT, at no idle cost.")
+    return "\n\n".join([intro, code(shown(args, ctx)), text.strip(), reading])
 
 
 def profile(ctx: Context) -> str:
@@ -256,6 +289,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "ab-fast": ("Serving A/B, fast preset (`tandem bench ab`)", ab_fast),
     "ab-default": ("Serving A/B and peers, default preset (`tandem bench ab --peers`)",
                    ab_default),
+    "pacing": ("Paced planning (`tandem bench ab --unpaced`)", pacing),
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),

@@ -15,10 +15,11 @@ HAVE_TRANSFORMERS_SERVE = all(importlib.util.find_spec(m) for m in ("fastapi", "
                                                                        "accelerate"))
 
 
-def run_ab(model: pathlib.Path, out: pathlib.Path, peers: str) -> tuple[dict, str]:
+def run_ab(model: pathlib.Path, out: pathlib.Path, peers: str,
+           *extra: str) -> tuple[dict, str]:
     cmd = [sys.executable, "-m", "rpc.cli", "bench", "ab", "--model", str(model),
            "--steps", "1,2", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
-           "--max-concurrency", "3", "--peers", peers,
+           "--max-concurrency", "3", "--peers", peers, *extra,
            "--output-json", str(out / "ab.json"), "--png", str(out / "ab.png")]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,8 +29,8 @@ def run_ab(model: pathlib.Path, out: pathlib.Path, peers: str) -> tuple[dict, st
 @pytest.mark.slow
 def test_bench_ab_runs_every_arm_and_the_generate_bound(fast_model_dir: pathlib.Path,
                                                         tmp_path: pathlib.Path) -> None:
-    results, stdout = run_ab(fast_model_dir, tmp_path, "hf-generate")
-    arms = ["sync K=1", "async K=1", "sync K=2", "async K=2"]
+    results, stdout = run_ab(fast_model_dir, tmp_path, "hf-generate", "--unpaced")
+    arms = ["sync K=1", "async K=1", "sync K=2", "async K=2", "async unpaced K=2"]
     assert list(results) == arms + ["hf generate()"]
     for name in arms:
         r = results[name]
