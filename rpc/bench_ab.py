@@ -307,15 +307,21 @@ def _cell(r: dict[str, Any], key: str) -> str:
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    base = results.get("sync K=1")
-    head = "| arm | " + " | ".join(c for _, c in COLUMNS) + " | TPOT vs sync K=1 | " \
-        "throughput vs sync K=1 |"
+    """One row per arm, with ratios to sync K=1 (or, without it, to the first sync arm)."""
+    syncs = [n for n in results if n.startswith("sync K=")]
+    base_name = "sync K=1" if "sync K=1" in results else syncs[0] if syncs else ""
+    base = results.get(base_name)
+    head = "| arm | " + " | ".join(c for _, c in COLUMNS) + \
+        f" | TPOT vs {base_name or 'sync'} | throughput vs {base_name or 'sync'} |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for name, r in results.items():
         cells = [_cell(r, k) for k, _ in COLUMNS]
-        tpot = r["mean_tpot_ms"] / base["mean_tpot_ms"] if base else float("nan")
-        thr = r["output_throughput"] / base["output_throughput"] if base else float("nan")
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {tpot:.2f}× | {thr:.2f}× |")
+        if base:
+            cells += [f"{r['mean_tpot_ms'] / base['mean_tpot_ms']:.2f}×",
+                      f"{r['output_throughput'] / base['output_throughput']:.2f}×"]
+        else:
+            cells += ["–", "–"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
