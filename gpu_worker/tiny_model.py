@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata, resources
@@ -116,14 +118,24 @@ def default_model_dir(preset: str = "default") -> Path:
     return Path(base) / f"tiny-llama-{preset}"
 
 
-def ensure_default_model(preset: str = "default") -> Path:
+def ensure_default_model(preset: str = "default", *, in_subprocess: bool = False) -> Path:
+    """The cached tiny model, built first if missing.
+
+    `in_subprocess`: build it in a child process, so that torch and transformers (~300 MB of
+    resident memory) never load into the caller; the frontend uses this.
+    """
     path = default_model_dir(preset)
-    if not (path / "model.safetensors").exists() or not (path / "tokenizer.json").exists():
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_tiny_model(str(tmp), preset)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)  # atomic: a concurrent start never sees half a model
+    if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
+        return path
+    if in_subprocess:
+        subprocess.run([sys.executable, "-m", "rpc.cli", "make-tiny-model", "--preset", preset],
+                       check=True, stdout=subprocess.DEVNULL)
+        return path
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(str(tmp), preset)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)  # atomic: a concurrent start never sees half a model
     return path
 
 

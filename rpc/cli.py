@@ -152,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         return cfg
     from gpu_worker.tiny_model import ensure_default_model
 
-    return cfg.replace(model=str(ensure_default_model()))
+    return cfg.replace(model=str(ensure_default_model(in_subprocess=True)))
 
 
 # ---------------------------------------------------------------------- subcommands

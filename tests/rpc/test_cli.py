@@ -1,6 +1,8 @@
 """The server flags: every one reaches ServerConfig, from the command line or TANDEM_<FLAG>."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from rpc.cli import build_parser, config_from_args
@@ -48,3 +50,19 @@ def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
         serve_config(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_default_model_is_built_without_loading_torch_into_the_frontend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A first start builds the tiny model in a child process: torch and transformers stay
+    out of the frontend (hundreds of MB of resident memory for the server's lifetime)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from rpc.cli import build_parser, config_from_args; "
+            "cfg = config_from_args(build_parser().parse_args(['serve'])); "
+            "print(cfg.model, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == [str(tmp_path / "tiny-llama-default"), "False", "False"]
+    assert (tmp_path / "tiny-llama-default" / "model.safetensors").exists()
