@@ -279,7 +279,13 @@ def ipc(ctx: Context) -> str:
 
 def soak(ctx: Context) -> str:
     return command_section(
-        ctx, "Steady load; resident memory of every process at the start and the end.",
+        ctx, "Steady load; resident memory of every process at the start and the end. Two "
+        "things used to grow and are fixed: the gpu worker, by one oneDNN JIT primitive per "
+        "new row count in two never-evicting caches (rows are now padded to 8 sizes per "
+        "octave, `gpu_worker.models.llama.onednn_rows`; `--no-onednn` stayed flat), and the "
+        "frontend, by the `tokenizers` BPE word cache keeping every whole prompt as one word "
+        "(now off where a word is the whole text). Run on an empty model cache, so the "
+        "first start also builds the tiny model (in a child process, not the frontend).",
         ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}"], fenced=True,
         timeout=ctx.soak_minutes * 60 + 900)
 
