@@ -35,6 +35,12 @@ class RequestState:
     def decoding(self) -> bool:
         return not self.finished and self.num_computed == len(self.history) - 1
 
+    @property
+    def decodes_this_plan(self) -> bool:
+        """Decoding already, or once this plan's prefill chunk is in the cache."""
+        return not self.finished and self.num_computed + self.prefill_chunk == len(
+            self.history) - 1
+
 
 @dataclass
 class DecodeBatch:

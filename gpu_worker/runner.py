@@ -231,9 +231,8 @@ class ModelRunner:
         with TRACER.span("apply", plan.plan_id):
             self.apply(plan)
         chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
-        if ending is not None and not any(  # no decode steps to time: ask for the next plan now
-                not r.finished and r.num_computed + r.prefill_chunk == len(r.history) - 1
-                for r in self.requests.values()):
+        # No decode steps to time: ask for the next plan now.
+        if ending is not None and not any(r.decodes_this_plan for r in self.requests.values()):
             ending()
             ending = None
         if chunked:
