@@ -9,6 +9,7 @@ keeps the others' last figures.  Progress goes to stderr; a full run takes ~15 m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -102,16 +103,25 @@ def machine(ctx: Context) -> str:
         "(hidden 256, 4 layers, 32k vocab) and `--preset fast` (hidden 64, 2 layers)."])
 
 
-def _ab(ctx: Context, preset: str, peers: str, *extra: str) -> str:
+def run_ab(args: list[str], *more: str, png: str = "") -> tuple[str, dict[str, Any]]:
+    """`tandem bench ab ARGS MORE`: what it printed and its JSON results (the chart goes to
+    `png`, else with the JSON into a scratch folder)."""
     out = tempfile.mkdtemp(prefix="tandem-report-")
-    png = os.path.join(ctx.img, f"ab_{preset}.png")
+    path = os.path.join(out, "ab.json")
+    text = tandem(*args, *more, "--output-json", path, "--png",
+                  png or os.path.join(out, "ab.png"))
+    with open(path) as f:
+        return text, json.load(f)
+
+
+def _ab(ctx: Context, preset: str, peers: str, *extra: str) -> str:
     args = ["bench", "ab", "--model", ctx.models[preset], *AB_WORKLOAD, "--steps", "1,8",
             "--repeats", str(ctx.repeats), *extra]
     if peers:
         args += ["--peers", peers]
-    text = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png", png,
-                  "--title", f"Tandem A/B, {preset} preset (medians of {ctx.repeats})")
-    results = json.load(open(os.path.join(out, "ab.json")))
+    text, results = run_ab(args, "--title",
+                           f"Tandem A/B, {preset} preset (medians of {ctx.repeats})",
+                           png=os.path.join(ctx.img, f"ab_{preset}.png"))
     head = (f"Each arm on a fresh server, the same seeded workload, medians of "
             f"{ctx.repeats} interleaved runs. 'idle % in steady decode' is the share of time "
             "the gpu worker waited for a plan while it had requests to decode (plans "
@@ -122,11 +132,15 @@ def _ab(ctx: Context, preset: str, peers: str, *extra: str) -> str:
                         _ab_reading(results), f"![A/B, {preset} preset](img/ab_{preset}.png)"])
 
 
+def _ratio(r: dict[str, dict[str, Any]], a: str, b: str, key: str) -> str:
+    """Arm a's figure over arm b's, as '0.58×' ('n/a' when either is missing)."""
+    if a not in r or b not in r or not r[b].get(key):
+        return "n/a"
+    return f"{r[a][key] / r[b][key]:.2f}×"
+
+
 def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
-    def ratio(a: str, b: str, key: str) -> str:
-        if a not in r or b not in r or not r[b].get(key):
-            return "n/a"
-        return f"{r[a][key] / r[b][key]:.2f}×"
+    ratio = functools.partial(_ratio, r)
 
     lines = [f"- async K=8 mean TPOT = {ratio('async K=8', 'sync K=1', 'mean_tpot_ms')} sync "
              f"K=1's and {ratio('async K=8', 'sync K=8', 'mean_tpot_ms')} sync K=8's (the "
@@ -149,11 +163,9 @@ def ab_fast(ctx: Context) -> str:
     text = _ab(ctx, "fast", "", "--unpaced")
     # The baselines must be as fast as they can be: the same arms without CPU pinning, the
     # worker's torch threads on every core.
-    out = tempfile.mkdtemp(prefix="tandem-report-")
     args = ["bench", "ab", "--model", ctx.models["fast"], *AB_WORKLOAD, "--steps", "1,8",
             "--repeats", str(ctx.repeats), "--server-arg=--reserved-cpus=0"]
-    unpinned = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png",
-                      os.path.join(out, "ab.png"))
+    unpinned, _ = run_ab(args)
     return "\n\n".join([text, "The same arms with `--reserved-cpus 0` (no pinning, torch "
                           "threads on every core), to show no baseline was slowed by the "
                           "placement:", code(shown(args, ctx)), unpinned.strip()])
@@ -165,21 +177,19 @@ def ab_default(ctx: Context) -> str:
 
 def pacing(ctx: Context) -> str:
     """Paced planning against building plan n+1 as soon as plan n is sent, open loop."""
-    out = tempfile.mkdtemp(prefix="tandem-report-")
     args = ["bench", "ab", "--model", ctx.models["fast"], "--num-prompts", "160",
             "--input-len", "128", "--output-len", "64", "--request-rate", "20",
             "--max-concurrency", "64", "--steps", "8", "--unpaced", "--repeats",
             str(ctx.repeats)]
-    text = tandem(*args, "--output-json", os.path.join(out, "ab.json"), "--png",
-                  os.path.join(out, "ab.png"))
-    r = json.load(open(os.path.join(out, "ab.json")))
+    text, r = run_ab(args)
     paced, unpaced = r.get("async K=8", {}), r.get("async unpaced K=8", {})
     reading = ""
     if paced.get("mean_ttft_ms") and unpaced.get("mean_ttft_ms"):
+        ratio = functools.partial(_ratio, r, "async K=8", "async unpaced K=8")
+
         reading = (f"- Paced: mean TTFT {paced['mean_ttft_ms']:.1f} ms against "
                    f"{unpaced['mean_ttft_ms']:.1f} ms unpaced "
-                   f"({paced['mean_ttft_ms'] / unpaced['mean_ttft_ms']:.2f}×), mean TPOT "
-                   f"{paced['mean_tpot_ms'] / unpaced['mean_tpot_ms']:.2f}×; forward "
+                   f"({ratio('mean_ttft_ms')}), mean TPOT {ratio('mean_tpot_ms')}; forward "
                    f"{paced.get('forward_ms_per_plan', float('nan')):.1f} ms per plan, idle "
                    f"in steady decode {paced.get('steady_idle_pct', float('nan')):.2f}% "
                    f"(unpaced {unpaced.get('steady_idle_pct', float('nan')):.2f}%).")
