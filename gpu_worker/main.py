@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -65,13 +65,7 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
         idle_since = time.monotonic_ns()
-
-        def pacing(plan_id: int) -> tuple[Callable[[], None] | None, float]:
-            """Paced planning (async mode): tell the scheduler when this plan is ending."""
-            if not (cfg.pace_plans and cfg.async_postproc):
-                return None, 0.0
-            return (lambda: to_scheduler.put(PlanEnding(plan_id))), cfg.plan_lead_ms / 1000
-
+        paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when a plan ends
         while True:
             if peers is not None:
                 peers.check()  # on its own (a container): lose the frontend, exit non-zero
@@ -89,7 +83,8 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
                 started = time.monotonic_ns()
                 TRACER.record("idle", idle_since, started, msg.plan_id)
-                done = runner.execute(msg, publisher, *pacing(msg.plan_id))
+                ending = partial(to_scheduler.put, PlanEnding(msg.plan_id)) if paced else None
+                done = runner.execute(msg, publisher, ending, cfg.plan_lead_ms / 1000)
                 done.idle_time = (started - idle_since) / 1e9
                 to_scheduler.put(done)
                 on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here
