@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+PACKAGES := proto ipc tokenization rpc scheduler gpu_worker postproc_worker tandem bench
 
 .PHONY: bootstrap serve test lint proto compose-check clean benchmarks
 
@@ -42,7 +43,7 @@ benchmarks: bootstrap
 
 lint: bootstrap
 	$(BIN)/ruff check .
-	$(BIN)/mypy proto rpc scheduler postproc_worker gpu_worker
+	$(BIN)/mypy $(PACKAGES)
 
 # Regenerate the gRPC stubs from proto/*.proto (tests check they match).
 proto: bootstrap

@@ -17,6 +17,11 @@ import torch
 from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
 from gpu_worker.torch_trace import TorchTrace
+from ipc import faults
+from ipc.channels import Receiver, Sender
+from ipc.peers import HEARTBEAT_INTERVAL, role_watch
+from ipc.token_channel import TokenWriter
+from ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
 from proto.config import ServerConfig
 from proto.messages import (
     Heartbeat,
@@ -26,11 +31,6 @@ from proto.messages import (
     StepPlan,
     WorkerReady,
 )
-from rpc import faults
-from rpc.channels import Receiver, Sender
-from rpc.peers import HEARTBEAT_INTERVAL, role_watch
-from rpc.token_channel import TokenWriter
-from rpc.tracing import TRACER, on_plan_done, on_profile_control, set_role
 
 log = logging.getLogger("tandem.gpu_worker")
 

@@ -24,7 +24,7 @@ from proto.messages import PromptDetail
 
 if TYPE_CHECKING:
     from gpu_worker.batch import RequestState
-    from gpu_worker.models import CausalLM
+    from gpu_worker.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import torch
 from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
-from gpu_worker.models import load_model
+from gpu_worker.models.loader import load_model
 from gpu_worker.sampler import Sampler
+from ipc.tracing import TRACER
 from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, StepPlan
-from rpc.tracing import TRACER
 
 if TYPE_CHECKING:
     from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep

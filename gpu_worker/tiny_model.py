@@ -128,7 +128,7 @@ def ensure_default_model(preset: str = "default", *, in_subprocess: bool = False
     if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
         return path
     if in_subprocess:
-        subprocess.run([sys.executable, "-m", "rpc.cli", "make-tiny-model", "--preset", preset],
+        subprocess.run([sys.executable, "-m", "tandem.cli", "make-tiny-model", "--preset", preset],
                        check=True, stdout=subprocess.DEVNULL)
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

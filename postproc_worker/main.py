@@ -10,6 +10,12 @@ from __future__ import annotations
 import logging
 import time
 
+from ipc import faults
+from ipc.channels import Receiver, Sender
+from ipc.peers import role_watch
+from ipc.shm_ring import RingClosed
+from ipc.token_channel import open_reader, owner
+from ipc.tracing import TRACER, on_profile_control, set_role
 from postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
 from proto.config import ServerConfig
 from proto.messages import (
@@ -28,13 +34,7 @@ from proto.messages import (
     StopHit,
     TokenBatch,
 )
-from rpc import faults
-from rpc.channels import Receiver, Sender
-from rpc.peers import role_watch
-from rpc.shm_ring import RingClosed
-from rpc.token_channel import open_reader, owner
-from rpc.tokenizer import Tokenizer
-from rpc.tracing import TRACER, on_profile_control, set_role
+from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.postproc")
 

@@ -12,7 +12,7 @@ import numpy as np
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.stops import StopChecker
 from proto.messages import FinishReason, OutputDelta, PromptDetail, RegisterRequest, TokenBatch
-from rpc.tokenizer import Tokenizer
+from tokenization.tokenizer import Tokenizer
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Configuration that travels to every process.
 
-`ServerConfig` is built once from the command line (`rpc.cli`) and handed to each child as
+`ServerConfig` is built once from the command line (`tandem.cli`) and handed to each child as
 JSON; each process reads the part it needs.  `Addresses` names every channel so that the
 same code runs over `ipc://` inside one host and `tcp://` across containers.
 """
@@ -88,7 +88,7 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
-    # Fault injection for tests (`rpc.faults`; from TANDEM_FAULT); empty in production.
+    # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
     # dies without doing so.

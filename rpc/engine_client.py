@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ipc.channels import AsyncReceiver, Sender
+from ipc.token_channel import owner
+from ipc.tracing import TRACER, ProfileWindow, set_role
 from proto.config import ServerConfig
 from proto.messages import (
     AbortRequest,
@@ -40,9 +43,6 @@ from proto.messages import (
     WorkerReady,
 )
 from rpc import metrics
-from rpc.channels import AsyncReceiver, Sender
-from rpc.token_channel import owner
-from rpc.tracing import TRACER, ProfileWindow, set_role
 
 log = logging.getLogger("tandem.frontend")
 

@@ -18,13 +18,12 @@ from typing import Any, cast
 
 import grpc
 
+from ipc.tracing import TRACER
 from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
-from rpc.tokenizer import Tokenizer
-from rpc.tracing import TRACER
 from rpc.validation import (
     Limits,
     Request,
@@ -34,6 +33,7 @@ from rpc.validation import (
     check_unsupported,
     validate_params,
 )
+from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.frontend")
 

@@ -8,11 +8,12 @@ The scheduler predicts every request's state at the worker from counts alone (se
 preemptions before any forward, so blocks freed while building plan n (or when a late finish
 arrives) may go to other requests in plan n: whatever earlier plans still write into them
 happens before.
+
+Its state (request table, queues, blocks, outstanding plans, counters), the changes that keep
+that consistent, statistics and invariant checks live in `scheduler/state.py`.
 """
 from __future__ import annotations
 
-import time
-from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,57 +31,17 @@ from proto.messages import (
     StepPlan,
     StopHit,
 )
-from scheduler.block_manager import BlockManager, prompt_block_hashes
-from scheduler.requests import Request, RequestStatus, TokenLedger
+from scheduler.block_manager import prompt_block_hashes
+from scheduler.requests import Request, RequestStatus
+from scheduler.state import (
+    MAX_OUTSTANDING_ASYNC,
+    PlanProgress,
+    SchedulerParams,
+    SchedulerState,
+    SchedulerStats,
+)
 
-# One plan running at the worker and one queued behind it: the worker never waits for the
-# scheduler, and a finish learned from StepDone(n) can only be inside the queued plan n+1.
-# With paced planning plan n+1 is built once the worker says plan n is ending (PlanEnding).
-MAX_OUTSTANDING_ASYNC = 2
-
-
-@dataclass(frozen=True)
-class SchedulerParams:
-    num_blocks: int
-    block_size: int
-    num_steps: int
-    max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    async_mode: bool = True
-    num_postproc_workers: int = 2
-    enable_prefix_caching: bool = True
-    max_queued_requests: int = 1024
-    max_queued_tokens: int = 1 << 20
-    # Async mode: build plan n+1 only once plan n is ending (PlanEnding) or done, not as soon
-    # as plan n is sent, so that requests arriving during plan n still make plan n+1.
-    pace_plans: bool = False
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_waiting: int
-    num_running: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_preemptions: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    tokens_delivered: int
-    tokens_after_finish: int
-    plans_outstanding: int
-    prefix_hit_blocks: int = 0
-    prefix_queries: int = 0
-    num_plans: int = 0
-    num_rejected: int = 0
-    num_failed: int = 0
-
-
-@dataclass
-class _PlanProgress:
-    step_done: bool = False
-    ending: bool = False  # the worker is running its last steps (PlanEnding)
-    processed_by: set[int] = field(default_factory=set)
+__all__ = ["MAX_OUTSTANDING_ASYNC", "Scheduler", "SchedulerParams", "SchedulerStats"]
 
 
 @dataclass
@@ -104,32 +65,8 @@ class _Draft:
         return req.request_id in self.chunks
 
 
-class Scheduler:
-    def __init__(self, params: SchedulerParams) -> None:
-        if params.num_steps < 1 or params.max_num_batched_tokens < 1 or params.max_num_seqs < 1:
-            raise ValueError(f"num_steps, max_num_batched_tokens and max_num_seqs must be >= 1: "
-                             f"{params}")
-        self.params = params
-        self._blocks = BlockManager(params.num_blocks, params.block_size,
-                                    params.enable_prefix_caching)
-        self._requests: dict[int, Request] = {}  # waiting, preempted and running
-        self._waiting: deque[Request] = deque()  # preempted ones at the front
-        self._running: list[Request] = []  # oldest admission first; preempted newest first
-        self._waiting_tokens = 0
-        self._pending_drops: list[int] = []
-        self._plans: dict[int, _PlanProgress] = {}  # built and not yet done and processed
-        self._next_plan_id = 0
-        self._failures: list[RequestFailed] = []
-        self._ledger = TokenLedger()
-        self._num_preemptions = 0
-        self._num_rejected = 0
-        self._num_failed = 0
-        self._prefix_queries = 0
-        self._prefix_query_tokens = 0
-        self._prefix_hit_blocks = 0
-        # Arrival (the frontend's clock: one monotonic clock per host) to first scheduling.
-        self._queue_times: list[float] = []
-        self.clock = time.monotonic  # tests replace it
+class Scheduler(SchedulerState):
+    """Admission, planning and preemption over the bookkeeping of `SchedulerState`."""
 
     # ================================================================== messages in
 
@@ -309,7 +246,7 @@ class Scheduler:
                 self._finish(req, finish)
 
     def _issue(self, draft: _Draft, drop: list[int]) -> StepPlan:
-        self._plans[draft.plan_id] = _PlanProgress()
+        self._plans[draft.plan_id] = PlanProgress()
         self._next_plan_id += 1
         return StepPlan(
             plan_id=draft.plan_id,
@@ -398,20 +335,7 @@ class Scheduler:
         return NewRequest(req.request_id, req.prompt_ids, req.sampling, list(req.blocks),
                           num_cached, num_prefill)
 
-    # ================================================================== state changes
-
-    def _start_running(self, req: Request, num_cached: int, num_hit_blocks: int) -> None:
-        self._waiting.popleft()
-        self._waiting_tokens -= req.prompt_len
-        self._running.append(req)
-        req.status = RequestStatus.RUNNING
-        req.num_computed = num_cached
-        req.num_registered_blocks = num_hit_blocks
-        self._ledger.open(req.request_id)
-        if self.params.enable_prefix_caching:
-            self._prefix_queries += 1
-            self._prefix_query_tokens += req.num_tokens
-            self._prefix_hit_blocks += num_hit_blocks
+    # ================================================================== preemption
 
     def _preempt(self, req: Request, draft: _Draft) -> None:
         # Recompute, not swap: the worker frees the KV and keeps the token history.
@@ -426,43 +350,6 @@ class Scheduler:
         self._waiting.appendleft(req)
         self._waiting_tokens += req.prompt_len
         draft.preempt.append(req.request_id)
-
-    def _finish(self, req: Request, reason: FinishReason) -> None:
-        if req.status is RequestStatus.RUNNING:
-            self._running.remove(req)
-        else:
-            self._waiting.remove(req)
-            self._waiting_tokens -= req.prompt_len
-        self._blocks.free(req.blocks)
-        req.blocks = []
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
-        del self._requests[req.request_id]
-        if req.known_to_worker:
-            self._pending_drops.append(req.request_id)
-
-    def _fail(self, req: Request, message: str) -> None:
-        self._ledger.cut(req.request_id)
-        self._finish(req, FinishReason.TOKEN_LIMIT)
-        self._record_failure(req, message)
-
-    def _record_failure(self, req: Request, message: str) -> None:
-        self._num_failed += 1
-        self._failures.append(RequestFailed(req.request_id, FinishReason.TOKEN_LIMIT, message))
-
-    def _take_pending_drops(self, plan_id: int) -> list[int]:
-        drops, self._pending_drops = self._pending_drops, []
-        self._ledger.forget_after(plan_id, drops)
-        return drops
-
-    def _retire_complete_plans(self) -> None:
-        # Once a dropping plan is done and processed, no message can mention its drops again.
-        complete = [plan_id for plan_id, progress in self._plans.items()
-                    if progress.step_done
-                    and len(progress.processed_by) >= self.params.num_postproc_workers]
-        for plan_id in complete:
-            del self._plans[plan_id]
-            self._ledger.plan_complete(plan_id)
 
     # ================================================================== admission
 
@@ -493,85 +380,3 @@ class Scheduler:
             return (f"prompt needs {needed} KV blocks of {params.block_size} tokens; the whole "
                     f"cache has num_blocks={params.num_blocks}")
         return None
-
-    # ================================================================== observation
-
-    def _pipeline_has_room(self) -> bool:
-        if self.params.async_mode:
-            running = [p for p in self._plans.values() if not p.step_done]
-            if len(running) >= MAX_OUTSTANDING_ASYNC:
-                return False
-            return not self.params.pace_plans or all(p.ending for p in running)
-        # Sync mode: plan n+1 waits for StepDone(n) and every postproc worker's PlanProcessed(n).
-        return not self._plans
-
-    def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._pending_drops)
-
-    def _num_outstanding(self) -> int:
-        return sum(1 for progress in self._plans.values() if not progress.step_done)
-
-    def _progress(self, plan_id: int) -> _PlanProgress | None:
-        if not 0 <= plan_id < self._next_plan_id:
-            raise ValueError(f"plan {plan_id} was never built (next plan id {self._next_plan_id})")
-        return self._plans.get(plan_id)
-
-    @property
-    def stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_waiting=len(self._waiting),
-            num_running=len(self._running),
-            num_free_blocks=self._blocks.num_free,
-            num_cached_blocks=self._blocks.num_cached,
-            num_preemptions=self._num_preemptions,
-            prefix_hit_tokens=self._prefix_hit_blocks * self.params.block_size,
-            prefix_query_tokens=self._prefix_query_tokens,
-            tokens_delivered=self._ledger.tokens_delivered,
-            tokens_after_finish=self._ledger.tokens_after_finish,
-            plans_outstanding=self._num_outstanding(),
-            prefix_hit_blocks=self._prefix_hit_blocks,
-            prefix_queries=self._prefix_queries,
-            num_plans=self._next_plan_id,
-            num_rejected=self._num_rejected,
-            num_failed=self._num_failed,
-        )
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError when the scheduler's bookkeeping contradicts itself."""
-        self._blocks.check_invariants()
-        self._check_queues()
-        holders: Counter[int] = Counter()
-        for req in self._running:
-            self._check_running(req)
-            holders.update(req.blocks)
-        for block in range(self.params.num_blocks):
-            assert self._blocks.refcount(block) == holders[block], (
-                f"block {block}: refcount {self._blocks.refcount(block)}, "
-                f"{holders[block]} holders")
-            assert holders[block] <= 1 or self._blocks.is_cached(block), (
-                f"block {block} is shared by {holders[block]} requests but is not a cached "
-                f"prefix block")
-        assert self._blocks.num_free + len(holders) == self.params.num_blocks, "blocks leaked"
-        limit = MAX_OUTSTANDING_ASYNC if self.params.async_mode else 1
-        assert self._num_outstanding() <= limit, f"{self._num_outstanding()} plans outstanding"
-
-    def _check_queues(self) -> None:
-        members = [req.request_id for req in self._running] + [r.request_id for r in self._waiting]
-        assert len(members) == len(set(members)), "a request is queued twice"
-        assert set(members) == set(self._requests), "request table and queues disagree"
-        assert len(self._running) <= self.params.max_num_seqs, "too many running requests"
-        assert self._waiting_tokens == sum(req.prompt_len for req in self._waiting)
-        for req in self._waiting:
-            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert not req.blocks and req.num_computed == 0, f"waiting {req.request_id} holds KV"
-            assert req.known_to_worker == (req.status is RequestStatus.PREEMPTED)
-
-    def _check_running(self, req: Request) -> None:
-        rid = req.request_id
-        assert req.status is RequestStatus.RUNNING and req.known_to_worker
-        assert len(set(req.blocks)) == len(req.blocks), f"request {rid} holds a block twice"
-        assert 0 <= req.num_computed <= req.num_tokens - 1, f"request {rid} computed too far"
-        assert len(req.blocks) * self.params.block_size >= req.num_computed, (
-            f"request {rid} has KV outside its blocks")
-        assert req.num_tokens < req.max_tokens, f"request {rid} should have finished"
-        assert req.num_registered_blocks <= len(req.blocks)

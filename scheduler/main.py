@@ -12,6 +12,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from ipc import faults
+from ipc.channels import Receiver, Sender
+from ipc.peers import role_watch
+from ipc.process import PlanWatchdog
+from ipc.tracing import TRACER, on_profile_control, set_role
 from proto.config import ServerConfig
 from proto.messages import (
     AbortRequest,
@@ -26,11 +31,6 @@ from proto.messages import (
     StopHit,
     WorkerReady,
 )
-from rpc import faults
-from rpc.channels import Receiver, Sender
-from rpc.peers import role_watch
-from rpc.process import PlanWatchdog
-from rpc.tracing import TRACER, on_profile_control, set_role
 from scheduler.core import Scheduler, SchedulerParams
 
 log = logging.getLogger("tandem.scheduler")

@@ -8,7 +8,8 @@ No hub access here, so both are made locally:
   multilingual text, with Llama-3-like special tokens and a BOS template.
 
 Each builder writes tokenizer.json, tokenizer_config.json and generation_config.json into a
-folder, so `AutoTokenizer.from_pretrained(folder)` and `rpc.tokenizer.Tokenizer.from_dir(folder)`
+folder, so `AutoTokenizer.from_pretrained(folder)` and
+`tokenization.tokenizer.Tokenizer.from_dir(folder)`
 both load it. `sentencepiece_dir()` / `byte_level_bpe_dir()` build once per process and cache.
 """
 

@@ -70,7 +70,7 @@ def test_roles_serve_like_compose_and_exit_when_the_scheduler_dies(
     try:
         for name in ROLES:
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "rpc.cli", *argv[name]], cwd=ROOT,
+                [sys.executable, "-m", "tandem.cli", *argv[name]], cwd=ROOT,
                 env={**os.environ, **envs[name], "TANDEM_LOG_LEVEL": "WARNING"},
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = TandemClient(f"127.0.0.1:{port}")

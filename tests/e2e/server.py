@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from rpc.bench_soak import free_port  # noqa: F401  (tests import it from here)
-from rpc.bench_soak import tree_pids as process_tree
+from bench.soak import free_port  # noqa: F401  (tests import it from here)
+from bench.soak import tree_pids as process_tree
 from rpc.client import GenerateOptions, TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,7 +43,7 @@ def alive(pid: int) -> bool:
 class Server:
     def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "rpc.cli", "serve", "--model", model,
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
                "--port", str(self.port), "--log-level", "WARNING", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

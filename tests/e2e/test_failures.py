@@ -37,7 +37,7 @@ def open_streams(server: Server, n: int = NUM_STREAMS) -> list[Stream]:
 
 
 def fault_time(log: str) -> float:
-    """When the injected fault fired (wall clock), from the line `rpc.faults` logs."""
+    """When the injected fault fired (wall clock), from the line `ipc.faults` logs."""
     match = re.search(r"fault injected: .* \(wall ([0-9.]+)\)", log)
     assert match, f"no fault line in the log:\n{log[-3000:]}"
     return float(match.group(1))
@@ -131,7 +131,7 @@ def test_hung_worker_is_dumped_and_treated_as_dead(tiny_model_dir: pathlib.Path)
         assert exited - hung < step_timeout + EXIT_WITHIN
         # faulthandler's dump of the stuck process: thread headers and the hanging frame.
         assert "most recent call first" in log
-        assert re.search(r'File ".*rpc/faults\.py", line \d+ in _fire', log), log[-3000:]
+        assert re.search(r'File ".*ipc/faults\.py", line \d+ in _fire', log), log[-3000:]
     finally:
         server.stop(signal.SIGKILL)
     assert_clean(server)

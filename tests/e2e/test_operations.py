@@ -78,7 +78,7 @@ def server(tiny_model_dir: pathlib.Path, certs: pathlib.Path) -> Iterator[Server
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rpc.cli", *args], cwd=ROOT, text=True,
+    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60)
 
 

@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 import pytest
 
-from rpc import profile_cli, profile_report
 from rpc.client import GenerateOptions
-from rpc.profile_cli import record
+from tandem import profile_cli, profile_report
+from tandem.profile_cli import record
 from tests.e2e.server import ROOT, Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def test_profile_cli_records_twenty_plans(server: Server, tmp_path: pathlib.Path
     trace_path, summary_path = tmp_path / "trace.json", tmp_path / "summary.json"
     with load(server):
         run = subprocess.run(
-            [sys.executable, "-m", "rpc.cli", "profile", "--port", str(server.port),
+            [sys.executable, "-m", "tandem.cli", "profile", "--port", str(server.port),
              "--plans", "20", "--duration", "90", "--output", str(trace_path),
              "--summary-json", str(summary_path)],
             cwd=ROOT, capture_output=True, text=True, timeout=180)

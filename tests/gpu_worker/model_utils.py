@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from gpu_worker.models import CausalLM
+    from gpu_worker.models.llama import CausalLM
 
 ARCH_ALIASES: dict[str, str] = {
     "llama": "LlamaForCausalLM",

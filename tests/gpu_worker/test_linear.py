@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models import load_model
-from gpu_worker.models.llama import linear, onednn_fp32_usable, onednn_rows, pack_linear
+from gpu_worker.models.layers import linear, onednn_fp32_usable, onednn_rows, pack_linear
+from gpu_worker.models.loader import load_model
 from tests.gpu_worker.model_utils import PagedDriver, make_tiny_checkpoint, random_prompts
 
 needs_onednn = pytest.mark.skipif(not onednn_fp32_usable(), reason="no fp32 oneDNN here")

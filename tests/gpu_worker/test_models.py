@@ -12,8 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.models import SUPPORTED_ARCHITECTURES, CausalLM, ModelArgs, load_model
-from gpu_worker.models.llama import rope_inv_freq
+from gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from gpu_worker.models.layers import rope_inv_freq
+from gpu_worker.models.llama import CausalLM
+from gpu_worker.models.loader import load_model
 from tests.gpu_worker.model_utils import (
     HFReference,
     PagedDriver,
@@ -114,9 +116,9 @@ def test_greedy_parity_plain_linear_path(
     ckpt_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The F.linear path (what CUDA and half precision use) with oneDNN packing off."""
-    from gpu_worker.models import llama
+    from gpu_worker.models import layers
 
-    monkeypatch.setattr(llama, "_ONEDNN_OK", False)
+    monkeypatch.setattr(layers, "_ONEDNN_OK", False)
     path = checkpoint(ckpt_root, "qwen3-qknorm-headdim")
     model = load_model(path, torch.float32, CPU)
     assert model._packed_lm_head is None

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from gpu_worker.prompt_logprobs import ROWS_PER_SLICE
+from ipc.channels import Receiver
+from ipc.token_channel import TokenReader, TokenWriter, detail_for
 from proto.config import Addresses
 from proto.messages import PromptDetail, SamplingParams, TokenBatch
-from rpc.channels import Receiver
-from rpc.token_channel import TokenReader, TokenWriter, detail_for
 from tests.gpu_worker.model_utils import (
     EOS_ID,
     HFReference,
     make_tiny_checkpoint,
     random_prompts,
 )
-from tests.gpu_worker.test_runner import Driver, make_runner
+from tests.gpu_worker.runner_driver import Driver, make_runner
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from postproc_worker import detokenizer as detok_mod
-from postproc_worker.detokenizer import IncrementalDetokenizer, bench_detokenizer, engine_kind
-from rpc.tokenizer import Tokenizer
+from postproc_worker.detok_engines import DECODER_CLEANUP_UNSAFE, WindowEngine
+from postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
 from tests.tokenizer_utils import (
     BPE_SPECIAL_TOKENS,
     byte_level_bpe_dir,
@@ -18,6 +18,7 @@ from tests.tokenizer_utils import (
     sentencepiece_dir,
     wordpiece_dir,
 )
+from tokenization.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -56,7 +57,7 @@ def stream(
     det = IncrementalDetokenizer(tok, [1, 2, 3], skip_special_tokens=skip)
     if engine == "window":  # force the generic engine on any tokenizer
         plan = detok_mod._plan_for(tok)
-        det._engine = detok_mod._WindowEngine(tok, skip, plan.byte_ids, plan.unsafe_tail)
+        det._engine = WindowEngine(tok, skip, plan.byte_ids, plan.unsafe_tail)
     deltas = []
     i = 0
     while i < len(ids):
@@ -142,7 +143,7 @@ def test_text_is_released_as_soon_as_it_is_final(fam: Family) -> None:
             elif fam.kind == "window":
                 # clean-up holds only the trailing chars a clean-up pattern could still span
                 assert so_far.startswith(det.text)
-                assert set(so_far[len(det.text):]) <= detok_mod._DECODER_CLEANUP_UNSAFE
+                assert set(so_far[len(det.text):]) <= DECODER_CLEANUP_UNSAFE
             else:
                 assert det.text == so_far, (text, k)
 
@@ -251,9 +252,3 @@ def test_add_after_flush_empty_add_and_numpy_ids() -> None:
     with pytest.raises(RuntimeError):
         det.add([5])
 
-
-def test_bench_detokenizer_runs() -> None:
-    for build in (sentencepiece_dir, byte_level_bpe_dir):
-        rate = bench_detokenizer(str(build()), n_tokens=20_000)
-        # The real figures are ~1-4M tokens/s; this only guards against a collapse.
-        assert rate > 100_000, (build.__name__, rate)

@@ -6,8 +6,8 @@ import pytest
 
 from postproc_worker.main import Postprocessor
 from proto.messages import FinishReason, ForgetRequest, OutputOptions, RegisterRequest, TokenBatch
-from rpc.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
+from tokenization.tokenizer import Tokenizer
 
 
 def batch(plan: int, step: int, rows: list[tuple[int, int, int]],

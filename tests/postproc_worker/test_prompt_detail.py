@@ -8,9 +8,9 @@ import pytest
 
 from postproc_worker.main import Postprocessor
 from proto.messages import FinishReason, OutputDelta, OutputOptions, PromptDetail, RegisterRequest
-from rpc.tokenizer import Tokenizer
 from tests.postproc_worker.test_postprocessor import batch
 from tests.tokenizer_utils import sentencepiece_dir
+from tokenization.tokenizer import Tokenizer
 
 PROMPT = [1, 100, 200, 300, 400, 500]  # 6 positions; position 0 (BOS) has no score
 TOP_K = 3

@@ -9,8 +9,8 @@ import pytest
 
 from postproc_worker.detokenizer import IncrementalDetokenizer
 from postproc_worker.stops import StopChecker
-from rpc.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
+from tokenization.tokenizer import Tokenizer
 
 
 def reference(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:

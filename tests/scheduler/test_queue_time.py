@@ -6,7 +6,7 @@ import pytest
 
 from proto.messages import AddRequest, PlanProcessed, SamplingParams
 from scheduler.core import Scheduler
-from tests.scheduler.test_core import params, step_done
+from tests.scheduler.sched_utils import params, step_done
 
 
 class Clock:

@@ -1,0 +1,326 @@
+"""The `tandem` command: one parser for every subcommand; heavy imports happen lazily.
+
+Environment variables are read here and nowhere else: every server flag takes its default
+from `TANDEM_<FLAG>` (e.g. `TANDEM_MODEL`, `TANDEM_PORT`, `TANDEM_NUM_SCHEDULER_STEPS`,
+`TANDEM_ASYNC_POSTPROC=false`, `TANDEM_SCHEDULER_ADDR` for `run-role`), which is how the
+docker-compose services are configured; `TANDEM_FAULT` arms fault injection for tests
+(`ipc.faults`; also the hidden flag `--fault`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from proto.config import Addresses, ServerConfig
+
+ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host", "port",
+                                                                 "log_level", "fault")}
+
+
+def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
+    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
+                   help=help)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig(model="")
+    p.add_argument("--model", default=ENV["model"] or "",
+                   help="Hugging Face model folder (default: the embedded tiny model)")
+    p.add_argument("--host", default=ENV["host"] or d.host)
+    p.add_argument("--port", type=int, default=int(ENV["port"] or d.port))
+    p.add_argument("--dtype", default=d.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
+    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
+                   help="K: decode steps per plan (1 = no multi-step)")
+    _bool_flag(p, "async-postproc", d.async_postproc,
+               "overlap postprocessing with the next plan (--no-async-postproc: sync baseline)")
+    _bool_flag(p, "pace-plans", d.pace_plans,
+               "async mode: build plan n+1 near the end of plan n (the worker says when), so "
+               "requests that arrive during plan n join plan n+1 (--no-pace-plans: as soon "
+               "as plan n is sent)")
+    p.add_argument("--plan-lead-ms", type=float, default=d.plan_lead_ms,
+                   help="with --pace-plans: how much of plan n's work is left, at least, when "
+                        "the worker asks for plan n+1 (covers building and sending it)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="0: the model's max_position_embeddings")
+    p.add_argument("--num-postproc-workers", type=int, default=d.num_postproc_workers)
+    _bool_flag(p, "shm-ring", d.shm_ring, "token batches over shared memory (else ZeroMQ)")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
+    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
+                   help="KV cache size in GiB (when --num-kv-blocks is 0)")
+    _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
+    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
+    p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
+    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="the largest max_new_tokens a request may ask for")
+    _bool_flag(p, "include-stop-sequence", d.include_stop_sequence,
+               "default for requests that leave include_stop_sequence unset")
+    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
+                   help="gpu worker's torch threads (0: one per core it is pinned to)")
+    _bool_flag(p, "enforce-eager", d.enforce_eager,
+               "CUDA: launch every decode step from Python, no CUDA graphs")
+    _bool_flag(p, "onednn", d.onednn,
+               "CPU float32: linear layers through oneDNN with pre-packed weights")
+    _bool_flag(p, "flash-attn", d.flash_attn,
+               "CUDA 16-bit: flash_attn where it can serve the KV cache (else SDPA)")
+    p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
+                   help="CPU device: cores kept for the other processes, the gpu worker "
+                        "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM, seconds in-flight requests may take before they are "
+                        "cancelled")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout,
+                   help="a plan unfinished after this many seconds means a hung gpu worker: "
+                        "its stack is logged and the server exits non-zero (0: off)")
+    p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument("--tls-cert", default="")
+    p.add_argument("--tls-key", default="")
+    p.add_argument("--tls-client-ca", default="")
+    p.add_argument("--log-level", default=ENV["log_level"] or d.log_level)
+    p.add_argument("--fault", default=ENV["fault"] or "", help=argparse.SUPPRESS)
+    _env_defaults(p)
+
+
+def _env_defaults(p: argparse.ArgumentParser) -> None:
+    """`TANDEM_<DEST>` overrides the default of every flag already on `p`."""
+    for action in p._actions:
+        value = os.environ.get(f"TANDEM_{action.dest.upper()}")
+        if value is None or action.dest == "help":
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            action.default = value.strip().lower() in ("1", "true", "yes", "on")
+        elif action.type is not None:
+            action.default = action.type(value)  # type: ignore[operator]
+        else:
+            action.default = value
+
+
+def add_role_arguments(p: argparse.ArgumentParser) -> None:
+    """Peer addresses for roles started one by one (tcp:// across containers)."""
+    p.add_argument("--frontend-addr", default="", help="the frontend's inbox, e.g. tcp://frontend:5550")
+    p.add_argument("--scheduler-addr", default="")
+    p.add_argument("--worker-addr", default="")
+    p.add_argument("--postproc-addrs", default="", help="comma-separated, in index order")
+    p.add_argument("--supervisor-addr", default="",
+                   help="where roles report failures (default: frontend port - 1)")
+    _env_defaults(p)
+
+
+def role_config(args: argparse.Namespace) -> ServerConfig:
+    """A standalone role's config: server flags plus the peers' addresses."""
+    missing = [n for n in ("frontend_addr", "scheduler_addr", "worker_addr", "postproc_addrs")
+               if not getattr(args, n)]
+    if missing:
+        raise SystemExit(f"run-role without --config-file needs "
+                         f"{', '.join('--' + m.replace('_', '-') for m in missing)} "
+                         f"(or TANDEM_{missing[0].upper()})")
+    postproc = tuple(a for a in args.postproc_addrs.split(",") if a)
+    supervisor = args.supervisor_addr or _port_offset(args.frontend_addr, -1)
+    addr = Addresses(scheduler_inbox=args.scheduler_addr, frontend_inbox=args.frontend_addr,
+                     worker_inbox=args.worker_addr, postproc_inboxes=postproc,
+                     token_pub="", supervisor=supervisor)
+    base = config_from_args(args)
+    return base.replace(addresses=addr, standalone=True, shm_ring=False,
+                        num_postproc_workers=len(postproc))
+
+
+def _port_offset(addr: str, delta: int) -> str:
+    head, port = addr.rsplit(":", 1)
+    return f"{head}:{int(port) + delta}"
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The server's config; a flag out of range exits with status 2 naming it and its limit."""
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["enable_prefix_caching"] = args.prefix_caching
+    try:
+        cfg = ServerConfig(**values)
+    except ValueError as e:  # before any model is built
+        print(f"tandem: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if cfg.model:
+        return cfg
+    from gpu_worker.tiny_model import ensure_default_model
+
+    return cfg.replace(model=str(ensure_default_model(in_subprocess=True)))
+
+
+# ---------------------------------------------------------------------- subcommands
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ipc.process import set_title, setup_logging
+
+    setup_logging("frontend", args.log_level)
+    set_title("tandem: frontend")
+    cfg = config_from_args(args)
+    from tandem.launcher import serve
+
+    return serve(cfg)
+
+
+def cmd_run_role(args: argparse.Namespace) -> int:
+    from ipc.process import init_child, report_failure
+
+    if args.config_file:  # started by the launcher
+        with open(args.config_file) as f:
+            cfg = ServerConfig.from_json(f.read())
+    else:
+        cfg = role_config(args)
+    if args.role == "frontend":
+        from ipc.process import set_title, setup_logging
+        from tandem.launcher import serve
+
+        setup_logging("frontend", cfg.log_level)
+        set_title("tandem: frontend")
+        return serve(cfg)
+    role = args.role if args.role != "postproc" else f"postproc {args.index}"
+    init_child(role, cfg, args.parent_pid)
+    try:
+        if args.role == "scheduler":
+            from scheduler.main import run_scheduler
+
+            run_scheduler(cfg)
+        elif args.role == "gpu-worker":
+            from gpu_worker.main import run_gpu_worker
+
+            run_gpu_worker(cfg)
+        elif args.role == "postproc":
+            from postproc_worker.main import run_postproc
+
+            run_postproc(cfg, args.index)
+    except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
+        return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    except Exception as exc:  # the launcher hears why before our peers' exits confuse it
+        report_failure(role, cfg, exc)
+        raise
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from gpu_worker import tiny_model
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    return tiny_model.main(args)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tandem.client_cli import generate_main
+
+    return generate_main(args)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from tandem.client_cli import health_main
+
+    return health_main(args)
+
+
+def cmd_bench_ipc(args: argparse.Namespace) -> int:
+    from bench import ipc as bench_ipc
+
+    return bench_ipc.main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="start the gRPC server and all its processes")
+    add_server_arguments(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run-role", help="run one process role (used by the launcher)")
+    p.add_argument("role", choices=["frontend", "scheduler", "gpu-worker", "postproc"])
+    p.add_argument("--config-file", default="",
+                   help="written by the launcher; else the server flags and peer addresses")
+    add_server_arguments(p)
+    add_role_arguments(p)
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.set_defaults(func=cmd_run_role)
+
+    p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
+    from gpu_worker.tiny_model import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    from tandem.client_cli import add_generate_arguments, add_health_arguments
+
+    p = sub.add_parser("generate", help="send a prompt and stream the answer")
+    add_generate_arguments(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("health", help="exit 0 when the server is SERVING")
+    add_health_arguments(p)
+    p.set_defaults(func=cmd_health)
+
+    from tandem import profile_cli
+
+    p = sub.add_parser("profile", help="record spans in every process; trace, summary, PNG")
+    profile_cli.add_arguments(p)
+    p.set_defaults(func=profile_cli.main)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
+                                                                       required=True)
+    from bench import serve as bench_serve
+
+    p = bench.add_parser("serve", help="vLLM-style serving benchmark against a server")
+    bench_serve.add_arguments(p)
+    p.set_defaults(func=bench_serve.main)
+
+    from bench import step as bench_step
+
+    p = bench.add_parser("step", help="decode ms/step at batch 1/8/32/64 next to HF generate()")
+    bench_step.add_arguments(p)
+    p.set_defaults(func=bench_step.main)
+
+    from bench import postproc as bench_postproc
+
+    p = bench.add_parser("postproc", help="postproc tokens/s next to decode tokens/s")
+    bench_postproc.add_arguments(p)
+    p.set_defaults(func=bench_postproc.main)
+
+    p = bench.add_parser("soak", help="steady load for minutes; RSS growth of every process")
+    from bench import soak as bench_soak
+
+    bench_soak.add_arguments(p)
+    p.set_defaults(func=bench_soak.main)
+
+    from bench import ab as bench_ab
+
+    p = bench.add_parser("ab", help="sync/async x K table, each arm on a fresh server")
+    bench_ab.add_arguments(p)
+    p.set_defaults(func=bench_ab.main)
+
+    from bench import report as bench_report
+
+    p = bench.add_parser("report", help="rerun the benchmarks, rewrite docs/BENCHMARKS.md")
+    bench_report.add_arguments(p)
+    p.set_defaults(func=bench_report.main)
+
+    p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench_ipc)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""`tandem serve`: the frontend process, which starts and watches every other process.
+
+Start-up: make a private run folder for the ipc sockets, start the scheduler, the gpu
+worker and N postproc workers as separate OS processes, serve gRPC, and turn readiness on
+once every process has reported in and a warm-up request has gone through.
+
+Supervision (DESIGN.md section 5): one thread per child waits for its exit, so a death is
+seen at once, and the first crash is the one reported (a gpu worker dies soon after a
+postproc worker it writes to; the postproc worker is the cause).  A child dying of an
+exception says so first (`ProcessFailed`, with the error), ahead of the exits it causes.
+The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the launcher
+then has the worker dump its stacks to the log and treats it as dead.  Either way: health
+NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
+stopped, exit code 1.
+SIGTERM/SIGINT: NOT_SERVING at once, new requests get UNAVAILABLE, in-flight ones finish
+up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
+children, sockets, run folder and shm segments are removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ipc import faults
+from ipc.channels import AsyncReceiver
+from ipc.peers import frontend_watch
+from ipc.process import pin, split_cpus
+from proto import generation_pb2 as pb
+from proto import generation_pb2_grpc as pb_grpc
+from proto.config import Addresses, ServerConfig
+from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
+from rpc.engine_client import EngineClient
+from rpc.metrics import serve_metrics
+from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
+from rpc.validation import Limits
+from tokenization.tokenizer import Tokenizer
+
+log = logging.getLogger("tandem.launcher")
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # Long streams stay up: answer client keepalive pings, send our own every 60 s.
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# After a failure: how long children get for SIGTERM before SIGKILL.  Small, so the whole
+# exit (detection, failing streams, gRPC stop, children) stays within a few seconds.
+STOP_TIMEOUT_FAILED = 2.0
+STOP_TIMEOUT_CLEAN = 5.0
+CLEAN_EXIT_GRACE = 1.0  # see Launcher._child_exited
+STACK_DUMP_WAIT = 0.5  # for a hung worker's faulthandler output to reach the log
+FLUSH_WAIT = 1.0  # for failed streams to send their status before the gRPC server stops
+GRPC_STOP_GRACE = 1.0
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    exited_at: float | None = None  # time.monotonic(), set by the child's waiter thread
+
+    def describe_exit(self) -> str:
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            try:
+                how = f"was killed by {signal.Signals(-rc).name}"
+            except ValueError:
+                how = f"was killed by signal {-rc}"
+        else:
+            how = f"exited with code {rc}"
+        return f"{self.role} process (pid {self.proc.pid}) {how}"
+
+
+class Launcher:
+    def __init__(self, cfg: ServerConfig) -> None:
+        faults.parse(cfg.fault)  # a mistyped fault spec fails here, not silently later
+        if cfg.standalone:  # `run-role frontend`: the peers run elsewhere, at given addresses
+            self.run_dir = ""
+            self.cfg = cfg
+        else:
+            self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-")
+            addr = Addresses.local(self.run_dir, str(os.getpid()), cfg.num_postproc_workers,
+                                   cfg.shm_ring)
+            self.cfg = split_cpus(cfg.replace(addresses=addr, run_dir=self.run_dir))
+            pin("frontend", self.cfg)
+        self.children: list[Child] = []
+        self.exit_code = 0
+        self._stop = asyncio.Event()
+        self._failure: asyncio.Future[str] | None = None  # the first failure's message
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signals = 0
+        self._stopping = False  # children exit because we asked: not a failure
+        self._cleaned = False
+
+    # ------------------------------------------------------------------ children
+
+    def start_children(self) -> None:
+        if self.cfg.standalone:
+            return
+        path = os.path.join(self.run_dir, "config.json")
+        with open(path, "w") as f:
+            f.write(self.cfg.to_json())
+        roles = [("scheduler", 0), ("gpu-worker", 0)] + [
+            ("postproc", i) for i in range(self.cfg.num_postproc_workers)]
+        for role, index in roles:
+            cmd = [sys.executable, "-m", "tandem.cli", "run-role", role, "--config-file", path,
+                   "--index", str(index), "--parent-pid", str(os.getpid())]
+            # From the main thread: PR_SET_PDEATHSIG fires when the creating *thread* exits.
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+            name = role if role != "postproc" else f"postproc {index}"
+            child = Child(name, proc)
+            self.children.append(child)
+            threading.Thread(target=self._wait_child, args=(child,), name=f"wait-{name}",
+                             daemon=True).start()
+            log.info("started %s (pid %d)", name, proc.pid)
+
+    def _wait_child(self, child: Child) -> None:
+        child.proc.wait()
+        child.exited_at = time.monotonic()
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._child_exited, child)
+        except RuntimeError:  # the loop is closed: we are exiting anyway
+            pass
+
+    def _child_exited(self, child: Child) -> None:
+        if self._stopping:
+            return
+        log.warning("%s", child.describe_exit())
+        if child.proc.returncode == 0 and self._loop is not None:
+            # A clean exit nobody asked for is usually a consequence: postproc workers leave
+            # when the gpu worker closes the ring on its way out, and the worker takes a
+            # moment longer to exit (its `ProcessFailed` usually arrives first anyway).
+            self._loop.call_later(CLEAN_EXIT_GRACE, self._blame)
+            return
+        self._blame()
+
+    def _blame(self) -> None:
+        """Fail with the first child that crashed, else the first that exited at all."""
+        dead = [c for c in self.children if c.exited_at is not None]
+        crashed = [c for c in dead if c.proc.returncode != 0]
+        if dead:
+            self._fail(min(crashed or dead, key=lambda c: c.exited_at or 0.0).describe_exit())
+
+    def _fail(self, message: str) -> None:
+        if self._failure is not None and not self._failure.done():
+            self._failure.set_result(message)
+
+    def child(self, role: str) -> Child | None:
+        return next((c for c in self.children if c.role == role), None)
+
+    def stop_children(self, timeout: float = STOP_TIMEOUT_CLEAN) -> None:
+        """SIGTERM every child (their handlers close sockets and unlink segments), then
+        SIGKILL whoever is still there after `timeout` - with its stacks in the log first."""
+        self._stopping = True
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) did not stop within %.1f s; killing it", c.role,
+                            c.proc.pid, timeout)
+                if _dump_stacks(c):
+                    time.sleep(0.2)  # for faulthandler to write it
+                c.proc.kill()
+                c.proc.wait()
+
+    def cleanup(self, timeout: float = STOP_TIMEOUT_CLEAN) -> None:
+        """Stop every child and remove the run folder and shm segments (idempotent)."""
+        if self._cleaned:
+            return
+        self._cleaned = True
+        self.stop_children(timeout)
+        # A child killed by SIGKILL could not remove its own segment or socket files.
+        if self.cfg.addresses.ring_name:
+            from ipc.shm_ring import unlink_segment
+
+            unlink_segment(self.cfg.addresses.ring_name)
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self) -> int:
+        self._loop = asyncio.get_running_loop()
+        self._failure = self._loop.create_future()
+        tok = Tokenizer.from_dir(self.cfg.model)
+        engine = EngineClient(self.cfg)
+        engine.start()
+        reports: AsyncReceiver[object] | None = (
+            AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
+            if self.cfg.addresses.supervisor else None)
+        self.start_children()
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
+            health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
+             ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+        servicer = GenerationServicer(engine, tok)
+        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        add_admin_service(server, engine)
+        self._bind(server)
+        await server.start()
+        serve_metrics(self.cfg.metrics_port)
+        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
+        await _set_health(health_servicer, SERVICE_NAME,
+                          health_pb2.HealthCheckResponse.NOT_SERVING)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self._on_signal, sig)
+        watching = asyncio.create_task(self._read_reports(reports)) if reports else None
+        peers = asyncio.create_task(self._watch_peers(engine)) if self.cfg.standalone else None
+        starting = asyncio.create_task(
+            self._become_ready(engine, tok, servicer, health_servicer))
+        failed = asyncio.ensure_future(self._failure)
+        stopping = asyncio.create_task(self._stop.wait())
+        try:
+            first: set[asyncio.Future[Any]] = {starting, failed, stopping}
+            done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+            if starting in done and starting.exception() is None:
+                # Serve until a child dies or a signal comes.
+                serving: set[asyncio.Future[Any]] = {failed, stopping}
+                await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
+            elif starting in done:
+                log.error("start-up failed: %s", starting.exception())
+                self.exit_code = 1
+                await asyncio.wait({failed}, timeout=2.0)  # a dying child usually explains it
+            starting.cancel()
+            if failed.done():
+                await self._fail_everything(engine, health_servicer, failed.result())
+            elif stopping.done():
+                await self._drain(engine, servicer, health_servicer)
+        finally:
+            for task in (watching, starting, stopping, peers):
+                if task is not None:
+                    task.cancel()
+            if starting.done() and not starting.cancelled():
+                starting.exception()  # seen (a warm-up cut short by a failure): no GC warning
+            await _set_health(health_servicer, SERVICE_NAME,
+                              health_pb2.HealthCheckResponse.NOT_SERVING)
+            await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+            # Cancels whatever is still open after the grace, so stop never waits for long
+            # streams.
+            await server.stop(grace=GRPC_STOP_GRACE)
+            engine.close()
+            if reports is not None:
+                reports.close()
+            self.cleanup(STOP_TIMEOUT_FAILED if self.exit_code else STOP_TIMEOUT_CLEAN)
+        return self.exit_code
+
+    async def _watch_peers(self, engine: EngineClient) -> None:
+        """Roles on their own have no parent watching them: a silent one is a dead one."""
+        watch = frontend_watch(self.cfg)
+        engine.on_heartbeat = watch.seen
+        try:
+            while True:
+                lost = watch.lost()
+                if lost:
+                    self._fail(lost)
+                    return
+                await asyncio.sleep(0.25)
+        finally:
+            watch.close()
+
+    def _bind(self, server: grpc.aio.Server) -> None:
+        target = f"{self.cfg.host}:{self.cfg.port}"
+        if self.cfg.tls_cert:
+            with open(self.cfg.tls_key, "rb") as f:
+                key = f.read()
+            with open(self.cfg.tls_cert, "rb") as f:
+                cert = f.read()
+            ca = None
+            if self.cfg.tls_client_ca:
+                with open(self.cfg.tls_client_ca, "rb") as f:
+                    ca = f.read()
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=ca is not None)
+            server.add_secure_port(target, creds)
+        else:
+            server.add_insecure_port(target)
+
+    def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
+        assert engine.limits is not None
+        return Limits(max_model_len=engine.limits.max_model_len,
+                      max_new_tokens=self.cfg.max_new_tokens,
+                      default_max_new_tokens=self.cfg.default_max_new_tokens,
+                      vocab_size=engine.limits.vocab_size,
+                      eos_token_ids=tuple(tok.eos_token_ids),
+                      include_stop_sequence=self.cfg.include_stop_sequence)
+
+    async def _become_ready(self, engine: EngineClient, tok: Tokenizer,
+                            servicer: GenerationServicer, health_servicer: object) -> None:
+        await engine.ready.wait()
+        servicer.limits = self._limits(engine, tok)
+        await self._warm_up(engine, tok)
+        await _set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s:%d", self.cfg.model, self.cfg.host, self.cfg.port)
+
+    async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
+        """One short greedy request through every process before readiness turns on."""
+        ids = tok.encode("warm up") or [0]
+        sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))
+        async for _ in engine.generate(ids, sampling, OutputOptions()):
+            pass
+
+    # ------------------------------------------------------------------ failures
+
+    async def _read_reports(self, reports: AsyncReceiver) -> None:
+        while True:
+            msg = await reports.get()
+            if isinstance(msg, WorkerHung):
+                await self._on_hung(msg)
+            elif isinstance(msg, ProcessFailed):
+                text = f"{msg.role} process (pid {msg.pid}) failed: {msg.error}"
+                if self._stopping or (self._failure is not None and self._failure.done()):
+                    log.warning("%s", text)  # a consequence of the first failure, most likely
+                elif msg.peer_died and self._loop is not None:
+                    # The dead peer's own exit names the cause; this report can outrun it.
+                    log.warning("%s", text)
+                    self._loop.call_later(CLEAN_EXIT_GRACE, self._fail, text)
+                else:
+                    self._fail(text)
+            else:
+                log.error("unexpected supervision message %s", type(msg).__name__)
+
+    async def _on_hung(self, msg: WorkerHung) -> None:
+        child = self.child(msg.role)
+        pid = child.proc.pid if child is not None else -1
+        log.error("%s (pid %d) looks hung: plan %d has not finished after %.1f s "
+                  "(--step-timeout %g s); its stacks follow", msg.role, pid, msg.plan_id,
+                  msg.seconds, self.cfg.step_timeout)
+        if child is not None and _dump_stacks(child):
+            await asyncio.sleep(STACK_DUMP_WAIT)
+        self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
+                   f"within the {self.cfg.step_timeout:g} s step timeout")
+
+    async def _fail_everything(self, engine: EngineClient, health_servicer: object,
+                               message: str) -> None:
+        self.exit_code = 1
+        await _set_health(health_servicer, SERVICE_NAME,
+                          health_pb2.HealthCheckResponse.NOT_SERVING)
+        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.error("%s; failing %d open requests and exiting", message, engine.num_in_flight)
+        engine.fail_all(f"{message}; the server is shutting down")
+        await _flush(engine)
+
+    async def _drain(self, engine: EngineClient, servicer: GenerationServicer,
+                     health_servicer: object) -> None:
+        await _set_health(health_servicer, SERVICE_NAME,
+                          health_pb2.HealthCheckResponse.NOT_SERVING)
+        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+        servicer.accepting = False
+        timeout = self.cfg.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        log.info("draining %d in-flight requests (up to %g s)", engine.num_in_flight, timeout)
+        assert self._failure is not None
+        while engine.num_in_flight and time.monotonic() < deadline:
+            if self._failure.done():  # a child died while we drained
+                await self._fail_everything(engine, health_servicer, self._failure.result())
+                return
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.warning("cancelling %d requests still running after the %g s shutdown timeout",
+                        engine.num_in_flight, timeout)
+            engine.fail_all(f"server shut down: the request did not finish within the "
+                            f"{timeout:g} s shutdown timeout")
+            await _flush(engine)
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("%s received: draining (send again to exit at once)",
+                     signal.Signals(sig).name)
+            self._stop.set()
+        else:
+            log.warning("second signal: exiting now")
+            self.cleanup(STOP_TIMEOUT_FAILED)
+            os._exit(128 + sig)
+
+
+def _dump_stacks(child: Child) -> bool:
+    """Ask a child for its stacks (faulthandler on SIGUSR1 writes them to the shared log)."""
+    if child.exited_at is not None:  # reaped: its pid may belong to someone else now
+        return False
+    try:
+        os.kill(child.proc.pid, signal.SIGUSR1)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def _flush(engine: EngineClient) -> None:
+    """Give failed streams the moment they need to send their status before gRPC stops."""
+    deadline = time.monotonic() + FLUSH_WAIT
+    while engine.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+
+
+async def _set_health(servicer: object, service: str, status: int) -> None:
+    result = servicer.set(service, status)  # type: ignore[attr-defined]
+    if asyncio.iscoroutine(result):
+        await result
+
+
+def serve(cfg: ServerConfig) -> int:
+    launcher = Launcher(cfg)
+    try:
+        return asyncio.run(launcher.serve())
+    finally:
+        launcher.cleanup()

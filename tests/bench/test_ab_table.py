@@ -1,0 +1,25 @@
+"""`bench ab`'s arms and table, without servers."""
+from __future__ import annotations
+
+from bench.ab import Arm, engine_arms, table
+
+
+def test_unpaced_arms_only_where_a_plan_has_several_steps() -> None:
+    assert [a.name for a in engine_arms("1,8", unpaced=False)] == [
+        "sync K=1", "async K=1", "sync K=8", "async K=8"]
+    arms = engine_arms("1,8", unpaced=True)
+    assert [a.name for a in arms] == [
+        "sync K=1", "async K=1", "sync K=8", "async K=8", "async unpaced K=8"]
+    assert arms[-1] == Arm(8, True, paced=False)
+
+
+def row(tpot: float, tput: float) -> dict[str, float]:
+    return {"mean_tpot_ms": tpot, "output_throughput": tput}
+
+
+def test_ratios_are_to_sync_k1_or_else_the_first_sync_arm() -> None:
+    text = table({"sync K=1": row(10.0, 100.0), "async K=8": row(5.0, 250.0)})
+    assert "TPOT vs sync K=1" in text and "| 0.50× | 2.50× |" in text
+    text = table({"sync K=8": row(8.0, 200.0), "async K=8": row(6.0, 300.0)})
+    assert "TPOT vs sync K=8" in text and "| 0.75× | 1.50× |" in text
+    assert "nan" not in table({"async K=8": row(6.0, 300.0)})

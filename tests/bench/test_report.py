@@ -1,0 +1,31 @@
+"""`tandem bench report` assembles BENCHMARKS.md from the sections it ran and the fragments
+earlier runs left, in a fixed order."""
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+def test_report_rewrites_one_section_and_keeps_the_others(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "soak.md").write_text("soak figures from an earlier run\n")
+    (tmp_path / "bench" / "machine.md").write_text("stale machine line\n")
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "report", "--docs",
+                           str(tmp_path), "--only", "machine"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "stale machine line" not in doc
+    assert "torch" in doc and "cores" in doc
+    assert doc.index("## Machine") < doc.index("## Soak") and "soak figures" in doc
+    assert "section 1/1: machine" in proc.stderr
+
+
+def test_report_rejects_an_unknown_section(tmp_path: pathlib.Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "report", "--docs",
+                           str(tmp_path), "--only", "nope"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "unknown section 'nope'" in proc.stderr

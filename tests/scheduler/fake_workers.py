@@ -1,0 +1,256 @@
+"""Fake gpu and postproc workers for the scheduler simulation (see `simulation.py`).
+
+The fake worker follows the gpu worker's rules exactly (persistent per-request state, K
+decode steps for every decoding request, its own finishes at EOS / max_new_tokens /
+max_model_len) and checks what it is told: no prefill past len - 1, no block it does not own,
+never fewer blocks than its next writes need, and the KV it reads is the KV that was written
+for exactly that prefix (every cache slot holds a hash chained over the tokens before it).
+"""
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from proto.messages import FinishReason, PlanProcessed, StepDone, StepPlan, StopHit
+from scheduler.core import SchedulerParams
+
+VOCAB = 50
+MOD = (1 << 61) - 1
+Row = tuple[int, int, int]  # request id, token id, finish reason
+
+
+def kv_value(prev: int, token: int) -> int:
+    return (prev * 1_000_003 + token + 1) % MOD
+
+
+def kv_values_of(tokens: list[int]) -> list[int]:
+    values, prev = [], 0
+    for token in tokens:
+        prev = kv_value(prev, token)
+        values.append(prev)
+    return values
+
+
+# ====================================================================== fake gpu worker
+
+
+@dataclass
+class WorkerRequest:
+    history: list[int]
+    kv_values: list[int]  # what a correct KV cache holds at each history position
+    prompt_len: int
+    max_new: int
+    table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    chunk: int = 0
+    finish: FinishReason = FinishReason.NOT_FINISHED
+
+    @property
+    def finished(self) -> bool:
+        return self.finish != FinishReason.NOT_FINISHED
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        return not self.finished and self.num_computed == len(self.history) - 1
+
+
+class FakeWorker:
+    def __init__(self, params: SchedulerParams, rng: random.Random, p_eos: float) -> None:
+        self.params = params
+        self.rng = rng
+        self.p_eos = p_eos
+        self.kv = np.full((params.num_blocks, params.block_size), -1, dtype=np.int64)
+        self.reqs: dict[int, WorkerRequest] = {}
+        self.finished_in: dict[int, int] = {}  # request id -> plan in which the worker ended it
+        self.count_drop_due: dict[int, int] = {}  # request id -> plan that must drop it
+        self.produced_total = 0
+
+    def run(self, plan: StepPlan) -> tuple[StepDone, list[list[Row]]]:
+        for rid, due in list(self.count_drop_due.items()):
+            if due == plan.plan_id:
+                assert rid in plan.drop, f"count-finished {rid} not dropped in plan {due}"
+                del self.count_drop_due[rid]
+        again = self._apply(plan)
+        self._check_before_forwards()
+        self._prefill()
+        steps, produced, finished = self._decode(plan)
+        for rid in again:
+            finished.setdefault(rid, self.reqs[rid].finish)
+        done = StepDone(
+            plan_id=plan.plan_id,
+            request_ids=np.array(list(produced), dtype=np.int64),
+            num_tokens=np.array(list(produced.values()), dtype=np.int32),
+            finished_ids=np.array(list(finished), dtype=np.int64),
+            finish_reasons=np.array([int(r) for r in finished.values()], dtype=np.uint8),
+            forward_time=0.0,
+            wall_time=0.0,
+        )
+        return done, steps
+
+    def _apply(self, plan: StepPlan) -> list[int]:
+        late = 0 if not self.params.async_mode else 1
+        for rid in plan.drop:
+            assert rid in self.reqs, f"plan {plan.plan_id} drops unknown request {rid}"
+            del self.reqs[rid]
+        for rid in plan.preempt:
+            req = self.reqs[rid]
+            req.table, req.num_computed, req.chunk = [], 0, 0
+        named: list[int] = []
+        for new in plan.new:
+            if new.resume:
+                req = self.reqs[new.request_id]
+                assert not req.table and new.sampling is None and len(new.prompt_ids) == 0
+            else:
+                assert new.request_id not in self.reqs, f"{new.request_id} added twice"
+                assert new.sampling is not None
+                prompt = [int(t) for t in new.prompt_ids]
+                req = WorkerRequest(prompt, kv_values_of(prompt), len(prompt),
+                                    new.sampling.max_new_tokens)
+                self.reqs[new.request_id] = req
+            req.table = list(new.block_ids)
+            req.num_computed = new.num_cached_tokens
+            req.chunk = new.num_prefill_tokens
+            named.append(new.request_id)
+        for cont in plan.cont:
+            req = self.reqs[cont.request_id]
+            req.table.extend(cont.new_block_ids)
+            req.chunk = cont.num_prefill_tokens
+            named.append(cont.request_id)
+        again = [rid for rid in named if self.reqs[rid].finished]
+        for rid in again:
+            assert plan.plan_id <= self.finished_in[rid] + late, (
+                f"request {rid} finished in plan {self.finished_in[rid]} is still named in "
+                f"plan {plan.plan_id}")
+        return again
+
+    def _check_before_forwards(self) -> None:
+        bs = self.params.block_size
+        holders: dict[int, list[tuple[WorkerRequest, int]]] = defaultdict(list)
+        live = [req for req in self.reqs.values() if not req.finished and req.table]
+        assert len(live) <= self.params.max_num_seqs, f"{len(live)} requests running"
+        num_batched = sum(req.chunk + (req.num_computed + req.chunk == len(req.history) - 1)
+                          for req in live)
+        assert num_batched <= self.params.max_num_batched_tokens, f"{num_batched} tokens batched"
+        for req in self.reqs.values():
+            if req.finished:
+                continue  # masked: writes nothing, and its blocks may already be reused
+            assert len(set(req.table)) == len(req.table), "a block twice in one table"
+            assert req.num_computed + req.chunk <= len(req.history) - 1 or req.chunk == 0, (
+                f"prefill past len - 1: computed {req.num_computed} + chunk {req.chunk}, "
+                f"history {len(req.history)}")
+            needed = self._positions_needed(req)
+            assert len(req.table) == -(-needed // bs), (
+                f"{len(req.table)} blocks for {needed} positions: the rule needs exactly "
+                f"{-(-needed // bs)}")
+            for index, block in enumerate(req.table):
+                assert 0 <= block < self.params.num_blocks
+                holders[block].append((req, index))
+            for pos in range(req.num_computed):
+                assert self.kv[req.table[pos // bs], pos % bs] == req.kv_values[pos], (
+                    f"stale KV at position {pos}")
+        for block, owners in holders.items():
+            if len(owners) > 1:  # only a fully computed shared prefix block may be shared
+                for req, index in owners:
+                    assert (index + 1) * bs <= req.num_computed, f"block {block} shared unsafely"
+
+    def _positions_needed(self, req: WorkerRequest) -> int:
+        after_prefill = req.num_computed + req.chunk
+        if after_prefill < len(req.history) - 1:
+            return after_prefill
+        return after_prefill + self._steps_left(req)
+
+    def _steps_left(self, req: WorkerRequest) -> int:
+        return min(self.params.num_steps, req.max_new - req.generated,
+                   self.params.max_model_len - len(req.history))
+
+    def _write(self, req: WorkerRequest, pos: int) -> None:
+        bs = self.params.block_size
+        assert pos // bs < len(req.table), f"write at {pos} outside {len(req.table)} blocks"
+        self.kv[req.table[pos // bs], pos % bs] = req.kv_values[pos]
+
+    def _prefill(self) -> None:
+        for req in self.reqs.values():
+            if not req.finished:
+                for pos in range(req.num_computed, req.num_computed + req.chunk):
+                    self._write(req, pos)
+                req.num_computed += req.chunk
+            req.chunk = 0
+
+    def _decode(self, plan: StepPlan) -> tuple[list[list[Row]], Counter[int], dict[int, int]]:
+        steps: list[list[Row]] = []
+        produced: Counter[int] = Counter()
+        finished: dict[int, int] = {}
+        for _ in range(plan.num_steps):
+            rows: list[Row] = []
+            for rid, req in self.reqs.items():
+                if not req.decoding:
+                    continue
+                self._write(req, req.num_computed)
+                token = self.rng.randrange(VOCAB)
+                req.history.append(token)
+                req.kv_values.append(kv_value(req.kv_values[-1], token))
+                req.num_computed += 1
+                produced[rid] += 1
+                self.produced_total += 1
+                req.finish = self._finish_reason(req)
+                if req.finished:
+                    finished[rid] = req.finish
+                    self.finished_in[rid] = plan.plan_id
+                    if req.finish != FinishReason.EOS_TOKEN:
+                        self.count_drop_due[rid] = plan.plan_id + 1
+                rows.append((rid, token, int(req.finish)))
+            steps.append(rows)
+        return steps, produced, finished
+
+    def _finish_reason(self, req: WorkerRequest) -> FinishReason:
+        if self.rng.random() < self.p_eos:
+            return FinishReason.EOS_TOKEN
+        if req.generated >= req.max_new:
+            return FinishReason.MAX_TOKENS
+        if len(req.history) >= self.params.max_model_len:
+            return FinishReason.TOKEN_LIMIT
+        return FinishReason.NOT_FINISHED
+
+
+# ====================================================================== fake postproc
+
+
+@dataclass
+class PostprocState:
+    has_stop: bool
+    generated: int = 0
+    done: bool = False
+
+
+class FakePostproc:
+    def __init__(self, index: int, rng: random.Random, p_stop: float) -> None:
+        self.index = index
+        self.rng = rng
+        self.p_stop = p_stop
+        self.states: dict[int, PostprocState] = {}
+
+    def process(self, plan_id: int, steps: list[list[Row]],
+                ended: dict[int, str]) -> list[StopHit | PlanProcessed]:
+        out: list[StopHit | PlanProcessed] = []
+        for rows in steps:
+            for rid, _token, finish in rows:
+                state = self.states.get(rid)
+                if state is None or state.done:
+                    continue  # not ours, forgotten, or past its stop string
+                state.generated += 1
+                if state.has_stop and self.rng.random() < self.p_stop:
+                    state.done = True
+                    out.append(StopHit(rid, state.generated))
+                    ended.setdefault(rid, "stop")
+                elif finish:
+                    state.done = True
+                    ended.setdefault(rid, "worker")
+        out.append(PlanProcessed(plan_id, self.index))
+        return out

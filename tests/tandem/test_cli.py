@@ -1,0 +1,68 @@
+"""The server flags: every one reaches ServerConfig, from the command line or TANDEM_<FLAG>."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tandem.cli import build_parser, config_from_args
+
+
+def serve_config(argv: list[str]):  # type: ignore[no-untyped-def]
+    return config_from_args(build_parser().parse_args(["serve", "--model", "/m", *argv]))
+
+
+def test_kernel_flags_default_on_and_turn_off() -> None:
+    d = serve_config([])
+    assert (d.enforce_eager, d.onednn, d.flash_attn) == (False, True, True)
+    c = serve_config(["--enforce-eager", "--no-onednn", "--no-flash-attn"])
+    assert (c.enforce_eager, c.onednn, c.flash_attn) == (True, False, False)
+
+
+@pytest.mark.parametrize("name, value, field, want", [
+    ("TANDEM_ONEDNN", "0", "onednn", False),
+    ("TANDEM_FLASH_ATTN", "false", "flash_attn", False),
+    ("TANDEM_ENFORCE_EAGER", "1", "enforce_eager", True),
+    ("TANDEM_NUM_SCHEDULER_STEPS", "4", "num_scheduler_steps", 4),
+    ("TANDEM_ASYNC_POSTPROC", "false", "async_postproc", False),
+])
+def test_environment_sets_flag_defaults(monkeypatch: pytest.MonkeyPatch, name: str, value: str,
+                                        field: str, want: object) -> None:
+    monkeypatch.setenv(name, value)
+    assert getattr(serve_config([]), field) == want
+
+
+def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_ONEDNN", "0")
+    assert serve_config(["--onednn"]).onednn is True
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be between 1 and 1024 (got 0)"),
+    (["--port", "70000"], "--port must be between 0 and 65535 (got 70000)"),
+    (["--plan-lead-ms", "-1"], "--plan-lead-ms must be >= 0 (got -1.0)"),
+    (["--num-postproc-workers", "0"], "--num-postproc-workers must be between 1 and 64"),
+    (["--max-new-tokens", "8"], "--default-max-new-tokens (20) must not exceed --max-new-tokens"),
+])
+def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
+        capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        serve_config(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_default_model_is_built_without_loading_torch_into_the_frontend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A first start builds the tiny model in a child process: torch and transformers stay
+    out of the frontend (hundreds of MB of resident memory for the server's lifetime)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tandem.cli import build_parser, config_from_args; "
+            "cfg = config_from_args(build_parser().parse_args(['serve'])); "
+            "print(cfg.model, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.split()
+    assert out == [str(tmp_path / "tiny-llama-default"), "False", "False"]
+    assert (tmp_path / "tiny-llama-default" / "model.safetensors").exists()
