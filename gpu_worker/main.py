@@ -20,6 +20,7 @@ from gpu_worker.torch_trace import TorchTrace
 from ipc import faults
 from ipc.channels import Receiver, Sender
 from ipc.peers import HEARTBEAT_INTERVAL, role_watch
+from ipc.process import StartupError
 from ipc.token_channel import TokenWriter
 from ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
 from proto.config import ServerConfig
@@ -36,16 +37,25 @@ log = logging.getLogger("tandem.gpu_worker")
 
 
 def build_runner(cfg: ServerConfig) -> ModelRunner:
+    """The model and its KV cache; a checkpoint or device we cannot serve is a StartupError."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise StartupError(f"--device cuda: no CUDA device is available (torch "
+                           f"{torch.__version__}, {build}); use --device cpu or auto")
     threads = cfg.torch_threads or len(cfg.worker_cpus)
     if threads:
         torch.set_num_threads(threads)
     log.info("torch threads: %d%s", torch.get_num_threads(),
              f", pinned to cores {list(cfg.worker_cpus)}" if cfg.worker_cpus else "")
-    return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                       block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                       kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
-                       max_num_seqs=cfg.max_num_seqs, cuda_graphs=not cfg.enforce_eager,
-                       onednn=cfg.onednn, flash_attn=cfg.flash_attn)
+    try:
+        return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
+                           block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
+                           kv_cache_memory=cfg.kv_cache_memory,
+                           max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                           cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
+                           flash_attn=cfg.flash_attn)
+    except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
+        raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
 
 
 def run_gpu_worker(cfg: ServerConfig) -> None:

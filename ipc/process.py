@@ -9,6 +9,9 @@ Failure contract, child side (DESIGN.md section 5):
 - A child dying of an exception tells the launcher why (`report_failure`), before the exits
   it causes in its peers (postproc workers leave when the gpu worker closes the ring) can
   be mistaken for the cause.
+- A start-up mistake (`StartupError`: a model folder that cannot be served, a port in use)
+  is the user's to fix, not a crash: it travels as one line, the traceback only to the log
+  at debug level, and the server exits with status 2.
 - SIGUSR1 dumps every thread's stack to stderr (the launcher's log), which the launcher
   asks for before it gives up on a hung worker.
 """
@@ -29,6 +32,16 @@ from proto.config import ServerConfig
 from proto.messages import ProcessFailed, WorkerHung
 
 log = logging.getLogger("tandem.process")
+
+
+
+class StartupError(Exception):
+    """The server cannot start as configured; the message names the flag and what it expects.
+
+    `tandem` prints it as `tandem: error: <message>` and exits with status 2, like argparse
+    does for a bad flag; a child that raises it reports it to the launcher, which does the same.
+    """
+
 
 _PR_SET_PDEATHSIG = 1
 # How long an orphan's SIGTERM path may take before the watcher thread exits hard; long
@@ -158,8 +171,11 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
         from ipc.shm_ring import RingReaderDied, RingWriterDied
         from proto import codec
 
-        msg = ProcessFailed(role, os.getpid(), f"{type(exc).__name__}: {exc}"[:300],
-                            peer_died=isinstance(exc, (RingReaderDied, RingWriterDied)))
+        startup = isinstance(exc, StartupError)
+        error = str(exc) if startup else f"{type(exc).__name__}: {exc}"[:300]
+        msg = ProcessFailed(role, os.getpid(), error,
+                            peer_died=isinstance(exc, (RingReaderDied, RingWriterDied)),
+                            startup=startup)
         # A private context: term() below returns once the message is out (or after the
         # linger), where the shared one would drop it at interpreter exit.
         ctx = zmq.Context()

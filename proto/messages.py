@@ -316,8 +316,11 @@ class ProcessFailed:
 
     role: str
     pid: int
-    error: str  # "ExceptionType: message", shortened
+    error: str  # "ExceptionType: message", shortened; a start-up mistake's message alone
     peer_died: bool = False  # the error says another process died: a consequence, not a cause
+    # A mistake in how the server was started (a model it cannot load, a device it lacks):
+    # the launcher prints the message as one line and exits 2 (`ipc.process.StartupError`).
+    startup: bool = False
 
 
 # ---------------------------------------------------------------- scheduler -> frontend (admin)

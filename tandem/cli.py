@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 
@@ -170,7 +171,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
-    from ipc.process import init_child, report_failure
+    from ipc.process import StartupError, init_child, report_failure
 
     if args.config_file:  # started by the launcher
         with open(args.config_file) as f:
@@ -201,6 +202,15 @@ def cmd_run_role(args: argparse.Namespace) -> int:
             run_postproc(cfg, args.index)
     except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
         return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    except StartupError as exc:  # the user's to fix: one line, the traceback only at debug
+        # The launcher stops every child now; its SIGTERM must not turn this quiet exit
+        # into a SystemExit traceback from whatever atexit hook is running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        logging.getLogger("tandem").debug("start-up failed", exc_info=True)
+        report_failure(role, cfg, exc)
+        if cfg.standalone:  # no launcher to print it
+            print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
     except Exception as exc:  # the launcher hears why before our peers' exits confuse it
         report_failure(role, cfg, exc)
         raise
@@ -319,7 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    return func(args)
+    from ipc.process import StartupError
+
+    try:
+        return func(args)
+    except StartupError as exc:  # like argparse's usage errors: one line, status 2
+        logging.getLogger("tandem").debug("start-up failed", exc_info=True)
+        print(f"tandem: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
@@ -38,7 +39,7 @@ from grpc_reflection.v1alpha import reflection
 from ipc import faults
 from ipc.channels import AsyncReceiver
 from ipc.peers import frontend_watch
-from ipc.process import pin, split_cpus
+from ipc.process import StartupError, pin, split_cpus
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
@@ -47,11 +48,14 @@ from rpc.engine_client import EngineClient
 from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.validation import Limits
+from tandem.preflight import check_model, check_ports, load_tokenizer
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
 
 GRPC_OPTIONS = [
+    # A port another server holds is an error, not a port shared with it.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
     # Long streams stay up: answer client keepalive pings, send our own every 60 s.
@@ -110,6 +114,7 @@ class Launcher:
         self._signals = 0
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
+        self.startup_error: str | None = None  # a child's start-up mistake, said in one line
 
     # ------------------------------------------------------------------ children
 
@@ -147,8 +152,12 @@ class Launcher:
     def _child_exited(self, child: Child) -> None:
         if self._stopping:
             return
-        log.warning("%s", child.describe_exit())
-        if child.proc.returncode == 0 and self._loop is not None:
+        # Status 2 is a start-up mistake, which the user sees in one line of its own.
+        log.log(logging.DEBUG if child.proc.returncode == 2 else logging.WARNING, "%s",
+                child.describe_exit())
+        # 0: a clean exit nobody asked for; 2: a start-up mistake, whose one-line report
+        # (ProcessFailed) may still be on its way.
+        if child.proc.returncode in (0, 2) and self._loop is not None:
             # A clean exit nobody asked for is usually a consequence: postproc workers leave
             # when the gpu worker closes the ring on its way out, and the worker takes a
             # moment longer to exit (its `ProcessFailed` usually arrives first anyway).
@@ -208,14 +217,18 @@ class Launcher:
     async def serve(self) -> int:
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
-        tok = Tokenizer.from_dir(self.cfg.model)
+        # Mistakes in the command line fail here, in one line, before any process starts.
+        check_model(self.cfg.model)
+        tok = load_tokenizer(self.cfg.model)
+        check_ports(self.cfg)
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._bind(server)
         engine = EngineClient(self.cfg)
         engine.start()
         reports: AsyncReceiver[object] | None = (
             AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
             if self.cfg.addresses.supervisor else None)
         self.start_children()
-        server = grpc.aio.server(options=GRPC_OPTIONS)
         health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
             health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -225,7 +238,6 @@ class Launcher:
         servicer = GenerationServicer(engine, tok)
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         add_admin_service(server, engine)
-        self._bind(server)
         await server.start()
         serve_metrics(self.cfg.metrics_port)
         await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
@@ -251,7 +263,9 @@ class Launcher:
                 self.exit_code = 1
                 await asyncio.wait({failed}, timeout=2.0)  # a dying child usually explains it
             starting.cancel()
-            if failed.done():
+            if self.startup_error is not None:  # the caller prints it; nothing was served
+                self.exit_code = 2
+            elif failed.done():
                 await self._fail_everything(engine, health_servicer, failed.result())
             elif stopping.done():
                 await self._drain(engine, servicer, health_servicer)
@@ -300,9 +314,14 @@ class Launcher:
                     ca = f.read()
             creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
                                                 require_client_auth=ca is not None)
-            server.add_secure_port(target, creds)
+            add_port = partial(server.add_secure_port, target, creds)
         else:
-            server.add_insecure_port(target)
+            add_port = partial(server.add_insecure_port, target)
+        try:
+            add_port()
+        except RuntimeError as exc:  # check_ports passed, so someone took it since
+            raise StartupError(f"--port {self.cfg.port}: cannot listen on {target} ({exc})"
+                               ) from None
 
     def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
         assert engine.limits is not None
@@ -337,7 +356,11 @@ class Launcher:
                 await self._on_hung(msg)
             elif isinstance(msg, ProcessFailed):
                 text = f"{msg.role} process (pid {msg.pid}) failed: {msg.error}"
-                if self._stopping or (self._failure is not None and self._failure.done()):
+                if msg.startup and self.startup_error is None:
+                    log.debug("%s", text)
+                    self.startup_error = msg.error
+                    self._fail(text)
+                elif self._stopping or (self._failure is not None and self._failure.done()):
                     log.warning("%s", text)  # a consequence of the first failure, most likely
                 elif msg.peer_died and self._loop is not None:
                     # The dead peer's own exit names the cause; this report can outrun it.
@@ -429,8 +452,12 @@ async def _set_health(servicer: object, service: str, status: int) -> None:
 
 
 def serve(cfg: ServerConfig) -> int:
+    """Serve until a signal or a failure; a start-up mistake raises StartupError."""
     launcher = Launcher(cfg)
     try:
-        return asyncio.run(launcher.serve())
+        code = asyncio.run(launcher.serve())
     finally:
         launcher.cleanup()
+    if launcher.startup_error is not None:
+        raise StartupError(launcher.startup_error)
+    return code

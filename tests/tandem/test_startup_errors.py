@@ -1,0 +1,80 @@
+"""Start-up mistakes a new user makes get one line and exit status 2, never a traceback."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from bench.soak import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+
+
+def serve(*flags: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tandem.cli", "serve", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *expected: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("tandem: error: ")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    for text in expected:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+def test_model_folder_that_does_not_exist(tmp_path: pathlib.Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc = serve("--model", str(missing), "--port", str(free_port()))
+    line = assert_one_line_error(proc, "--model", str(missing), "does not exist",
+                                 "config.json")
+    assert proc.stderr.strip() == line  # nothing started, so nothing else was said
+
+
+def test_folder_without_a_checkpoint(tmp_path: pathlib.Path) -> None:
+    proc = serve("--model", str(tmp_path), "--port", str(free_port()))
+    assert_one_line_error(proc, "--model", "no config.json")
+
+
+def test_unsupported_architecture(tmp_path: pathlib.Path, tiny_model_dir: pathlib.Path) -> None:
+    model = tmp_path / "gpt2-like"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(config))
+    proc = serve("--model", str(model), "--port", str(free_port()))
+    line = assert_one_line_error(proc, "unsupported architecture GPT2LMHeadModel",
+                                 "LlamaForCausalLM", "Qwen3ForCausalLM")
+    assert proc.stderr.strip() == line
+
+
+def test_port_in_use(tiny_model_dir: pathlib.Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = serve("--model", str(tiny_model_dir), "--port", str(port))
+    line = assert_one_line_error(proc, f"--port {port}", "in use")
+    assert proc.stderr.strip() == line
+
+
+@pytest.mark.slow
+def test_checkpoint_the_gpu_worker_cannot_load(tmp_path: pathlib.Path,
+                                               tiny_model_dir: pathlib.Path) -> None:
+    """Only loading finds a missing tensor: the gpu worker reports it in one line too."""
+    model = tmp_path / "truncated"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["num_hidden_layers"] += 1  # the checkpoint has no weights for the extra layer
+    (model / "config.json").write_text(json.dumps(config))
+    proc = serve("--model", str(model), "--port", str(free_port()), "--log-level", "WARNING")
+    assert_one_line_error(proc, "--model", "missing weight")
