@@ -25,6 +25,14 @@ class FinishReason(IntEnum):
     ERROR = 7
 
 
+class GuidedKind(IntEnum):
+    """How a request's output is constrained (guided decoding)."""
+
+    NONE = 0
+    TABLE = 1  # regex, choice, JSON schema, any JSON object: an automaton stepped on the device
+    GRAMMAR = 2  # a context-free grammar: matched on the gpu worker's host, a bitmask per step
+
+
 @dataclass
 class SamplingParams:
     """What the gpu worker needs to pick tokens and to know when a request is done."""
@@ -44,6 +52,10 @@ class SamplingParams:
     logprobs: bool = False  # chosen token's logprob and rank
     top_n: int = 0  # alternatives per token (<= 10)
     prompt_logprobs: bool = False  # logprob/rank/top-n of every prompt token (no prefix cache)
+    # Guided decoding: the constraint's kind and content id (GuidedTable.table_id or
+    # GuidedGrammar.grammar_id); the scheduler sends the table itself once per id.
+    guided_kind: GuidedKind = GuidedKind.NONE
+    guided_id: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +75,34 @@ class OutputOptions:
     top_n: int = 0
 
 
+# ---------------------------------------------------------------- guided decoding
+
+
+@dataclass
+class GuidedTable:
+    """A regular constraint (regex, choice, JSON schema, any JSON object) compiled to a token
+    automaton, which the gpu worker steps on the device (`guided/`, `gpu_worker/guided.py`).
+
+    States 0..S-1 are the automaton's; row S of `next_state` is DONE. Tokens that behave the
+    same in every state share a class. The EOS ids' class is allowed only in final states and
+    leads to DONE; DONE allows only EOS, so a row always has a legal token, and a final state
+    with no other continuation forces EOS.
+    """
+
+    table_id: str  # content hash of (constraint, tokenizer, vocab size, format version)
+    next_state: np.ndarray  # int32 [S + 1, C]: next state, -1 = class not allowed
+    token_class: np.ndarray  # int32 [V], V = the model's vocab size
+    initial_state: int = 0
+
+
+@dataclass
+class GuidedGrammar:
+    """A context-free grammar, matched with llguidance on the gpu worker's host."""
+
+    grammar_id: str  # content hash of (grammar, tokenizer, format version)
+    lark: str  # the grammar in llguidance's Lark dialect (GBNF converted by the frontend)
+
+
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
@@ -72,6 +112,9 @@ class AddRequest:
     prompt_ids: np.ndarray  # int32
     sampling: SamplingParams
     arrival_time: float  # time.monotonic() of the frontend when the RPC arrived
+    # The compiled constraint named by sampling.guided_id (every request carries its own, so
+    # the scheduler can always (re)send it to the gpu worker).
+    guided: GuidedTable | GuidedGrammar | None = None
 
 
 @dataclass
@@ -156,6 +199,10 @@ class StepPlan:
     drop: list[int] = field(default_factory=list)  # finished or aborted: forget everything
     preempt: list[int] = field(default_factory=list)  # free the KV, keep the token history
     publish_per_step: bool = True  # async mode; sync mode publishes after the last step
+    # Guided decoding: constraints the worker does not hold yet and that requests of this plan
+    # use (each sent once, not per request), and ids it may forget (no request uses them).
+    tables: list[GuidedTable | GuidedGrammar] = field(default_factory=list)
+    drop_tables: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- gpu worker -> postproc
@@ -431,4 +478,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     ProfileData,
     PostprocStats,
     PlanEnding,
+    GuidedTable,
+    GuidedGrammar,
 )
