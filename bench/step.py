@@ -39,6 +39,15 @@ import numpy as np
 from proto.messages import NewRequest, SamplingParams, StepPlan
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how both sides run: float32 on the CPU by default (the parity setting)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_format: str = "auto"  # "dummy": random weights of the config's shape (no checkpoint)
+
+
 @dataclass
 class Row:
     batch: int
@@ -63,15 +72,16 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> np.ndarray:
 class Ours:
     """One ModelRunner for every batch size; each run starts fresh requests."""
 
-    def __init__(self, model: str, max_batch: int, positions: int, k: int) -> None:
+    def __init__(self, model: str, max_batch: int, positions: int, k: int,
+                 where: Placement = Placement()) -> None:
         from gpu_worker.publisher import TokenPublisher
         from gpu_worker.runner import ModelRunner
 
         self.block = 16
         self.per_req = -(-positions // self.block)
-        self.runner = ModelRunner(model, device="cpu", dtype="float32", block_size=self.block,
-                                  num_kv_blocks=max_batch * self.per_req,
-                                  max_num_seqs=max_batch)
+        self.runner = ModelRunner(model, device=where.device, dtype=where.dtype,
+                                  block_size=self.block, num_kv_blocks=max_batch * self.per_req,
+                                  max_num_seqs=max_batch, load_format=where.load_format)
         self.publisher = TokenPublisher(lambda msg: None, self.runner.device)
         self.k = k
         self.plan_id = 0
@@ -105,12 +115,20 @@ class Ours:
 
 
 class HF:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, where: Placement = Placement()) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.generation.streamers import BaseStreamer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        dtype = getattr(torch, where.dtype)
+        self.device = torch.device(where.device)
+        if where.load_format == "dummy":  # random weights made on the device, like ours
+            with self.device:
+                self.model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(model), dtype=dtype).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+            self.model.to(self.device)
 
         class Stamps(BaseStreamer):
             def __init__(self) -> None:
@@ -128,7 +146,7 @@ class HF:
         """Milliseconds per step over each `window` consecutive steps after the first token."""
         import torch
 
-        ids = torch.from_numpy(prompts.astype(np.int64))
+        ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
         stamps = self._stamps()
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -140,9 +158,9 @@ class HF:
 
 
 def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
-            repeats: int, with_hf: bool) -> list[Row]:
-    ours = Ours(model, max(batches), prompt_len + steps + k, k)
-    hf = HF(model) if with_hf else None
+            repeats: int, with_hf: bool, where: Placement = Placement()) -> list[Row]:
+    ours = Ours(model, max(batches), prompt_len + steps + k, k, where)
+    hf = HF(model, where) if with_hf else None
     vocab = ours.runner.vocab_size
     rows = []
     try:
@@ -285,6 +303,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per side and batch size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the config's shape on both sides")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--trace", action="store_true",
                    help="measure span recording instead: tracer off vs on, and one span's cost")
@@ -312,7 +334,8 @@ def main(args: argparse.Namespace) -> int:
                                        args.num_scheduler_steps, args.repeats)
         else:
             rows = measure(model, batches, args.prompt_len, args.steps,
-                           args.num_scheduler_steps, args.repeats, not args.no_hf)
+                           args.num_scheduler_steps, args.repeats, not args.no_hf,
+                           Placement(args.device, args.dtype, args.load_format))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -325,6 +348,7 @@ def main(args: argparse.Namespace) -> int:
         figures = [dict(asdict(r), ratio=r.ratio) for r in rows]
     if args.json:
         report = {"model": args.model or f"tiny-{args.preset}", "threads": torch.get_num_threads(),
+                  "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
                   "prompt_len": args.prompt_len, "decode_steps": args.steps,
                   "num_scheduler_steps": args.num_scheduler_steps, "rows": figures}
         with open(args.json, "w") as f:

@@ -53,7 +53,7 @@ def build_runner(cfg: ServerConfig) -> ModelRunner:
                            kv_cache_memory=cfg.kv_cache_memory,
                            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                            cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                           flash_attn=cfg.flash_attn)
+                           flash_attn=cfg.flash_attn, load_format=cfg.load_format)
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
 

@@ -50,11 +50,12 @@ class ModelRunner:
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
-                 flash_attn: bool = True) -> None:
+                 flash_attn: bool = True, load_format: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
-        self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn)
+        self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn,
+                                load_format)
         cfg = self.model.config
         log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
                  cfg.architecture, self.dtype, self.device)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 
 import torch
 
@@ -33,8 +34,26 @@ def load_model_args(model_dir: str) -> ModelArgs:
     return ModelArgs.from_hf_config(read_json(cfg_path), gen)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """A random weight made on the device, seeded by its name (`--load-format dummy`).
+
+    For benchmarks of real model shapes without their checkpoints (vLLM's `dummy` format):
+    norms are ones and matrices N(0, 0.02), so activations stay in range and the decode
+    costs what the real model's does; the tokens it picks are meaningless.
+    """
+    if "norm" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(0.02)
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               onednn: bool = True, flash_attn: bool = True) -> CausalLM:
+               onednn: bool = True, flash_attn: bool = True,
+               load_format: str = "auto") -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
@@ -46,10 +65,26 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load format {load_format!r}; supported: {LOAD_FORMATS}")
     device = torch.device(device)
     args = load_model_args(model_dir)
     model = CausalLM(args)
     expected = model.expected_weights()
+    if load_format == "dummy":
+        model.load_weights(lambda name: dummy_weight(name, expected[name], dtype, device))
+    else:
+        _load_checkpoint(model, model_dir, expected, dtype, device)
+    if onednn:
+        model.pack_weights()
+    model.allow_flash = flash_attn
+    model.eval()
+    return model
+
+
+def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[int, ...]],
+                     dtype: torch.dtype, device: torch.device) -> None:
+    args = model.config
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
         missing = [n for n in expected if n not in present]
@@ -71,8 +106,3 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         if extra:
             log.warning("ignoring %d unexpected checkpoint tensors: %s", len(extra), extra[:8])
         model.load_weights(lambda name: ckpt.get(name, dtype))
-    if onednn:
-        model.pack_weights()
-    model.allow_flash = flash_attn
-    model.eval()
-    return model
