@@ -9,6 +9,7 @@ import torch
 
 from gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from gpu_worker.models.llama import CausalLM
+from gpu_worker.models.sharding import Shard, checkpoint_part, local_args
 from gpu_worker.weights import SafetensorsCheckpoint, read_json
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
@@ -34,7 +35,8 @@ def load_model_args(model_dir: str) -> ModelArgs:
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               onednn: bool = True, flash_attn: bool = True) -> CausalLM:
+               onednn: bool = True, flash_attn: bool = True,
+               shard: Shard | None = None) -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
@@ -43,13 +45,19 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
 
     Every expected tensor's presence and shape is checked before any data is read, so a
     broken checkpoint fails fast with a ValueError naming the tensor.
+
+    `shard`: tensor parallelism; the model holds (and reads from the files) only this rank's
+    part of each tensor (`gpu_worker.models.sharding`), and its `config` is the rank's shape.
+    The collectives that join the shards are installed by `gpu_worker.parallel`.
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
     device = torch.device(device)
     args = load_model_args(model_dir)
-    model = CausalLM(args)
-    expected = model.expected_weights()
+    shard = shard or Shard()
+    # The checkpoint has the whole model's shapes; this rank's modules have its own.
+    expected = CausalLM(args).expected_weights()
+    model = CausalLM(local_args(args, shard))
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
         missing = [n for n in expected if n not in present]
@@ -70,7 +78,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         )
         if extra:
             log.warning("ignoring %d unexpected checkpoint tensors: %s", len(extra), extra[:8])
-        model.load_weights(lambda name: ckpt.get(name, dtype))
+        def get(name: str) -> torch.Tensor:
+            part = checkpoint_part(name, args, shard)
+            if part.zeros:
+                return torch.zeros(expected[name], dtype=dtype, device=device)
+            return ckpt.get_part(name, dtype, part.dim, part.start, part.stop)
+
+        model.load_weights(get)
     if onednn:
         model.pack_weights()
     model.allow_flash = flash_attn
