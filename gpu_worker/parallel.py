@@ -103,6 +103,8 @@ class TensorParallel:
         return self.all_reduce(x.masked_fill(outside.unsqueeze(1), 0.0))
 
     def close(self) -> None:
+        """Leave the group (on any exit: gloo's threads abort the process at exit otherwise;
+        with NCCL and a dead peer this may block, and the launcher's SIGKILL ends it)."""
         if dist.is_initialized():
             dist.destroy_process_group()
 

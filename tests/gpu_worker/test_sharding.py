@@ -2,7 +2,6 @@
 do not, and N loaded shards put back together giving the whole model (no process group)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest

@@ -16,22 +16,14 @@ HF `generate()`:
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from bench.soak import free_port
 from tests.gpu_worker import tp_job
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import hf_greedy
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # name -> (arch, checkpoint kwargs)
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -57,21 +49,8 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def ranks(paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory
           ) -> list[dict[str, Any]]:
     """Run the two-rank job once; what each rank wrote."""
-    out = tmp_path_factory.mktemp("tp-out")
-    spec = json.dumps({"models": paths, "runner": paths[RUNNER_ARCH]})
-    addr = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_worker.tp_job", "--rank",
-                               str(r), "--addr", addr, "--spec", spec, "--out", str(out)],
-                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
-    errors = []
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        if p.returncode:
-            errors.append(err[-4000:])
-    assert not errors, "\n".join(errors)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return tp_job.launch({"models": paths, "runner": paths[RUNNER_ARCH]},
+                         tmp_path_factory.mktemp("tp-out"))
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +81,13 @@ def test_prefill_logits_equal_tp1(ranks: list[dict[str, Any]], reference: dict[s
     err2 = (tp2.double() - exact).abs().max().item()
     assert err2 <= 2 * err1 + 1e-6, (err1, err2)
     torch.testing.assert_close(ranks[1]["models"][name]["logits"], tp2, rtol=0, atol=0)
+    # One decode forward ran under the host-sync guard, its collectives included.
+    assert torch.isfinite(ranks[0]["models"][name]["guarded"]).all()
+
+
+def test_the_guard_is_live_in_a_rank(ranks: list[dict[str, Any]]) -> None:
+    """What the guard let through above, it lets through with its eyes open."""
+    assert ranks[0]["guard_sees_host_reads"] and ranks[1]["guard_sees_host_reads"]
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
