@@ -27,7 +27,6 @@ from gpu_worker.torch_trace import TorchTrace
 from ipc import faults
 from ipc.fanout import subscribe
 from ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
-from ipc.process import PeerDied
 from proto.config import ServerConfig, plans_address
 from proto.messages import Heartbeat, ProfileControl, PromptDetail, Shutdown, StepPlan
 
@@ -79,9 +78,9 @@ class _Silence:
             return
         now = time.monotonic()
         if self.last is None and now - self.started > START_GRACE:
-            raise PeerDied(f"gpu worker rank 0 sent nothing in {START_GRACE:.0f} s")
+            raise parallel.RankLost(f"gpu worker rank 0 sent nothing in {START_GRACE:.0f} s")
         if self.last is not None and now - self.last > PEER_TIMEOUT:
-            raise PeerDied(f"gpu worker rank 0 stopped sending heartbeats "
+            raise parallel.RankLost(f"gpu worker rank 0 stopped sending heartbeats "
                            f"({now - self.last:.1f} s ago)")
 
 

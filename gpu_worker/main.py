@@ -134,6 +134,10 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
                 on_profile_control(msg, to_frontend, torch_trace)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
+    except SystemExit:  # SIGTERM: the other ranks stop too (ranks on other hosts exit 0)
+        if ranks is not None:
+            ranks.forward(Shutdown("gpu worker rank 0 stopped"))
+        raise
     finally:
         if ranks is not None:
             ranks.close()

@@ -46,6 +46,15 @@ _TIMEOUT_MARGIN_S = 30.0
 _NO_STEP_TIMEOUT_S = 1800.0
 
 
+# What gloo says when the peer's socket closed or went silent (NCCL raises DistError).
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+class RankLost(RuntimeError):
+    """A rank on another host died or went silent.  No launcher here watches that process,
+    so this error is the cause to report (not a consequence, as `PeerDied` is)."""
+
+
 @dataclass
 class TensorParallel:
     """This process's rank in the group and the collectives the sharded model calls."""
@@ -53,6 +62,7 @@ class TensorParallel:
     shard: Shard
     local_rank: int
     device: torch.device
+    multi_node: bool = False  # some ranks run on other hosts (not the launcher's children)
 
     @property
     def rank(self) -> int:
@@ -67,7 +77,7 @@ class TensorParallel:
         try:
             dist.all_reduce(t)
         except RuntimeError as exc:
-            raise _classify("all-reduce", exc) from exc
+            raise self._classify("all-reduce", exc) from exc
         return t
 
     def gather_vocab(self, t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +87,7 @@ class TensorParallel:
         try:
             dist.all_gather_single(out, t.contiguous())  # rank-major: [N * T, V/N]
         except RuntimeError as exc:
-            raise _classify("all-gather", exc) from exc
+            raise self._classify("all-gather", exc) from exc
         return out.view(self.size, rows, -1).permute(1, 0, 2).reshape(rows, -1)
 
     def min_int(self, value: int) -> int:
@@ -102,24 +112,22 @@ class TensorParallel:
         x = F.embedding(local.clamp(0, hi - lo - 1), model.embed_tokens)
         return self.all_reduce(x.masked_fill(outside.unsqueeze(1), 0.0))
 
+    def _classify(self, op: str, exc: RuntimeError) -> RuntimeError:
+        """A collective's error: a peer rank died or stopped answering (PeerDied on one
+        host, where the launcher sees the peer's own exit; RankLost across hosts), else
+        the error itself (a bug of ours)."""
+        if not (isinstance(exc, dist.DistError)
+                or any(w in str(exc).lower() for w in _PEER_GONE)):
+            return exc
+        kind = RankLost if self.multi_node else PeerDied
+        return kind(f"tensor-parallel {op} failed (a peer rank died or stopped answering): "
+                    f"{exc}")
+
     def close(self) -> None:
         """Leave the group (on any exit: gloo's threads abort the process at exit otherwise;
         with NCCL and a dead peer this may block, and the launcher's SIGKILL ends it)."""
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-# What gloo says when the peer's socket closed or went silent (NCCL raises DistError).
-_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout")
-
-
-def _classify(op: str, exc: RuntimeError) -> RuntimeError:
-    """A collective's error: PeerDied when a peer rank died or stopped answering (reported
-    as a consequence), else the error itself (a bug of ours)."""
-    if isinstance(exc, dist.DistError) or any(w in str(exc).lower() for w in _PEER_GONE):
-        return PeerDied(f"tensor-parallel {op} failed (a peer rank died or stopped "
-                        f"answering): {exc}")
-    return exc
 
 
 def collective_timeout(cfg: ServerConfig) -> datetime.timedelta:
@@ -149,7 +157,7 @@ def start(cfg: ServerConfig, rank: int) -> TensorParallel:
                             device_id=device if cuda else None)
     log.info("rank %d of %d joined the %s group at %s:%d in %.2f s", rank, size, backend,
              host, port, time.monotonic() - t0)
-    return TensorParallel(Shard(rank, size), local, device)
+    return TensorParallel(Shard(rank, size), local, device, multi_node=cfg.nnodes > 1)
 
 
 class Leader:
@@ -159,6 +167,7 @@ class Leader:
 
     def __init__(self, cfg: ServerConfig) -> None:
         self.fanout = Fanout(plans_address(cfg), cfg.tensor_parallel_size - 1)
+        self._remote = cfg.nnodes > 1
         self._beat = Heartbeat(cfg.worker_role(0), 0)
         self._sent = time.monotonic()
 
@@ -175,6 +184,9 @@ class Leader:
         if time.monotonic() - self._sent >= HEARTBEAT_INTERVAL:
             self.forward(self._beat)
         if self.fanout.lost():
+            if self._remote:
+                raise RankLost("a gpu worker rank on another host disconnected from the plan "
+                               "channel (it died, or its host is unreachable)")
             raise PeerDied("a tensor-parallel rank disconnected from the plan channel "
                            "(it died)")
 

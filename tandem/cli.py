@@ -140,7 +140,8 @@ def role_config(args: argparse.Namespace) -> ServerConfig:
                          f"{', '.join('--' + m.replace('_', '-') for m in missing)} "
                          f"(or TANDEM_{missing[0].upper()})")
     postproc = tuple(a for a in args.postproc_addrs.split(",") if a)
-    supervisor = args.supervisor_addr or _port_offset(args.frontend_addr, -1)
+    supervisor = args.supervisor_addr or (
+        _port_offset(args.frontend_addr, -1) if args.frontend_addr else "")
     addr = Addresses(scheduler_inbox=args.scheduler_addr, frontend_inbox=args.frontend_addr,
                      worker_inbox=args.worker_addr, postproc_inboxes=postproc,
                      token_pub="", supervisor=supervisor)

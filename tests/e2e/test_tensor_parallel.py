@@ -7,7 +7,9 @@ would leave the gpu workers.
 * K=8 async: concurrent greedy streams equal HF `generate()`; seeded sampled streams equal a
   TP=1 server's, with greedy ones in the same batches;
 * K=1 sync: greedy streams equal HF;
-* killing either rank mid-stream, or a rank hanging, meets the failure contract.
+* killing either rank mid-stream, or a rank hanging, meets the failure contract;
+* two "hosts" on this one: rank 1 started on its own (`run-role gpu-worker --node-rank 1`),
+  its plans over TCP; it stops with the server, and the server fails when it dies.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rpc.client import GenerateOptions
-from tests.e2e.server import Server, running
+from tests.e2e.server import ROOT, Server, free_port, running
 from tests.e2e.test_failures import (
     EXIT_WITHIN,
     FAULT_PLAN,
@@ -138,4 +142,46 @@ def test_a_hung_rank_is_dumped_and_the_set_is_stopped(tiny_model_dir: pathlib.Pa
             log[-3000:]
     finally:
         server.stop(signal.SIGKILL)
+    assert_clean(server)
+
+
+def start_node(model: str, addr: str) -> subprocess.Popen[str]:
+    """The second host's rank, as an operator starts it there."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tandem.cli", "run-role", "gpu-worker", "--model", model,
+         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
+         "--dist-init-addr", addr, "--reserved-cpus", "0", "--torch-threads", "1",
+         "--log-level", "WARNING"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("ending", ["server stops", "remote rank dies"])
+def test_a_rank_on_another_host(tiny_model_dir: pathlib.Path, hf_outputs: dict[str, str],
+                                ending: str) -> None:
+    addr = f"127.0.0.1:{free_port()}"
+    node = start_node(str(tiny_model_dir), addr)
+    server = Server(str(tiny_model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
+                    "--node-rank", "0", "--dist-init-addr", addr, "--reserved-cpus", "0",
+                    "--torch-threads", "1").wait_ready()
+    try:
+        assert "gpu-worker 0/2" in server.role_pids()
+        assert "gpu-worker 1/2" not in server.role_pids()  # not the launcher's child
+        text, n = PROMPTS[0]
+        assert stream_text(server, text, n) == (hf_outputs[text], n)
+        if ending == "server stops":
+            assert server.stop() == 0
+            assert node.wait(10) == 0, node.stderr.read() if node.stderr else ""
+        else:
+            node.kill()
+            died = time.time()
+            rc, exited = wait_exit(server)
+            assert rc != 0 and exited - died < EXIT_WITHIN
+            # Rank 0 saw the plan channel close (the rank was idle, in no collective).
+            assert re.search(r"gpu-worker 0/2 process .* failed: RankLost: a gpu worker rank "
+                             r"on another host disconnected", server.log())
+    finally:
+        server.stop(signal.SIGKILL)
+        if node.poll() is None:
+            node.kill()
+        node.wait()
     assert_clean(server)
