@@ -80,8 +80,9 @@ def test_greedy_equals_hf_and_seeded_sampling_equals_tp1(
     greedy, drawn = mixed_load(tp2)
     for (text, _), got in zip(PROMPTS, greedy, strict=True):
         assert got == hf_outputs[text], text
-    single = Server(str(tiny_model_dir), "--reserved-cpus", "0").wait_ready()  # TP=1
+    single = Server(str(tiny_model_dir), "--reserved-cpus", "0")  # TP=1
     try:
+        single.wait_ready()
         _, reference = mixed_load(single)
     finally:
         assert single.stop() == 0
@@ -92,8 +93,9 @@ def test_greedy_equals_hf_and_seeded_sampling_equals_tp1(
 def test_sync_k1_greedy_equals_hf(tiny_model_dir: pathlib.Path,
                                   hf_outputs: dict[str, str]) -> None:
     server = Server(str(tiny_model_dir), *TP, "--num-scheduler-steps", "1",
-                    "--no-async-postproc").wait_ready()
+                    "--no-async-postproc")
     try:
+        server.wait_ready()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: stream_text(server, *p), PROMPTS))
         for (text, n), (got, count) in zip(PROMPTS, results, strict=True):
@@ -106,8 +108,9 @@ def test_sync_k1_greedy_equals_hf(tiny_model_dir: pathlib.Path,
 @pytest.mark.parametrize("role", ["gpu-worker 1/2", "gpu-worker 0/2"])
 def test_killing_a_rank_fails_streams_and_the_server_exits(tiny_model_dir: pathlib.Path,
                                                            role: str) -> None:
-    server = Server(str(tiny_model_dir), *TP, "--num-scheduler-steps", "2").wait_ready()
+    server = Server(str(tiny_model_dir), *TP, "--num-scheduler-steps", "2")
     try:
+        server.wait_ready()
         pid = server.role_pids()[role]
         streams = open_streams(server)
         died = time.time()
@@ -127,8 +130,9 @@ def test_a_hung_rank_is_dumped_and_the_set_is_stopped(tiny_model_dir: pathlib.Pa
     step_timeout = 3.0
     server = Server(str(tiny_model_dir), *TP, "--num-scheduler-steps", "2", "--step-timeout",
                     str(step_timeout),
-                    env={"TANDEM_FAULT": f"gpu-worker 1/2:plan={FAULT_PLAN}:hang"}).wait_ready()
+                    env={"TANDEM_FAULT": f"gpu-worker 1/2:plan={FAULT_PLAN}:hang"})
     try:
+        server.wait_ready()
         streams = open_streams(server)
         rc, exited = wait_exit(server)
         log = server.log()
@@ -162,8 +166,9 @@ def test_a_rank_on_another_host(tiny_model_dir: pathlib.Path, hf_outputs: dict[s
     node = start_node(str(tiny_model_dir), addr)
     server = Server(str(tiny_model_dir), "--tensor-parallel-size", "2", "--nnodes", "2",
                     "--node-rank", "0", "--dist-init-addr", addr, "--reserved-cpus", "0",
-                    "--torch-threads", "1").wait_ready()
+                    "--torch-threads", "1")
     try:
+        server.wait_ready()
         assert "gpu-worker 0/2" in server.role_pids()
         assert "gpu-worker 1/2" not in server.role_pids()  # not the launcher's child
         text, n = PROMPTS[0]
