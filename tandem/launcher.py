@@ -224,6 +224,10 @@ class Launcher:
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
         # Mistakes in the command line fail here, in one line, before any process starts.
+        if self.cfg.node_rank > 0:
+            raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
+                               f"on node 0; start this host's ranks with `tandem run-role "
+                               f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
         check_model(self.cfg.model, self.cfg.tensor_parallel_size)
         tok = load_tokenizer(self.cfg.model)
         check_ports(self.cfg)

@@ -97,6 +97,8 @@ def test_shape_that_does_not_split_over_the_ranks(tiny_model_dir: pathlib.Path) 
     (["--tensor-parallel-size", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
     (["--tensor-parallel-size", "2", "--dist-init-addr", "nohostport"],
      "--dist-init-addr must be HOST:PORT"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+      "h:1"], "start this host's ranks with `tandem run-role gpu-worker --node-rank 1"),
 ])
 def test_parallel_flags_out_of_range(tiny_model_dir: pathlib.Path, flags: list[str],
                                      expected: str) -> None:
