@@ -8,7 +8,8 @@ PACKAGES := proto ipc tokenization rpc scheduler gpu_worker postproc_worker tand
 .PHONY: bootstrap serve test lint proto compose-check clean benchmarks
 
 # Each entry is one compose invocation; ':' joins overlay files.
-COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml
+COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml \
+	docker/docker-compose.yml:docker/docker-compose.tp.yml
 
 bootstrap: $(STAMP)
 

@@ -22,6 +22,11 @@ times one span alone, off and on; spans per step times the cost of one, over the
 is the share a run under `tandem profile` (on) or without it (off) pays.  The direct
 traced/untraced ratio is printed too, but on a shared machine its noise is larger than the
 effect.
+
+`--tensor-parallel-size N` measures what tensor parallelism costs a step instead: one rank
+with T threads next to N ranks (this process and N-1 gpu worker processes, joined by gloo)
+with T / N threads each, alternating, on the same cores and the production path (plan
+fan-out and collectives included).
 """
 from __future__ import annotations
 
@@ -32,11 +37,14 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from proto.messages import NewRequest, SamplingParams, StepPlan
+
+if TYPE_CHECKING:
+    from bench.tp_ranks import RankGroup
 
 
 @dataclass(frozen=True)
@@ -70,18 +78,31 @@ def _prompts(batch: int, prompt_len: int, vocab: int) -> np.ndarray:
 
 
 class Ours:
-    """One ModelRunner for every batch size; each run starts fresh requests."""
+    """One ModelRunner for every batch size; each run starts fresh requests.
 
-    def __init__(self, model: str, max_batch: int, positions: int, k: int,
-                 where: Placement = Placement()) -> None:
+    With `tp` > 1 this process is rank 0 of a tensor-parallel group whose other ranks are
+    gpu worker processes (`bench.tp_ranks`), each with `threads` torch threads."""
+
+    def __init__(self, model: str, max_batch: int, positions: int, k: int, tp: int = 1,
+                 threads: int = 0, where: Placement = Placement()) -> None:
         from gpu_worker.publisher import TokenPublisher
         from gpu_worker.runner import ModelRunner
 
         self.block = 16
         self.per_req = -(-positions // self.block)
-        self.runner = ModelRunner(model, device=where.device, dtype=where.dtype,
-                                  block_size=self.block, num_kv_blocks=max_batch * self.per_req,
-                                  max_num_seqs=max_batch, load_format=where.load_format)
+        sizes: dict[str, Any] = dict(block_size=self.block,
+                                     num_kv_blocks=max_batch * self.per_req,
+                                     max_num_seqs=max_batch)
+        self.group: RankGroup | None = None
+        self.threads = threads
+        if tp > 1:
+            from bench.tp_ranks import RankGroup
+
+            self.group = RankGroup(model, tp, threads, **sizes)
+            self.runner = self.group.runner
+        else:
+            self.runner = ModelRunner(model, device=where.device, dtype=where.dtype,
+                                      load_format=where.load_format, **sizes)
         self.publisher = TokenPublisher(lambda msg: None, self.runner.device)
         self.k = k
         self.plan_id = 0
@@ -89,11 +110,18 @@ class Ours:
         self.next_id = 0
 
     def _execute(self, plan_steps: int, **deltas: Any) -> None:
-        self.runner.execute(StepPlan(self.plan_id, plan_steps, **deltas), self.publisher)
+        plan = StepPlan(self.plan_id, plan_steps, **deltas)
+        if self.group is not None:
+            self.group.forward(plan)
+        self.runner.execute(plan, self.publisher)
         self.plan_id += 1
 
     def samples(self, prompts: np.ndarray, steps: int) -> list[float]:
         """Milliseconds per step of each timed plan."""
+        import torch
+
+        if self.threads:  # arms of one run may use different thread counts in this process
+            torch.set_num_threads(self.threads)
         new = []
         for i, p in enumerate(prompts):
             blocks = list(range(i * self.per_req, (i + 1) * self.per_req))
@@ -112,6 +140,8 @@ class Ours:
 
     def close(self) -> None:
         self.publisher.close()
+        if self.group is not None:
+            self.group.close()
 
 
 class HF:
@@ -159,7 +189,7 @@ class HF:
 
 def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
             repeats: int, with_hf: bool, where: Placement = Placement()) -> list[Row]:
-    ours = Ours(model, max(batches), prompt_len + steps + k, k, where)
+    ours = Ours(model, max(batches), prompt_len + steps + k, k, where=where)
     hf = HF(model, where) if with_hf else None
     vocab = ours.runner.vocab_size
     rows = []
@@ -185,6 +215,56 @@ def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
     finally:
         ours.close()
     return rows
+
+
+@dataclass
+class TPRow:
+    batch: int
+    tp1_ms: float  # median ms/step, one rank
+    tp_ms: float  # median ms/step, `tp` ranks
+    tp: int
+
+    @property
+    def ratio(self) -> float:
+        return self.tp_ms / self.tp1_ms
+
+
+def measure_tp(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
+               repeats: int, tp: int, threads: int) -> list[TPRow]:
+    """ms/step with one rank (`threads` torch threads) next to `tp` ranks sharing the same
+    cores (threads / tp each), the two alternating run by run."""
+    per_rank = max(1, threads // tp)
+    one = Ours(model, max(batches), prompt_len + steps + k, k, threads=threads)
+    group = Ours(model, max(batches), prompt_len + steps + k, k, tp=tp, threads=per_rank)
+    rows = []
+    try:
+        for b in batches:
+            prompts = _prompts(b, prompt_len, one.runner.vocab_size)
+            one.samples(prompts, k)  # warm-up
+            group.samples(prompts, k)
+            samples: dict[int, list[float]] = {1: [], tp: []}
+            for r in range(repeats):
+                for arm in ((one, group) if r % 2 == 0 else (group, one)):
+                    samples[1 if arm is one else tp] += arm.samples(prompts, steps)
+                _progress(f"batch {b}: run {r + 1}/{repeats}")
+            row = TPRow(b, float(np.median(samples[1])), float(np.median(samples[tp])), tp)
+            rows.append(row)
+            _progress(f"batch {b}: TP=1 {row.tp1_ms:.2f} ms/step, TP={tp} {row.tp_ms:.2f}, "
+                      f"ratio {row.ratio:.2f}")
+    finally:
+        one.close()
+        group.close()
+    return rows
+
+
+def format_tp_table(rows: list[TPRow], threads: int) -> str:
+    tp = rows[0].tp if rows else 2
+    lines = [f"| batch | TP=1 ms/step ({threads} threads) | TP={tp} ms/step "
+             f"({max(1, threads // tp)} thread(s) per rank) | TP={tp} / TP=1 |",
+             "|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.batch} | {r.tp1_ms:.2f} | {r.tp_ms:.2f} | {r.ratio:.2f} |")
+    return "\n".join(lines)
 
 
 @dataclass
@@ -310,6 +390,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--trace", action="store_true",
                    help="measure span recording instead: tracer off vs on, and one span's cost")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: ms/step of N tensor-parallel ranks (gloo, real gpu worker "
+                        "processes) next to one rank, on the same cores")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -332,6 +415,11 @@ def main(args: argparse.Namespace) -> int:
         if args.trace:
             trace_rows = measure_trace(model, batches, args.prompt_len, args.steps,
                                        args.num_scheduler_steps, args.repeats)
+        elif args.tensor_parallel_size > 1:
+            threads = args.threads or torch.get_num_threads()
+            tp_rows = measure_tp(model, batches, args.prompt_len, args.steps,
+                                 args.num_scheduler_steps, args.repeats,
+                                 args.tensor_parallel_size, threads)
         else:
             rows = measure(model, batches, args.prompt_len, args.steps,
                            args.num_scheduler_steps, args.repeats, not args.no_hf,
@@ -343,6 +431,9 @@ def main(args: argparse.Namespace) -> int:
         print(format_trace_table(trace_rows))
         figures = [dict(asdict(r), ratio=r.ratio, off_pct=r.off_pct, on_pct=r.on_pct)
                    for r in trace_rows]
+    elif args.tensor_parallel_size > 1:
+        print(format_tp_table(tp_rows, threads))
+        figures = [dict(asdict(r), ratio=r.ratio) for r in tp_rows]
     else:
         print(format_table(rows))
         figures = [dict(asdict(r), ratio=r.ratio) for r in rows]

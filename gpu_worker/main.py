@@ -4,6 +4,10 @@ Receive a `StepPlan` → apply its deltas → prefill → K decode steps, each s
 published to the postproc workers while the next computes → `StepDone` to the scheduler.
 In async mode it says `PlanEnding` about `--plan-lead-ms` before a plan ends, so the next
 plan is queued by then: it never waits for postprocessing or for the scheduler.
+
+Under tensor parallelism this is rank 0, which also forwards every plan, profile control
+and shutdown to the other ranks (`gpu_worker.parallel.Leader`); they run
+`gpu_worker.follower`.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import logging
 import os
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,7 +25,7 @@ from gpu_worker.torch_trace import TorchTrace
 from ipc import faults
 from ipc.channels import Receiver, Sender
 from ipc.peers import HEARTBEAT_INTERVAL, role_watch
-from ipc.process import StartupError
+from ipc.process import StartupError, worker_threads
 from ipc.token_channel import TokenWriter
 from ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
 from proto.config import ServerConfig
@@ -33,38 +38,57 @@ from proto.messages import (
     WorkerReady,
 )
 
+if TYPE_CHECKING:
+    from gpu_worker.parallel import Leader, TensorParallel
+
 log = logging.getLogger("tandem.gpu_worker")
 
 
-def build_runner(cfg: ServerConfig) -> ModelRunner:
+def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRunner:
     """The model and its KV cache; a checkpoint or device we cannot serve is a StartupError."""
     if cfg.device == "cuda" and not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
         raise StartupError(f"--device cuda: no CUDA device is available (torch "
                            f"{torch.__version__}, {build}); use --device cpu or auto")
-    threads = cfg.torch_threads or len(cfg.worker_cpus)
+    threads = worker_threads(cfg, tp.local_rank if tp else 0)
     if threads:
         torch.set_num_threads(threads)
+    pinned = list(os.sched_getaffinity(0)) if cfg.worker_cpus else []
     log.info("torch threads: %d%s", torch.get_num_threads(),
-             f", pinned to cores {list(cfg.worker_cpus)}" if cfg.worker_cpus else "")
+             f", pinned to cores {pinned}" if pinned else "")
     try:
         return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
                            block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
                            kv_cache_memory=cfg.kv_cache_memory,
                            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                            cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                           flash_attn=cfg.flash_attn, load_format=cfg.load_format)
+                           flash_attn=cfg.flash_attn, tp=tp,
+                           load_format=cfg.load_format)
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
 
 
-def run_gpu_worker(cfg: ServerConfig) -> None:
+def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
+    if rank > 0:  # a tensor-parallel rank: rank 0 hands it the plans
+        from gpu_worker.follower import run_follower
+
+        run_follower(cfg, rank)
+        return
     addr = cfg.addresses
     inbox: Receiver = Receiver(addr.worker_inbox, bind=True)
     to_scheduler: Sender = Sender(addr.scheduler_inbox)
     tokens = TokenWriter(addr)
+    tp: TensorParallel | None = None
+    ranks: Leader | None = None
     try:
-        runner = build_runner(cfg)
+        if cfg.tensor_parallel_size > 1:
+            from gpu_worker import parallel
+
+            ranks = parallel.Leader(cfg)  # bound first: the others subscribe as they start
+            tp = parallel.start(cfg, 0)
+        runner = build_runner(cfg, tp)
+        if ranks is not None:
+            ranks.wait_followers()
         tokens.wait_ready()
         publisher = TokenPublisher(tokens.put, runner.device)
         to_scheduler.put(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
@@ -77,33 +101,49 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         idle_since = time.monotonic_ns()
         paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when a plan ends
         while True:
-            if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
             msg = inbox.get(timeout=HEARTBEAT_INTERVAL if peers else 1.0)
             if msg is None:
+                # Checked when idle, so heartbeats queued behind a long plan count first.
+                if peers is not None:
+                    peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                if ranks is not None:
+                    ranks.idle()
                 continue
             if isinstance(msg, Heartbeat):
                 if peers is not None:
                     peers.seen(msg)
                 continue
+            if ranks is not None and isinstance(msg, (Shutdown, StepPlan, ProfileControl)):
+                ranks.forward(msg)  # before running it: the ranks run each plan together
             if isinstance(msg, Shutdown):
                 log.info("shutting down: %s", msg.reason)
                 return
             if isinstance(msg, StepPlan):
-                faults.maybe_fire("gpu-worker", msg.plan_id)  # tests only; no-op otherwise
+                faults.maybe_fire(cfg.worker_role(0), msg.plan_id)  # tests only; else no-op
                 started = time.monotonic_ns()
                 TRACER.record("idle", idle_since, started, msg.plan_id)
                 ending = partial(to_scheduler.put, PlanEnding(msg.plan_id)) if paced else None
                 done = runner.execute(msg, publisher, ending, cfg.plan_lead_ms / 1000)
                 done.idle_time = (started - idle_since) / 1e9
                 to_scheduler.put(done)
+                recording = TRACER.enabled
                 on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here
+                if ranks is not None and recording and not TRACER.enabled:
+                    ranks.forward(ProfileControl(start=False))  # their torch traces end too
                 idle_since = time.monotonic_ns()
             elif isinstance(msg, ProfileControl):
                 on_profile_control(msg, to_frontend, torch_trace)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
+    except SystemExit:  # SIGTERM: the other ranks stop too (ranks on other hosts exit 0)
+        if ranks is not None:
+            ranks.forward(Shutdown("gpu worker rank 0 stopped"))
+        raise
     finally:
+        if ranks is not None:
+            ranks.close()
+        if tp is not None:
+            tp.close()
         tokens.close()
         inbox.close()
         to_scheduler.close()

@@ -27,6 +27,7 @@ from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, Ste
 
 if TYPE_CHECKING:
     from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
+    from gpu_worker.parallel import TensorParallel
     from gpu_worker.publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,17 @@ class ModelRunner:
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
-                 flash_attn: bool = True, load_format: str = "auto") -> None:
-        self.device = resolve_device(device)
+                 flash_attn: bool = True, tp: TensorParallel | None = None,
+                 load_format: str = "auto") -> None:
+        self.device = tp.device if tp is not None else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
+        # Under tensor parallelism (`tp`), this rank's shard, joined to the others' shards.
         self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn,
-                                load_format)
+                                shard=tp.shard if tp is not None else None,
+                                load_format=load_format)
+        if tp is not None:
+            tp.install(self.model)
         cfg = self.model.config
         log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
                  cfg.architecture, self.dtype, self.device)
@@ -64,6 +70,8 @@ class ModelRunner:
                                  cfg.max_position_embeddings)
         self.block_size = block_size
         self.num_blocks = num_kv_blocks or self._blocks_for(kv_cache_memory, max_num_seqs)
+        if tp is not None:  # one block table serves every rank: the scheduler's count fits all
+            self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
                                            cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                            self.device)

@@ -75,6 +75,18 @@ class SafetensorsCheckpoint:
         t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(name)
         return t.to(dtype=dtype)
 
+    def get_part(self, name: str, dtype: torch.dtype, dim: int | None, start: int = 0,
+                 stop: int = 0) -> torch.Tensor:
+        """[start, stop) along `dim` of a tensor (all of it when `dim` is None), reading only
+        that part from the file: a tensor-parallel rank never loads the whole tensor."""
+        if dim is None:
+            return self.get(name, dtype)
+        if name not in self._file_of:
+            raise ValueError(f"missing weight {name!r} in {self.model_dir}")
+        view = self._handle(self._file_of[name]).get_slice(name)
+        t: torch.Tensor = view[start:stop] if dim == 0 else view[:, start:stop]
+        return t.to(dtype=dtype).contiguous()
+
     def close(self) -> None:
         for h in self._handles.values():
             exit_ = getattr(h, "__exit__", None)

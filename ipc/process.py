@@ -43,6 +43,12 @@ class StartupError(Exception):
     """
 
 
+class PeerDied(RuntimeError):
+    """This process failed because a peer it works in lockstep with died or stopped answering
+    (a tensor-parallel rank in a collective).  Reported as a consequence (`peer_died`), so
+    the launcher blames the peer's own exit, which it usually hears about at the same time."""
+
+
 _PR_SET_PDEATHSIG = 1
 # How long an orphan's SIGTERM path may take before the watcher thread exits hard; long
 # enough for a worker to finish the torch op it is in and run its `finally` blocks.
@@ -174,7 +180,8 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
         startup = isinstance(exc, StartupError)
         error = str(exc) if startup else f"{type(exc).__name__}: {exc}"[:300]
         msg = ProcessFailed(role, os.getpid(), error,
-                            peer_died=isinstance(exc, (RingReaderDied, RingWriterDied)),
+                            peer_died=isinstance(exc, (RingReaderDied, RingWriterDied,
+                                                       PeerDied)),
                             startup=startup)
         # A private context: term() below returns once the message is out (or after the
         # linger), where the shared one would drop it at interpreter exit.
@@ -221,9 +228,36 @@ def split_cpus(cfg: ServerConfig) -> ServerConfig:
                        service_cpus=tuple(cores[-reserved:]))
 
 
-def pin(role: str, cfg: ServerConfig) -> None:
+def rank_cpus(cfg: ServerConfig, local_rank: int) -> tuple[int, ...]:
+    """A gpu worker rank's share of `worker_cpus`: the cores split evenly between this node's
+    ranks (a preempted thread of one rank would stall every rank at the next collective), or
+    one core each, shared round-robin, when there are fewer cores than ranks."""
+    cores, n = cfg.worker_cpus, cfg.ranks_per_node
+    if n <= 1 or not cores:
+        return cores
+    if len(cores) < n:
+        return (cores[local_rank % len(cores)],)
+    per = len(cores) // n
+    return cores[local_rank * per:(local_rank + 1) * per]
+
+
+def worker_threads(cfg: ServerConfig, local_rank: int = 0) -> int:
+    """The gpu worker rank's torch threads (0: torch's default): `--torch-threads`, else
+    one per pinned core, else, with several ranks on the node, the cores split between them."""
+    if cfg.torch_threads:
+        return cfg.torch_threads
+    pinned = rank_cpus(cfg, local_rank)
+    if pinned:
+        return len(pinned)
+    if cfg.ranks_per_node > 1:
+        return max(1, len(os.sched_getaffinity(0)) // cfg.ranks_per_node)
+    return 0
+
+
+def pin(role: str, cfg: ServerConfig, local_rank: int = 0) -> None:
     """Move this process onto its side of `split_cpus` (no-op when nothing was split)."""
-    cpus = cfg.worker_cpus if role == "gpu-worker" else cfg.service_cpus
+    worker = role.startswith("gpu-worker")
+    cpus = rank_cpus(cfg, local_rank) if worker else cfg.service_cpus
     if not cpus:
         return
     try:
@@ -232,12 +266,13 @@ def pin(role: str, cfg: ServerConfig) -> None:
         log.warning("could not pin %s to cores %s: %s", role, list(cpus), e)
 
 
-def init_child(role: str, cfg: ServerConfig, parent_pid: int | None) -> None:
+def init_child(role: str, cfg: ServerConfig, parent_pid: int | None,
+               local_rank: int = 0) -> None:
     from ipc import faults
 
     set_title(f"tandem: {role}")
     setup_logging(role, cfg.log_level)
-    pin(role, cfg)
+    pin(role, cfg, local_rank)
     exit_on_sigterm()
     dump_stacks_on_sigusr1()
     faults.configure(cfg.fault)

@@ -27,6 +27,9 @@ class Addresses:
     # The launcher's own inbox for supervision reports (a hung worker), apart from the
     # request traffic of the frontend inbox.
     supervisor: str = ""
+    # Tensor parallelism: where gpu worker rank 0 publishes each plan to the other ranks
+    # (empty: derived from ServerConfig.dist_init_addr, or no other ranks).
+    worker_plans: str = ""
 
     @classmethod
     def local(cls, run_dir: str, tag: str, num_postproc: int, use_ring: bool) -> Addresses:
@@ -43,6 +46,7 @@ class Addresses:
             ring_doorbell=ipc("ring-doorbell") if use_ring else "",
             ring_side=ipc("ring-side") if use_ring else "",
             supervisor=ipc("supervisor"),
+            worker_plans=ipc("worker-plans"),
         )
 
 
@@ -85,6 +89,14 @@ class ServerConfig:
     # worker is pinned to the rest, so the "device" is never preempted by Python work.
     # -1: 1 when the host has ≥ 2 cores and no CUDA device; 0: no pinning.
     reserved_cpus: int = -1
+    # Tensor parallelism: the model split over this many gpu worker ranks (one process
+    # each), joined by torch.distributed over a TCP rendezvous at dist_init_addr
+    # (HOST:PORT; empty on one host: the launcher picks a free local port).  Across hosts,
+    # nnodes hosts run tensor_parallel_size / nnodes ranks each; node 0 runs rank 0.
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str = ""
     shutdown_timeout: float = 30.0
     step_timeout: float = 300.0  # a plan unfinished this long means a hung gpu worker
     metrics_port: int = 0
@@ -125,6 +137,22 @@ class ServerConfig:
     def replace(self, **changes: Any) -> ServerConfig:
         return dataclasses.replace(self, **changes)
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def node_ranks(self) -> range:
+        """The gpu worker ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+    def worker_role(self, rank: int) -> str:
+        """A gpu worker rank's role name and process title: `gpu-worker R/N` under tensor
+        parallelism, plain `gpu-worker` without."""
+        if self.tensor_parallel_size == 1:
+            return "gpu-worker"
+        return f"gpu-worker {rank}/{self.tensor_parallel_size}"
+
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.
 _LIMITS: dict[str, tuple[float, float | None]] = {
@@ -136,6 +164,7 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "max_queued_tokens": (1, None), "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
+    "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
 }
 
 
@@ -150,7 +179,52 @@ def config_problems(cfg: ServerConfig) -> list[str]:
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
+    return out + _parallel_problems(cfg)
+
+
+def _parallel_problems(cfg: ServerConfig) -> list[str]:
+    out = []
+    tp, nodes = cfg.tensor_parallel_size, cfg.nnodes
+    if tp >= 1 and nodes >= 1 and tp % nodes:
+        out.append(f"--tensor-parallel-size ({tp}) must be a multiple of --nnodes ({nodes}): "
+                   f"every node runs the same number of ranks")
+    if cfg.node_rank >= nodes >= 1:
+        out.append(f"--node-rank must be below --nnodes ({nodes}) (got {cfg.node_rank})")
+    if nodes > 1 and not cfg.dist_init_addr:
+        out.append("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's host and a free "
+                   "port, reachable from every node)")
+    if cfg.dist_init_addr and not _host_port(cfg.dist_init_addr):
+        out.append(f"--dist-init-addr must be HOST:PORT with a port between 1 and 65534 "
+                   f"(got {cfg.dist_init_addr!r})")
     return out
+
+
+def _host_port(addr: str) -> tuple[str, int] | None:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65535:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def dist_host_port(cfg: ServerConfig) -> tuple[str, int]:
+    """(host, port) of `--dist-init-addr` (validated when the config was built)."""
+    hp = _host_port(cfg.dist_init_addr)
+    if hp is None:
+        raise ValueError(f"--dist-init-addr {cfg.dist_init_addr!r} is not HOST:PORT")
+    return hp
+
+
+def plans_address(cfg: ServerConfig) -> str:
+    """Where gpu worker rank 0 publishes plans to the other ranks.
+
+    On one host, the launcher's ipc socket; across hosts, TCP on rank 0's host (the
+    rendezvous host) at the rendezvous port + 1, so a node needs no address but
+    `--dist-init-addr`.
+    """
+    if cfg.nnodes == 1 and cfg.addresses.worker_plans:
+        return cfg.addresses.worker_plans
+    host, port = dist_host_port(cfg)
+    return f"tcp://{host}:{port + 1}"
 
 
 @dataclass(frozen=True)

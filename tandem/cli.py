@@ -79,6 +79,18 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
                    help="CPU device: cores kept for the other processes, the gpu worker "
                         "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")
+    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+                   help="split the model over this many gpu worker ranks (processes) joined "
+                        "by torch.distributed: NCCL on CUDA, gloo on CPU")
+    p.add_argument("--nnodes", type=int, default=d.nnodes,
+                   help="hosts the tensor-parallel ranks are spread over (each runs "
+                        "--tensor-parallel-size / --nnodes ranks)")
+    p.add_argument("--node-rank", type=int, default=d.node_rank,
+                   help="this host's index among --nnodes (0: the host of rank 0 and the "
+                        "frontend; others: `tandem run-role gpu-worker --node-rank R`)")
+    p.add_argument("--dist-init-addr", default=d.dist_init_addr,
+                   help="HOST:PORT of the torch.distributed rendezvous on rank 0's host "
+                        "(PORT + 1 carries the plans); default on one host: a free local port")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds in-flight requests may take before they are "
                         "cancelled")
@@ -121,20 +133,24 @@ def add_role_arguments(p: argparse.ArgumentParser) -> None:
 
 def role_config(args: argparse.Namespace) -> ServerConfig:
     """A standalone role's config: server flags plus the peers' addresses."""
-    missing = [n for n in ("frontend_addr", "scheduler_addr", "worker_addr", "postproc_addrs")
-               if not getattr(args, n)]
+    needed: tuple[str, ...] = ("frontend_addr", "scheduler_addr", "worker_addr",
+                               "postproc_addrs")
+    if args.role == "gpu-worker" and args.node_rank > 0:
+        needed = ()  # tensor-parallel ranks of another host: rank 0 is all they talk to
+    missing = [n for n in needed if not getattr(args, n)]
     if missing:
         raise SystemExit(f"run-role without --config-file needs "
                          f"{', '.join('--' + m.replace('_', '-') for m in missing)} "
                          f"(or TANDEM_{missing[0].upper()})")
     postproc = tuple(a for a in args.postproc_addrs.split(",") if a)
-    supervisor = args.supervisor_addr or _port_offset(args.frontend_addr, -1)
+    supervisor = args.supervisor_addr or (
+        _port_offset(args.frontend_addr, -1) if args.frontend_addr else "")
     addr = Addresses(scheduler_inbox=args.scheduler_addr, frontend_inbox=args.frontend_addr,
                      worker_inbox=args.worker_addr, postproc_inboxes=postproc,
                      token_pub="", supervisor=supervisor)
     base = config_from_args(args)
     return base.replace(addresses=addr, standalone=True, shm_ring=False,
-                        num_postproc_workers=len(postproc))
+                        num_postproc_workers=len(postproc) or base.num_postproc_workers)
 
 
 def _port_offset(addr: str, delta: int) -> str:
@@ -189,7 +205,16 @@ def cmd_run_role(args: argparse.Namespace) -> int:
         set_title("tandem: frontend")
         return serve(cfg)
     role = args.role if args.role != "postproc" else f"postproc {args.index}"
-    init_child(role, cfg, args.parent_pid)
+    rank = args.index
+    if args.role == "gpu-worker":
+        if not args.config_file:  # on its own: this host's tensor-parallel rank(s)
+            if cfg.ranks_per_node > 1:
+                from tandem.tp_node import run_node  # each rank a process of its own
+
+                return run_node(cfg)
+            rank = cfg.node_rank
+        role = cfg.worker_role(rank)
+    init_child(role, cfg, args.parent_pid, rank % cfg.ranks_per_node)
     try:
         if args.role == "scheduler":
             from scheduler.main import run_scheduler
@@ -198,7 +223,7 @@ def cmd_run_role(args: argparse.Namespace) -> int:
         elif args.role == "gpu-worker":
             from gpu_worker.main import run_gpu_worker
 
-            run_gpu_worker(cfg)
+            run_gpu_worker(cfg, rank)
         elif args.role == "postproc":
             from postproc_worker.main import run_postproc
 

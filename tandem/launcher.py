@@ -49,6 +49,7 @@ from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.validation import Limits
 from tandem.preflight import check_model, check_ports, load_tokenizer
+from tandem.tp_node import free_local_addr
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
@@ -104,6 +105,8 @@ class Launcher:
             self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-")
             addr = Addresses.local(self.run_dir, str(os.getpid()), cfg.num_postproc_workers,
                                    cfg.shm_ring)
+            if cfg.tensor_parallel_size > 1 and not cfg.dist_init_addr:
+                cfg = cfg.replace(dist_init_addr=free_local_addr())  # every rank is here
             self.cfg = split_cpus(cfg.replace(addresses=addr, run_dir=self.run_dir))
             pin("frontend", self.cfg)
         self.children: list[Child] = []
@@ -124,14 +127,16 @@ class Launcher:
         path = os.path.join(self.run_dir, "config.json")
         with open(path, "w") as f:
             f.write(self.cfg.to_json())
-        roles = [("scheduler", 0), ("gpu-worker", 0)] + [
+        # Tensor parallelism: this host's gpu worker ranks, each a child like any other.
+        roles = [("scheduler", 0)] + [("gpu-worker", r) for r in self.cfg.node_ranks()] + [
             ("postproc", i) for i in range(self.cfg.num_postproc_workers)]
         for role, index in roles:
             cmd = [sys.executable, "-m", "tandem.cli", "run-role", role, "--config-file", path,
                    "--index", str(index), "--parent-pid", str(os.getpid())]
             # From the main thread: PR_SET_PDEATHSIG fires when the creating *thread* exits.
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-            name = role if role != "postproc" else f"postproc {index}"
+            name = {"postproc": f"postproc {index}",
+                    "gpu-worker": self.cfg.worker_role(index)}.get(role, role)
             child = Child(name, proc)
             self.children.append(child)
             threading.Thread(target=self._wait_child, args=(child,), name=f"wait-{name}",
@@ -176,8 +181,9 @@ class Launcher:
         if self._failure is not None and not self._failure.done():
             self._failure.set_result(message)
 
-    def child(self, role: str) -> Child | None:
-        return next((c for c in self.children if c.role == role), None)
+    def role_children(self, role: str) -> list[Child]:
+        """The children of a role: every gpu worker rank for "gpu-worker"."""
+        return [c for c in self.children if c.role == role or c.role.startswith(role + " ")]
 
     def stop_children(self, timeout: float = STOP_TIMEOUT_CLEAN) -> None:
         """SIGTERM every child (their handlers close sockets and unlink segments), then
@@ -218,7 +224,11 @@ class Launcher:
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
         # Mistakes in the command line fail here, in one line, before any process starts.
-        check_model(self.cfg.model)
+        if self.cfg.node_rank > 0:
+            raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
+                               f"on node 0; start this host's ranks with `tandem run-role "
+                               f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
+        check_model(self.cfg.model, self.cfg.tensor_parallel_size)
         tok = load_tokenizer(self.cfg.model)
         check_ports(self.cfg)
         server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -372,12 +382,13 @@ class Launcher:
                 log.error("unexpected supervision message %s", type(msg).__name__)
 
     async def _on_hung(self, msg: WorkerHung) -> None:
-        child = self.child(msg.role)
-        pid = child.proc.pid if child is not None else -1
+        # Under tensor parallelism one stuck rank stalls all of them: dump every rank.
+        children = self.role_children(msg.role)
+        pid = children[0].proc.pid if children else -1
         log.error("%s (pid %d) looks hung: plan %d has not finished after %.1f s "
                   "(--step-timeout %g s); its stacks follow", msg.role, pid, msg.plan_id,
                   msg.seconds, self.cfg.step_timeout)
-        if child is not None and _dump_stacks(child):
+        if [c for c in children if _dump_stacks(c)]:
             await asyncio.sleep(STACK_DUMP_WAIT)
         self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")

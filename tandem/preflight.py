@@ -21,8 +21,9 @@ from tokenization.tokenizer import Tokenizer, TokenizerLoadError
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
 
 
-def check_model(model: str) -> dict[str, Any]:
-    """The model folder's config.json, once it is known to describe a model we serve."""
+def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
+    """The model folder's config.json, once it is known to describe a model we serve (and,
+    with tensor parallelism, one whose heads, MLP and vocabulary split over the ranks)."""
     if not os.path.isdir(model):
         what = "is a file, not a folder" if os.path.exists(model) else "does not exist"
         raise StartupError(f"--model {model!r} {what}; expected a Hugging Face checkpoint "
@@ -41,12 +42,16 @@ def check_model(model: str) -> dict[str, Any]:
     # Parsing the config here (torch-free) names an unsupported architecture or rope type
     # before any process starts.
     from gpu_worker.models.config import ModelArgs
+    from gpu_worker.models.sharding import split_problems
 
     try:
-        ModelArgs.from_hf_config(config)
+        args = ModelArgs.from_hf_config(config)
     except (KeyError, TypeError, ValueError) as exc:
         detail = f"config.json lacks {exc}" if isinstance(exc, KeyError) else str(exc)
         raise StartupError(f"--model {model!r}: {detail}") from None
+    problems = split_problems(args, tensor_parallel_size)
+    if problems:
+        raise StartupError(f"--model {model!r} cannot be split: {'; '.join(problems)}")
     return config
 
 

@@ -38,6 +38,10 @@ from gpu_worker.models.layers import (
 )
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _param(shape: tuple[int, ...]) -> nn.Parameter:
     # Placeholders on the meta device: no memory until load_weights puts the real tensors in.
     return nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
@@ -73,6 +77,9 @@ class DecoderLayer(nn.Module):
         self.down_bias = _param((h,)) if args.mlp_bias else None
         # oneDNN-packed weights (CPU float32 only; see pack_linear), set after loading.
         self.packed: dict[str, torch.Tensor | None] = {}
+        # Tensor parallelism (gpu_worker.parallel): sums the row-parallel o/down partial
+        # outputs over the ranks; the identity on one rank.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
 
     def pack(self) -> None:
         self.packed = {
@@ -110,12 +117,14 @@ class DecoderLayer(nn.Module):
             plan=plan,
             sliding_window=self.sliding_window,
         )
-        x = x + linear(attn.reshape(t, hq * d), self.o_weight, self.o_bias, pk.get("o_weight"))
+        o = linear(attn.reshape(t, hq * d), self.o_weight, self.o_bias, pk.get("o_weight"))
+        x = x + self.reduce(o)
         h = rms_norm(x, self.post_norm, self.eps)
         gu = linear(h, self.gate_up_weight, self.gate_up_bias, pk.get("gate_up_weight"))
         i = self.intermediate_size
         act = self.act(gu[:, :i]) * gu[:, i:]
-        return x + linear(act, self.down_weight, self.down_bias, pk.get("down_weight"))
+        return x + self.reduce(linear(act, self.down_weight, self.down_bias,
+                                      pk.get("down_weight")))
 
 
 class CausalLM(nn.Module):
@@ -139,6 +148,10 @@ class CausalLM(nn.Module):
         self._windows: tuple[int | None, ...] = tuple(
             dict.fromkeys(args.sliding_windows or (None,))
         )
+        # Tensor parallelism (gpu_worker.parallel) replaces these: the vocab-parallel
+        # embedding lookup (ids -> hidden) and the gather of vocab-sharded logits.
+        self.embed: Callable[[torch.Tensor], torch.Tensor] = self._embed_whole
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] = _same
 
     @property
     def dtype(self) -> torch.dtype:
@@ -164,15 +177,18 @@ class CausalLM(nn.Module):
         """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden]."""
         plan = prepare_attention(meta, kv_caches[0], self._windows, self.allow_flash)
         cos, sin = self.rope_cos_sin(positions)
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.
             x = layer.forward(x, cos, sin, kv_cache, meta, plan)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    def _embed_whole(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (matmul in the model dtype, like HF)."""
-        return linear(hidden, self.lm_head, None, self._packed_lm_head).float()
+        return self.gather_logits(linear(hidden, self.lm_head, None, self._packed_lm_head)).float()
 
     # ---- weights -------------------------------------------------------------------------
 

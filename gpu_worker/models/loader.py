@@ -10,6 +10,7 @@ import torch
 
 from gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from gpu_worker.models.llama import CausalLM
+from gpu_worker.models.sharding import Shard, checkpoint_part, local_args
 from gpu_worker.weights import SafetensorsCheckpoint, read_json
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
@@ -43,7 +44,8 @@ def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
     For benchmarks of real model shapes without their checkpoints (vLLM's `dummy` format):
     norms are ones and matrices N(0, 0.02), so activations stay in range and the decode
-    costs what the real model's does; the tokens it picks are meaningless.
+    costs what the real model's does; the tokens it picks are meaningless. Every rank of a
+    tensor-parallel group makes the same whole tensor and keeps its part.
     """
     if "norm" in name:
         return torch.ones(shape, dtype=dtype, device=device)
@@ -53,7 +55,7 @@ def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                onednn: bool = True, flash_attn: bool = True,
-               load_format: str = "auto") -> CausalLM:
+               shard: Shard | None = None, load_format: str = "auto") -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
@@ -62,6 +64,12 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
 
     Every expected tensor's presence and shape is checked before any data is read, so a
     broken checkpoint fails fast with a ValueError naming the tensor.
+
+    `shard`: tensor parallelism; the model holds (and reads from the files) only this rank's
+    part of each tensor (`gpu_worker.models.sharding`), and its `config` is the rank's shape.
+    The collectives that join the shards are installed by `gpu_worker.parallel`.
+
+    `load_format`: "dummy" reads no file but config.json (`dummy_weight`).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
@@ -69,12 +77,15 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         raise ValueError(f"unsupported load format {load_format!r}; supported: {LOAD_FORMATS}")
     device = torch.device(device)
     args = load_model_args(model_dir)
-    model = CausalLM(args)
-    expected = model.expected_weights()
+    shard = shard or Shard()
+    # The checkpoint has the whole model's shapes; this rank's modules have its own.
+    expected = CausalLM(args).expected_weights()
+    model = CausalLM(local_args(args, shard))
     if load_format == "dummy":
-        model.load_weights(lambda name: dummy_weight(name, expected[name], dtype, device))
+        model.load_weights(lambda name: _dummy_part(name, expected[name], args, shard, dtype,
+                                                    device))
     else:
-        _load_checkpoint(model, model_dir, expected, dtype, device)
+        _load_checkpoint(model, model_dir, expected, shard, dtype, device)
     if onednn:
         model.pack_weights()
     model.allow_flash = flash_attn
@@ -82,9 +93,20 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     return model
 
 
+def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    part = checkpoint_part(name, args, shard)
+    if part.zeros:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    whole = dummy_weight(name, shape, dtype, device)
+    if part.dim is None:
+        return whole
+    return whole.narrow(part.dim, part.start, part.stop - part.start).contiguous()
+
+
 def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[int, ...]],
-                     dtype: torch.dtype, device: torch.device) -> None:
-    args = model.config
+                     shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
+    args = load_model_args(model_dir)
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
         missing = [n for n in expected if n not in present]
@@ -105,4 +127,10 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
         )
         if extra:
             log.warning("ignoring %d unexpected checkpoint tensors: %s", len(extra), extra[:8])
-        model.load_weights(lambda name: ckpt.get(name, dtype))
+        def get(name: str) -> torch.Tensor:
+            part = checkpoint_part(name, args, shard)
+            if part.zeros:
+                return torch.zeros(expected[name], dtype=dtype, device=device)
+            return ckpt.get_part(name, dtype, part.dim, part.start, part.stop)
+
+        model.load_weights(get)

@@ -54,3 +54,18 @@ def test_compose_check_rejects_an_invalid_file(tmp_path: pathlib.Path) -> None:
     broken = subprocess.run(["make", "-s", "compose-check", f"COMPOSE_FILES={bad}"], cwd=root,
                             capture_output=True, text=True)
     assert broken.returncode != 0
+
+
+def test_tensor_parallel_overlay_runs_two_ranks_of_one_group() -> None:
+    tp = yaml.safe_load((DOCKER / "docker-compose.tp.yml").read_text())["services"]
+    parser = build_parser()
+    ranks = {}
+    for name in ("gpu-worker", "gpu-worker-1"):
+        args = parser.parse_args([str(a) for a in tp[name]["command"]])
+        assert args.role == "gpu-worker", name
+        env = tp[name]["environment"]
+        assert (env["TANDEM_TENSOR_PARALLEL_SIZE"], env["TANDEM_NNODES"]) == ("2", "2")
+        assert env["TANDEM_DIST_INIT_ADDR"].startswith("gpu-worker:")  # rank 0's service
+        ranks[args.node_rank] = name
+    assert ranks == {0: "gpu-worker", 1: "gpu-worker-1"}
+    assert tp["gpu-worker-1"]["extends"]["service"] == "gpu-worker"

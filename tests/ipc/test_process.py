@@ -300,3 +300,31 @@ def test_placement_survives_the_config_file_round_trip() -> None:
 
     cfg = ServerConfig(model="m", worker_cpus=(0, 1), service_cpus=(2,))
     assert ServerConfig.from_json(cfg.to_json()) == cfg
+
+
+def test_tensor_parallel_ranks_split_the_worker_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank gets its own cores (a preempted rank stalls every rank at the next
+    collective), one torch thread per core; fewer cores than ranks: one core each, shared."""
+    from ipc import process
+    from proto.config import ServerConfig
+
+    monkeypatch.setattr(process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+
+    def cfg(cores: tuple[int, ...], tp: int, **kw: object) -> ServerConfig:
+        return ServerConfig(model="", worker_cpus=cores, tensor_parallel_size=tp,
+                            **kw)  # type: ignore[arg-type]
+
+    seven = cfg((0, 1, 2, 3, 4, 5, 6), 2)
+    assert [process.rank_cpus(seven, r) for r in (0, 1)] == [(0, 1, 2), (3, 4, 5)]
+    assert [process.worker_threads(seven, r) for r in (0, 1)] == [3, 3]
+    one = cfg((0,), 2)
+    assert [process.rank_cpus(one, r) for r in (0, 1)] == [(0,), (0,)]
+    three = cfg((0, 1, 2), 4)
+    assert [process.rank_cpus(three, r) for r in range(4)] == [(0,), (1,), (2,), (0,)]
+    # Two hosts: each pins its own ranks (local rank 0 and 1 of this node).
+    assert process.rank_cpus(cfg((0, 1, 2, 3), 4, nnodes=2, dist_init_addr="h:1"), 1) == (2, 3)
+    # Not pinned (--reserved-cpus 0): the host's cores split between its ranks.
+    assert process.worker_threads(cfg((), 2), 0) == 4
+    assert process.worker_threads(cfg((), 2, torch_threads=1), 0) == 1
+    assert process.worker_threads(cfg((), 1), 0) == 0  # one rank: torch's default
+    assert process.rank_cpus(cfg((4, 5), 1), 0) == (4, 5)

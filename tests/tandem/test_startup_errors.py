@@ -78,3 +78,29 @@ def test_checkpoint_the_gpu_worker_cannot_load(tmp_path: pathlib.Path,
     (model / "config.json").write_text(json.dumps(config))
     proc = serve("--model", str(model), "--port", str(free_port()), "--log-level", "WARNING")
     assert_one_line_error(proc, "--model", "missing weight")
+
+
+def test_shape_that_does_not_split_over_the_ranks(tiny_model_dir: pathlib.Path) -> None:
+    """Refused before any process starts, naming the shape and the flag."""
+    proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()),
+                 "--tensor-parallel-size", "3")
+    line = assert_one_line_error(proc, "cannot be split",
+                                 "num_attention_heads 4 is not divisible by "
+                                 "--tensor-parallel-size 3",
+                                 "vocab_size 32000 is not divisible by --tensor-parallel-size 3")
+    assert proc.stderr.strip() == line
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--tensor-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"],
+     "--tensor-parallel-size (3) must be a multiple of --nnodes (2)"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2"], "--nnodes > 1 needs --dist-init-addr"),
+    (["--tensor-parallel-size", "2", "--dist-init-addr", "nohostport"],
+     "--dist-init-addr must be HOST:PORT"),
+    (["--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr",
+      "h:1"], "start this host's ranks with `tandem run-role gpu-worker --node-rank 1"),
+])
+def test_parallel_flags_out_of_range(tiny_model_dir: pathlib.Path, flags: list[str],
+                                     expected: str) -> None:
+    proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()), *flags)
+    assert_one_line_error(proc, expected)

@@ -1,0 +1,128 @@
+"""A tensor-parallel gpu worker rank other than 0.
+
+It holds its shard of the model and of the KV cache and runs every plan rank 0 forwards,
+with the same `ModelRunner.execute` and a publisher that publishes nothing: its collectives
+meet rank 0's, and since every rank applies the same deltas and samples the same gathered
+logits with the same counter-based sampler, its per-request state stays identical to rank
+0's without any token crossing between them.  Rank 0 alone talks to the scheduler and the
+postproc workers.
+
+Supervision: on one host the launcher watches every rank as a child.  A rank on another
+host (`tandem run-role gpu-worker --node-rank R`) has no launcher above it: it watches rank
+0 by the heartbeats rank 0 sends on the plan channel when idle, and exits non-zero when they
+stop; a rank 0 that dies in a collective makes the collective fail at once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from gpu_worker import parallel
+from gpu_worker.batch import DecodeBatch, StepTensors
+from gpu_worker.main import build_runner
+from gpu_worker.publisher import TokenPublisher
+from gpu_worker.torch_trace import TorchTrace
+from ipc import faults
+from ipc.fanout import subscribe
+from ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
+from proto.config import ServerConfig, plans_address
+from proto.messages import Heartbeat, ProfileControl, PromptDetail, Shutdown, StepPlan
+
+log = logging.getLogger("tandem.gpu_worker")
+
+
+class NullPublisher(TokenPublisher):
+    """The publisher of a rank > 0: rank 0 publishes the (identical) tokens."""
+
+    def __init__(self) -> None:  # no thread, no sink
+        pass
+
+    def __call__(self, plan: StepPlan, batch: DecodeBatch, st: StepTensors,
+                 last: bool) -> None:
+        pass
+
+    def send_detail(self, msg: PromptDetail) -> None:
+        pass
+
+    def end_of_plan(self, plan: StepPlan) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def rank_trace_path(path: str, rank: int) -> str:
+    """`--torch-profiler trace.json` -> `trace.rank1.json` for rank 1 (rank 0 keeps `path`)."""
+    stem, ext = os.path.splitext(path)
+    return f"{stem}.rank{rank}{ext or '.json'}"
+
+
+class _Silence:
+    """Rank 0's silence, as a rank on another host sees it between plans."""
+
+    def __init__(self, watching: bool) -> None:
+        self.watching = watching
+        self.last: float | None = None  # None until rank 0's first message
+        self.started = time.monotonic()
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+
+    def check(self) -> None:
+        if not self.watching:
+            return
+        now = time.monotonic()
+        if self.last is None and now - self.started > START_GRACE:
+            raise parallel.RankLost(f"gpu worker rank 0 sent nothing in {START_GRACE:.0f} s")
+        if self.last is not None and now - self.last > PEER_TIMEOUT:
+            raise parallel.RankLost(f"gpu worker rank 0 stopped sending heartbeats "
+                           f"({now - self.last:.1f} s ago)")
+
+
+def run_follower(cfg: ServerConfig, rank: int) -> None:
+    role = cfg.worker_role(rank)
+    # Subscribed before the (slow) model load, so rank 0 never waits on us for that.
+    plans = subscribe(plans_address(cfg))
+    tp = parallel.start(cfg, rank)
+    try:
+        runner = build_runner(cfg, tp)
+        log.info("ready (pid %d): rank %d of %d", os.getpid(), rank, cfg.tensor_parallel_size)
+        publisher = NullPublisher()
+        trace = TorchTrace(runner.device)
+        # On one host the launcher supervises every rank; across hosts we watch rank 0.
+        silence = _Silence(watching=cfg.node_rank > 0)
+        while True:
+            msg: Any = plans.get(timeout=HEARTBEAT_INTERVAL)
+            if msg is None:
+                silence.check()
+                continue
+            silence.heard()
+            if isinstance(msg, StepPlan):
+                faults.maybe_fire(role, msg.plan_id)  # tests only; no-op otherwise
+                runner.execute(msg, publisher)
+                silence.heard()
+            elif isinstance(msg, Shutdown):
+                log.info("shutting down: %s", msg.reason)
+                return
+            elif isinstance(msg, ProfileControl):
+                _profile(msg, trace, rank)
+            elif not isinstance(msg, Heartbeat):
+                log.error("unexpected message %s", type(msg).__name__)
+    finally:
+        plans.close()
+        tp.close()
+
+
+def _profile(msg: ProfileControl, trace: TorchTrace, rank: int) -> None:
+    """Ranks > 0 record no spans (rank 0's stand for the group) but run torch.profiler over
+    the same window into their own file when one is asked for."""
+    if msg.start and msg.torch_trace:
+        trace.start(ProfileControl(True, msg.plans, rank_trace_path(msg.torch_trace, rank)))
+    elif not msg.start:
+        trace.stop()
+

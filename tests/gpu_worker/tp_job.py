@@ -1,0 +1,161 @@
+"""One tensor-parallel rank of the TP parity tests: `python -m tests.gpu_worker.tp_job`.
+
+`launch` starts N of these (gloo over 127.0.0.1 on CPU, NCCL with `--device cuda`).  Each
+rank loads its shard of every checkpoint named in the spec and runs the same work; every
+rank writes what it got to `OUT/rank{R}.pt`, so the tests compare rank 0 with TP=1 and HF,
+and the other ranks with rank 0 (their state must stay identical, with nothing crossing but
+collectives).
+
+The same functions run with `tp=None` in the test process for the TP=1 reference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.soak import free_port
+from gpu_worker import parallel
+from gpu_worker.models.loader import load_model
+from gpu_worker.parallel import TensorParallel
+from gpu_worker.runner import ModelRunner
+from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
+from proto.config import ServerConfig
+from proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
+from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFILL_LENGTHS = [5, 40, 17, 1]
+GREEDY_TOKENS = 20
+RUNNER_LENGTHS = [1, 33, 70, 7, 20]
+
+
+def model_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
+                  ) -> dict[str, Any]:
+    """Prefill logits of a few prompts and their greedy continuations (paged driver); one
+    more decode forward (vocab-parallel embedding, all-reduces, logits gather) runs under
+    the host-sync guard, CUDA's sync debug mode included."""
+    model = load_model(path, torch.float32, torch.device(device),
+                       shard=tp.shard if tp is not None else None)
+    if tp is not None:
+        tp.install(model)
+    prompts = random_prompts(PREFILL_LENGTHS, model.config.vocab_size, seed=1)
+    driver = PagedDriver(model, num_blocks=64, block_size=16, seed=3)
+    seqs = [driver.new_seq(p) for p in prompts]
+    logits = driver.prefill([(s, len(s.tokens)) for s in seqs])
+    fresh = [driver.new_seq(p) for p in prompts]
+    greedy = driver.generate(fresh, GREEDY_TOKENS, extra_masked_rows=2)
+    live = [driver.new_seq(p) for p in prompts[:2]]
+    driver.append_greedy(live, driver.prefill([(s, len(s.tokens)) for s in live]), 4)
+    forward = model.forward
+
+    def guarded(*args: Any) -> torch.Tensor:
+        with forbid_host_sync():
+            return forward(*args)
+
+    setattr(model, "forward", guarded)  # noqa: B010 - instance override, mypy-clean
+    guarded_logits = driver.decode([live[0], None, live[1]])
+    return {"logits": logits.cpu(), "greedy": greedy, "prompts": prompts,
+            "kv_heads": model.config.num_kv_heads, "guarded": guarded_logits.cpu()}
+
+
+def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
+                   device: str = "cpu") -> dict[str, Any]:
+    """A scripted serving run through ModelRunner.execute: greedy, seeded sampled, logprob
+    and prompt-logprob requests joining and leaving; the K-step loop under the sync guard.
+    On CUDA the decode steps replay CUDA graphs (the collectives captured in them)."""
+    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
+                         num_kv_blocks=400, tp=tp)
+    # CUDA: the publisher thread waits on copy events meanwhile (sync debug is process-wide).
+    runner.step_guard = (forbid_host_sync if device == "cpu"
+                         else partial(forbid_host_sync, cuda_sync_debug=False))
+    d = Driver(runner, seed=1)
+    p = random_prompts(RUNNER_LENGTHS, 512, seed=5)
+    detail = SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID], logprobs=True,
+                            top_n=2, prompt_logprobs=True)
+    d.add(0, p[0])
+    d.add(1, p[1])
+    d.add(2, p[2], sampled(seed=11))
+    d.add(3, p[3], detail)
+    d.run(k, per_step)
+    d.add(4, p[4], sampled(seed=3, top_k=0, repetition_penalty=1.3))
+    i = 0
+    while any(not t.finish for t in d.reqs.values()):
+        d.run(k, per_step)
+        i += 1
+        assert i < 100
+    lp = [b.logprobs for b in d.messages if isinstance(b, TokenBatch) and b.logprobs is not None]
+    prompt_lp = [m.logprobs for m in d.messages if isinstance(m, PromptDetail)]
+    return {"out": d.outputs(), "prompts": p, "num_blocks": runner.num_blocks,
+            "graphs": runner.graphs is not None and runner.graphs.enabled,
+            "logprobs": [torch.from_numpy(a.copy()) for a in lp],
+            "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
+
+
+def guard_sees_host_reads(tp: TensorParallel) -> bool:
+    """The guard is live in a rank: a collective whose result is read back is caught."""
+    try:
+        with forbid_host_sync():
+            tp.min_int(1)
+    except HostSyncError:
+        return True
+    return False
+
+
+def launch(spec: dict[str, Any], out: Path, device: str = "cpu", size: int = 2
+           ) -> list[dict[str, Any]]:
+    """Run the job on `size` ranks (one process each); what each rank wrote."""
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_worker.tp_job", "--rank",
+                               str(r), "--size", str(size), "--addr", addr, "--device", device,
+                               "--spec", json.dumps(spec), "--out", str(out)],
+                              cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+             for r in range(size)]
+    errors = []
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        if p.returncode:
+            errors.append(err[-4000:])
+    assert not errors, "\n".join(errors)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(size)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--size", type=int, default=2)
+    ap.add_argument("--addr", required=True)
+    ap.add_argument("--spec", required=True, help="JSON: {models: {name: path}, runner: path}")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    spec = json.loads(args.spec)
+    dev = args.device
+    cfg = ServerConfig(model="", device=dev, tensor_parallel_size=args.size,
+                       dist_init_addr=args.addr)
+    tp = parallel.start(cfg, args.rank)
+    try:
+        result: dict[str, Any] = {
+            "models": {name: model_outputs(path, tp, dev)
+                       for name, path in spec["models"].items()},
+            "async_k8": runner_outputs(spec["runner"], tp, 8, True, dev),
+            "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
+            "guard_sees_host_reads": guard_sees_host_reads(tp),
+        }
+        torch.save(result, f"{args.out}/rank{args.rank}.pt")
+    finally:
+        tp.close()
+
+
+if __name__ == "__main__":
+    main()
