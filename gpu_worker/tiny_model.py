@@ -48,11 +48,12 @@ CHAT_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
 {%- endif %}
 {%- for message in loop_messages %}
     {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
-        {{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/...') }}
     {%- endif %}
     {%- if message['role'] == 'user' %}
         {%- if loop.first and system_message is not none %}
-            {{- bos_token + '[INST] <<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] | trim + ' [/INST]' }}
+            {{- bos_token + '[INST] <<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n'
+                + message['content'] | trim + ' [/INST]' }}
         {%- else %}
             {{- bos_token + '[INST] ' + message['content'] | trim + ' [/INST]' }}
         {%- endif %}
