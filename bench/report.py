@@ -210,7 +210,7 @@ def profile(ctx: Context) -> str:
     texts: dict[str, str] = {}
     out = tempfile.mkdtemp(prefix="tandem-report-")
     for mode in ("async", "sync"):
-        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port):
+        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port, _):
             js = os.path.join(out, f"{mode}.json")
             texts[mode] = tandem(
                 "profile", "--port", str(port), "--duration", "3", "--summary-json", js,
