@@ -69,7 +69,10 @@ class Deltas:
     async def start(self) -> None:
         """Wait for every choice's first delta: errors come before the response starts."""
         if len(self._gens) == 1:
-            self._ready.append((0, await self._gens[0].__anext__()))
+            try:
+                self._ready.append((0, await self._gens[0].__anext__()))
+            except StopAsyncIteration:  # cannot happen (a request ends with a delta); be safe
+                pass
             return
         self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
         started: set[int] = set()
