@@ -100,6 +100,8 @@ def validate(body: CommonRequest, limits: Limits) -> Params:
     n = body.n
     if not 1 <= n <= MAX_N:
         raise ValidationError("n", f"must be in [1, {MAX_N}], got {n}")
+    if body.stream_options is not None and not body.stream:
+        raise ValidationError("stream_options", "only allowed with stream: true")
     if body.seed is not None and not SEED_RANGE[0] <= body.seed <= SEED_RANGE[1]:
         raise ValidationError("seed", f"must be a 64-bit integer, got {body.seed}")
     max_field, max_tokens = _max_tokens(body, limits)

@@ -53,7 +53,9 @@ class Deltas:
 
     def __init__(self, gens: list[AsyncIterator[OutputDelta]]) -> None:
         self._gens = gens
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        # Bounded: a client reading slower than tokens come makes the pumps wait, and the
+        # engine client then folds the deltas of each choice (as it does for one choice).
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(4 * len(gens))
         self._tasks: list[asyncio.Task[None]] = []
         self._ready: list[tuple[int, OutputDelta]] = []
         self._open = len(gens)
@@ -61,10 +63,10 @@ class Deltas:
     async def _pump(self, i: int, gen: AsyncIterator[OutputDelta]) -> None:
         try:
             async for d in gen:
-                self._queue.put_nowait((i, d))
-            self._queue.put_nowait((i, _END))
+                await self._queue.put((i, d))
+            await self._queue.put((i, _END))
         except EngineError as exc:
-            self._queue.put_nowait((i, exc))
+            await self._queue.put((i, exc))
 
     async def start(self) -> None:
         """Wait for every choice's first delta: errors come before the response starts."""

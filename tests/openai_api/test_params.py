@@ -111,6 +111,7 @@ BAD: list[tuple[str, Any, str]] = [
     ("top_logprobs", chat(logprobs=True, top_logprobs=11), "this server's limit"),
     ("top_logprobs", chat(top_logprobs=2), "needs logprobs: true"),
     ("seed", completion(seed=1 << 64), "64-bit"),
+    ("stream_options", completion(stream_options={"include_usage": True}), "stream: true"),
     ("logit_bias", completion(logit_bias={"5": 1.0}), "not supported"),
     ("suffix", completion(suffix="end"), "insertion"),
     ("best_of", completion(best_of=2), "use n"),
