@@ -146,6 +146,13 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
              f"K=1's and {ratio('async K=8', 'sync K=8', 'mean_tpot_ms')} sync K=8's (the "
              "seed measured 0.76× sync K=1 on an H100)."]
     a8 = r.get("async K=8", {})
+    if "async K=8 HTTP" in r:
+        lines.append(f"- Over the OpenAI-compatible HTTP API (the `openai-completions` client, "
+                     f"SSE) async K=8 output throughput is "
+                     f"{ratio('async K=8 HTTP', 'async K=8', 'output_throughput')} and mean "
+                     f"TPOT {ratio('async K=8 HTTP', 'async K=8', 'mean_tpot_ms')} of gRPC's; "
+                     "transformers serve is compared with this HTTP arm, through the same "
+                     "client.")
     if "async unpaced K=8" in r:
         lines.append(f"- Paced planning: async K=8 output throughput "
                      f"{ratio('async K=8', 'async unpaced K=8', 'output_throughput')} and mean "
@@ -210,7 +217,7 @@ def profile(ctx: Context) -> str:
     texts: dict[str, str] = {}
     out = tempfile.mkdtemp(prefix="tandem-report-")
     for mode in ("async", "sync"):
-        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port):
+        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port, _):
             js = os.path.join(out, f"{mode}.json")
             texts[mode] = tandem(
                 "profile", "--port", str(port), "--duration", "3", "--summary-json", js,

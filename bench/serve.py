@@ -1,4 +1,5 @@
-"""`tandem bench serve`: vLLM's serving benchmark, pointed at Tandem's gRPC API.
+"""`tandem bench serve`: vLLM's serving benchmark, pointed at Tandem's gRPC API (or at any
+OpenAI-compatible HTTP server: `--backend openai-completions|openai-chat --base-url URL`).
 
 It builds a seeded workload (`bench.datasets`), sends it to a backend
 (`bench.backends`) with Poisson arrivals and an optional concurrency cap, and prints
@@ -37,7 +38,8 @@ from bench.metrics import (
     format_result,
 )
 
-DEFAULT_PORTS = {"tandem": 8033, "transformers-serve": 8000, "hf-generate": 0}
+DEFAULT_PORTS = {"tandem": 8033, "openai-completions": 8000, "openai-chat": 8000,
+                 "transformers-serve": 8000, "hf-generate": 0}
 # hf-generate's static batch size when --max-concurrency is not given.
 DEFAULT_HF_BATCH = 16
 
@@ -51,7 +53,8 @@ class BenchConfig:
     port: int = 0  # 0: the backend's usual port
     model: str = ""
     served_model_name: str = ""
-    endpoint: str = "/v1/completions"
+    base_url: str = ""
+    endpoint: str = ""
     dataset: str = "random"
     dataset_path: str = ""
     num_prompts: int = 100
@@ -80,7 +83,8 @@ class BenchConfig:
         return BackendOptions(
             host=self.host, port=self.port or DEFAULT_PORTS.get(self.backend, 0),
             model=self.model, served_model_name=self.served_model_name,
-            endpoint=self.endpoint, logprobs=self.logprobs, stop=list(self.stop),
+            base_url=self.base_url, endpoint=self.endpoint, logprobs=self.logprobs,
+            stop=list(self.stop),
             sample=self.sample, temperature=self.temperature, seed=self.seed,
             request_timeout=self.request_timeout, ready_timeout=self.ready_timeout,
             batch_size=self.max_concurrency or DEFAULT_HF_BATCH, device=self.device,
@@ -113,21 +117,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_model = os.environ.get("TANDEM_MODEL", "")
     g = parser.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend,
-                   help="tandem: gRPC GenerateStream; transformers-serve: OpenAI "
-                        "/v1/completions SSE; hf-generate: in-process static batches, no server")
+                   help="tandem: gRPC GenerateStream; openai-completions / openai-chat: any "
+                        "OpenAI-compatible server at --base-url (SSE); transformers-serve: "
+                        "its /v1/completions; hf-generate: in-process static batches")
     g.add_argument("--host", default=os.environ.get("TANDEM_HOST") or d.host)
     g.add_argument("--port", type=int, default=d.port,
-                   help="default: 8033 for tandem, 8000 for transformers-serve")
+                   help="default: 8033 for tandem, 8000 for the HTTP backends")
+    g.add_argument("--base-url", default=d.base_url,
+                   help="HTTP backends: the server's root, e.g. http://127.0.0.1:8000 "
+                        "(default: http://--host:--port)")
     g.add_argument("--model", default=env_model,
                    help="model folder: tokenizer for the datasets, weights for hf-generate "
                         "(default: $TANDEM_MODEL, else the embedded tiny model)")
     g.add_argument("--served-model-name", default=d.served_model_name,
                    help="'model' field of OpenAI requests (default: --model)")
-    g.add_argument("--endpoint", default=d.endpoint, help="OpenAI endpoint path")
+    g.add_argument("--endpoint", default=d.endpoint,
+                   help="OpenAI endpoint path (default: /v1/completions, or "
+                        "/v1/chat/completions for openai-chat)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds before one request counts as failed")
     g.add_argument("--ready-timeout", type=float, default=d.ready_timeout,
-                   help="tandem: wait up to this long for health SERVING first")
+                   help="wait up to this long for the server to be ready first (gRPC health "
+                        "SERVING, or HTTP /health 200)")
     g.add_argument("--device", default=d.device, help="hf-generate: auto, cpu, cuda")
     g.add_argument("--dtype", default=d.dtype, help="hf-generate: float32, bfloat16, ...")
 

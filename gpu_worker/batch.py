@@ -57,6 +57,8 @@ class DecodeBatch:
     sampling: SamplingTensors
     hints: SamplerHints  # host-known facts that let the sampler skip whole passes
     seen: torch.Tensor | None  # [B, V] bool when some row has a repetition penalty
+    # [B, V] f32 output-token counts when some row has a frequency or presence penalty.
+    counts: torch.Tensor | None
     max_position: int  # host: largest starting position
     all_greedy: bool
     any_penalty: bool
@@ -104,6 +106,15 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int,
         for i, r in enumerate(reqs):
             seen[i, torch.tensor(r.history, dtype=torch.int64)] = True
         seen = seen.to(device)
+    counts = None
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        st.frequency_penalty = col([p.frequency_penalty for p in params], torch.float32)
+        st.presence_penalty = col([p.presence_penalty for p in params], torch.float32)
+        counts = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
+        for i, r in enumerate(reqs):
+            out = torch.tensor(r.history[r.num_prompt:], dtype=torch.int64)
+            counts[i].index_add_(0, out, torch.ones(len(out)))
+        counts = counts.to(device)
     positions = [len(r.history) - 1 for r in reqs]
     return DecodeBatch(
         request_ids=np.array([r.request_id for r in reqs], dtype=np.int64),
@@ -118,6 +129,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int,
         sampling=st,
         hints=SamplerHints.from_params(params),
         seen=seen,
+        counts=counts,
         max_position=max(positions),
         all_greedy=all(p.temperature == 0.0 for p in params),
         any_penalty=any_penalty,

@@ -203,12 +203,15 @@ class ModelRunner:
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
-                           hints=b.hints, inplace=True)
+                           hints=b.hints, inplace=True, counts=b.counts)
         tok = torch.where(b.active, out.token_ids, -1)
         finish = self._finish_reasons(b, tok)
         if b.seen is not None:
             # Masked rows write False into their own row only; they never sample again.
             b.seen.scatter_(1, tok.clamp(min=0).unsqueeze(1), b.active.unsqueeze(1))
+        if b.counts is not None:  # masked rows add 0
+            b.counts.scatter_add_(1, tok.clamp(min=0).unsqueeze(1),
+                                  b.active.to(b.counts.dtype).unsqueeze(1))
         b.output_count += b.active.to(torch.int32)
         b.input_ids = torch.where(b.active, tok, b.input_ids)
         b.positions = b.positions + b.active.to(torch.int64)

@@ -9,6 +9,8 @@ ops, and only host facts known before the plan (``all_greedy``, ``max_top_n``, t
 Processing follows Hugging Face ``generate()`` (its LogitsProcessors are the reference):
 
 1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over prompt + output tokens,
+   then OpenAI's frequency and presence penalties over output tokens (HF has none; the
+   formula is OpenAI's and vLLM's: ``logit -= frequency * count + presence * (count > 0)``),
 2. ``min_new_tokens``: stop ids get -inf while ``output_count < min_new_tokens``
    (``MinNewTokensLengthLogitsProcessor``, extended to the request's stop ids),
 3. exponential-decay length penalty on the stop-id columns (``ExponentialDecayLengthPenalty``),
@@ -63,6 +65,10 @@ class SamplingTensors:
     # cur_len - (start + prompt_len) = output_count - start, and output_count already counts
     # generated tokens from the request's start (also across preemption and re-prefill).
     prompt_len: Tensor
+    # [B] f32 OpenAI penalties over output tokens, 0 = off; None when no row of the batch uses
+    # them (the sampler then needs no per-row token counts).
+    frequency_penalty: Tensor | None = None
+    presence_penalty: Tensor | None = None
 
 
 @dataclass
@@ -324,9 +330,11 @@ def _stop_columns(stop_ids: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
 
 def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                     output_count: Tensor, any_penalty: bool, hints: SamplerHints,
-                    inplace: bool = False) -> tuple[Tensor, bool]:
+                    inplace: bool = False, counts: Tensor | None = None) -> tuple[Tensor, bool]:
     """HF's logits processors (steps 1-3 of the module doc), for greedy and sampled rows.
 
+    ``counts`` ([B, V] f32, how often each token was generated so far) turns the frequency
+    and presence penalties on; it needs ``st.frequency_penalty`` and ``st.presence_penalty``.
     Returns the processed logits and whether they are a tensor this call owns (safe to
     modify in place). ``logits`` itself is only written when ``inplace``.
     """
@@ -340,6 +348,14 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
         pen = st.repetition_penalty.unsqueeze(1)
         # HF: a seen token's score < 0 is multiplied by the penalty, otherwise divided.
         x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
+        owned = True
+    if counts is not None:
+        assert st.frequency_penalty is not None and st.presence_penalty is not None, \
+            "counts need the frequency and presence penalty columns"
+        # vLLM's order: after the repetition penalty, before everything else.
+        penalty = counts * st.frequency_penalty.unsqueeze(1)
+        penalty.add_((counts > 0).to(counts.dtype).mul_(st.presence_penalty.unsqueeze(1)))
+        x = x.sub_(penalty) if owned else x - penalty
         owned = True
     stop = st.stop_token_ids
     if (hints.any_min_new_tokens or hints.any_length_penalty) and stop.shape[1] > 0:
@@ -368,12 +384,14 @@ class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                  output_count: Tensor, all_greedy: bool, any_penalty: bool,
                  need_logprobs: bool, max_top_n: int, *, hints: SamplerHints | None = None,
-                 inplace: bool = False) -> SamplerOutput:
+                 inplace: bool = False, counts: Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V] f32 raw model logits (written only when ``inplace``). seen: [B, V]
         bool, tokens in prompt or output so far (may be None unless ``any_penalty``).
-        output_count: [B] int32 tokens generated before this step.
+        output_count: [B] int32 tokens generated before this step. counts: [B, V] f32, how
+        often each token was generated so far, when some row has a frequency or presence
+        penalty (None: no row has).
 
         Logprobs, ranks and top-n alternatives are taken from ``log_softmax`` of the logits
         after the penalties (steps 1-3) and the temperature but BEFORE the top-k / top-p /
@@ -383,7 +401,8 @@ class Sampler:
         logprob.
         """
         hints = hints or _DEFAULT_HINTS
-        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace)
+        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace,
+                                   counts)
         if all_greedy:
             tokens, xs = x.argmax(dim=1), x
         else:
@@ -430,14 +449,15 @@ class Sampler:
 
     def warped_logits(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                       output_count: Tensor, any_penalty: bool, *,
-                      hints: SamplerHints | None = None) -> Tensor:
+                      hints: SamplerHints | None = None,
+                      counts: Tensor | None = None) -> Tensor:
         """[B, V] scores the draw sees: processed, tempered, -inf where truncated.
 
         Greedy rows get the processed logits unscaled and untruncated (they take the
         argmax). For tests and debugging; the draw itself never materialises this.
         """
         hints = hints or _DEFAULT_HINTS
-        x, _ = apply_penalties(logits, st, seen, output_count, any_penalty, hints)
+        x, _ = apply_penalties(logits, st, seen, output_count, any_penalty, hints, counts=counts)
         is_greedy = st.temperature <= 0
         xs = x / torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
         vals, ids = _domain(xs, hints)

@@ -43,6 +43,9 @@ class SamplingParams:
     typical_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    # OpenAI's penalties over the output so far: logit -= frequency * count + presence * seen.
+    frequency_penalty: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
     seed: int = 0
     max_new_tokens: int = 16
     min_new_tokens: int = 0

@@ -95,6 +95,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="a plan unfinished after this many seconds means a hung gpu worker: "
                         "its stack is logged and the server exits non-zero (0: off)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on --host; 0: off")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="the model name HTTP clients send (default: the model folder's name)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
@@ -271,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start the gRPC server and all its processes")
+    p = sub.add_parser("serve", help="start the gRPC and HTTP servers and all their processes")
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 

@@ -1,7 +1,8 @@
 """`tandem serve`: the frontend process, which starts and watches every other process.
 
 Start-up: make a private run folder for the ipc sockets, start the scheduler, the gpu
-worker and N postproc workers as separate OS processes, serve gRPC, and turn readiness on
+worker and N postproc workers as separate OS processes, serve gRPC and (`--http-port`) the
+OpenAI-compatible HTTP API on the same event loop and engine client, and turn readiness on
 once every process has reported in and a warm-up request has gone through.
 
 Supervision (DESIGN.md section 5): one thread per child waits for its exit, so a death is
@@ -12,7 +13,8 @@ The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the 
 then has the worker dump its stacks to the log and treats it as dead.  Either way: health
 NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
 stopped, exit code 1.
-SIGTERM/SIGINT: NOT_SERVING at once, new requests get UNAVAILABLE, in-flight ones finish
+SIGTERM/SIGINT: NOT_SERVING (HTTP /health 503) at once, new requests get UNAVAILABLE (HTTP
+503), in-flight ones finish
 up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
 children, sockets, run folder and shm segments are removed.
 """
@@ -45,10 +47,11 @@ from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
 from rpc.engine_client import EngineClient
+from rpc.frontend import Frontend
 from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.validation import Limits
-from tandem.preflight import check_model, check_ports, load_tokenizer
+from tandem.preflight import bound_socket, check_model, check_ports, load_tokenizer
 from tandem.tp_node import free_local_addr
 from tokenization.tokenizer import Tokenizer
 
@@ -233,8 +236,11 @@ class Launcher:
         check_ports(self.cfg)
         server = grpc.aio.server(options=GRPC_OPTIONS)
         self._bind(server)
+        http_sock = bound_socket("--http-port", self.cfg.host, self.cfg.http_port) \
+            if self.cfg.http_port else None
         engine = EngineClient(self.cfg)
         engine.start()
+        frontend = Frontend(engine, tok)
         reports: AsyncReceiver[object] | None = (
             AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
             if self.cfg.addresses.supervisor else None)
@@ -245,10 +251,15 @@ class Launcher:
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
              ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-        servicer = GenerationServicer(engine, tok)
-        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
         add_admin_service(server, engine)
         await server.start()
+        http = None
+        if http_sock is not None:
+            from openai_api.server import create_http_server
+
+            http = create_http_server(self.cfg, frontend, http_sock)
+            await http.start()
         serve_metrics(self.cfg.metrics_port)
         await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
         await _set_health(health_servicer, SERVICE_NAME,
@@ -257,8 +268,7 @@ class Launcher:
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         watching = asyncio.create_task(self._read_reports(reports)) if reports else None
         peers = asyncio.create_task(self._watch_peers(engine)) if self.cfg.standalone else None
-        starting = asyncio.create_task(
-            self._become_ready(engine, tok, servicer, health_servicer))
+        starting = asyncio.create_task(self._become_ready(frontend, health_servicer))
         failed = asyncio.ensure_future(self._failure)
         stopping = asyncio.create_task(self._stop.wait())
         try:
@@ -276,9 +286,9 @@ class Launcher:
             if self.startup_error is not None:  # the caller prints it; nothing was served
                 self.exit_code = 2
             elif failed.done():
-                await self._fail_everything(engine, health_servicer, failed.result())
+                await self._fail_everything(frontend, health_servicer, failed.result())
             elif stopping.done():
-                await self._drain(engine, servicer, health_servicer)
+                await self._drain(frontend, health_servicer)
         finally:
             for task in (watching, starting, stopping, peers):
                 if task is not None:
@@ -288,6 +298,9 @@ class Launcher:
             await _set_health(health_servicer, SERVICE_NAME,
                               health_pb2.HealthCheckResponse.NOT_SERVING)
             await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+            frontend.serving = False
+            if http is not None:
+                await http.stop()
             # Cancels whatever is still open after the grace, so stop never waits for long
             # streams.
             await server.stop(grace=GRPC_STOP_GRACE)
@@ -342,13 +355,15 @@ class Launcher:
                       eos_token_ids=tuple(tok.eos_token_ids),
                       include_stop_sequence=self.cfg.include_stop_sequence)
 
-    async def _become_ready(self, engine: EngineClient, tok: Tokenizer,
-                            servicer: GenerationServicer, health_servicer: object) -> None:
+    async def _become_ready(self, frontend: Frontend, health_servicer: object) -> None:
+        engine, tok = frontend.engine, frontend.tok
         await engine.ready.wait()
-        servicer.limits = self._limits(engine, tok)
+        frontend.limits = self._limits(engine, tok)
         await self._warm_up(engine, tok)
         await _set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d", self.cfg.model, self.cfg.host, self.cfg.port)
+        frontend.serving = True
+        http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
+        log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
 
     async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
         """One short greedy request through every process before readiness turns on."""
@@ -393,9 +408,11 @@ class Launcher:
         self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
-    async def _fail_everything(self, engine: EngineClient, health_servicer: object,
+    async def _fail_everything(self, frontend: Frontend, health_servicer: object,
                                message: str) -> None:
+        engine = frontend.engine
         self.exit_code = 1
+        frontend.serving = False
         await _set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)
         await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -403,19 +420,19 @@ class Launcher:
         engine.fail_all(f"{message}; the server is shutting down")
         await _flush(engine)
 
-    async def _drain(self, engine: EngineClient, servicer: GenerationServicer,
-                     health_servicer: object) -> None:
+    async def _drain(self, frontend: Frontend, health_servicer: object) -> None:
+        engine = frontend.engine
         await _set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)
         await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-        servicer.accepting = False
+        frontend.accepting = False
         timeout = self.cfg.shutdown_timeout
         deadline = time.monotonic() + timeout
         log.info("draining %d in-flight requests (up to %g s)", engine.num_in_flight, timeout)
         assert self._failure is not None
         while engine.num_in_flight and time.monotonic() < deadline:
             if self._failure.done():  # a child died while we drained
-                await self._fail_everything(engine, health_servicer, self._failure.result())
+                await self._fail_everything(frontend, health_servicer, self._failure.result())
                 return
             await asyncio.sleep(0.05)
         if engine.num_in_flight:

@@ -41,10 +41,15 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None,
+                 http: bool = False) -> None:
         self.port = free_port()
+        # The OpenAI-compatible API on a port of its own when asked (tests/conftest.py turns
+        # it off by default: many servers run at once).
+        self.http_port = free_port() if http else 0
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
-               "--port", str(self.port), "--log-level", "WARNING", *flags]
+               "--port", str(self.port), "--http-port", str(self.http_port),
+               "--log-level", "WARNING", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
@@ -105,9 +110,9 @@ class Server:
         return out
 
 
-def running(model: str, *flags: str) -> Iterator[Server]:
+def running(model: str, *flags: str, http: bool = False) -> Iterator[Server]:
     """A module fixture's server: SERVING for the tests, then stopped with exit code 0."""
-    server = Server(model, *flags).wait_ready()
+    server = Server(model, *flags, http=http).wait_ready()
     try:
         yield server
     finally:

@@ -67,6 +67,17 @@ def test_port_in_use(tiny_model_dir: pathlib.Path) -> None:
     assert proc.stderr.strip() == line
 
 
+def test_http_port_in_use(tiny_model_dir: pathlib.Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()),
+                     "--http-port", str(port))
+    line = assert_one_line_error(proc, f"--http-port {port}", "in use")
+    assert proc.stderr.strip() == line
+
+
 @pytest.mark.slow
 def test_checkpoint_the_gpu_worker_cannot_load(tmp_path: pathlib.Path,
                                                tiny_model_dir: pathlib.Path) -> None:
