@@ -12,8 +12,10 @@ Processing follows Hugging Face ``generate()`` (its LogitsProcessors are the ref
 2. ``min_new_tokens``: stop ids get -inf while ``output_count < min_new_tokens``
    (``MinNewTokensLengthLogitsProcessor``, extended to the request's stop ids),
 3. exponential-decay length penalty on the stop-id columns (``ExponentialDecayLengthPenalty``),
-4. greedy rows (temperature 0) take the argmax here;
-5. sampled rows: temperature, top-k, top-p, min-p, typical-p (HF's warper order in
+4. guided decoding (``blocked``): forbidden tokens get -inf, as HF applies a custom
+   LogitsProcessor after its own processors and before the warpers;
+5. greedy rows (temperature 0) take the argmax here;
+6. sampled rows: temperature, top-k, top-p, min-p, typical-p (HF's warper order in
    ``_get_logits_processor``), then a seeded draw from what is left.
 
 Truncation never sorts the vocabulary: a full sort of [32, 32000] costs ~80 ms on one CPU
@@ -324,11 +326,14 @@ def _stop_columns(stop_ids: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
 
 def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                     output_count: Tensor, any_penalty: bool, hints: SamplerHints,
-                    inplace: bool = False) -> tuple[Tensor, bool]:
+                    inplace: bool = False, may_block: Tensor | None = None
+                    ) -> tuple[Tensor, bool]:
     """HF's logits processors (steps 1-3 of the module doc), for greedy and sampled rows.
 
     Returns the processed logits and whether they are a tensor this call owns (safe to
-    modify in place). ``logits`` itself is only written when ``inplace``.
+    modify in place). ``logits`` itself is only written when ``inplace``. ``may_block`` [B]
+    bool: rows whose stop ids min_new_tokens may hold back (guided rows whose constraint
+    allows nothing else keep them); None: every row.
     """
     x, owned = logits, inplace
     if x.dtype != torch.float32 or not x.is_contiguous():
@@ -349,6 +354,8 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
         vals = x.gather(1, cols)
         if hints.any_min_new_tokens:
             block = (output_count < st.min_new_tokens) & has_stop
+            if may_block is not None:
+                block &= may_block
             vals.masked_fill_(block.unsqueeze(1), float("-inf"))
         if hints.any_length_penalty:
             # HF: once n = output_count passes start, stop logits += |logit| * (decay**(n -
@@ -368,35 +375,41 @@ class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                  output_count: Tensor, all_greedy: bool, any_penalty: bool,
                  need_logprobs: bool, max_top_n: int, *, hints: SamplerHints | None = None,
-                 inplace: bool = False) -> SamplerOutput:
+                 inplace: bool = False, blocked: Tensor | None = None,
+                 may_block: Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V] f32 raw model logits (written only when ``inplace``). seen: [B, V]
         bool, tokens in prompt or output so far (may be None unless ``any_penalty``).
-        output_count: [B] int32 tokens generated before this step.
+        output_count: [B] int32 tokens generated before this step. blocked: [B, V] bool,
+        tokens guided decoding forbids (step 4); may_block: see ``apply_penalties``.
 
         Logprobs, ranks and top-n alternatives are taken from ``log_softmax`` of the logits
         after the penalties (steps 1-3) and the temperature but BEFORE the top-k / top-p /
         min-p / typical-p truncation, so they describe the model's (penalised, tempered)
         distribution and stay comparable across requests whatever truncation each uses;
         greedy rows use temperature 1. rank = 1 + number of tokens with a strictly larger
-        logprob.
+        logprob. They ignore the guided mask too: the model's distribution, not the draw's.
         """
         hints = hints or _DEFAULT_HINTS
-        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace)
-        if all_greedy:
-            tokens, xs = x.argmax(dim=1), x
-        else:
-            is_greedy = st.temperature <= 0
-            greedy = x.argmax(dim=1) if hints.any_greedy else None
+        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace,
+                                   may_block)
+        is_greedy = st.temperature <= 0
+        if not all_greedy:  # greedy rows divide by 1: their argmax is unchanged
             temp = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
-            xs = x.div_(temp) if owned else x / temp
-            tokens = self._draw(xs, st, output_count, hints)
-            if greedy is not None:
-                tokens = torch.where(is_greedy, greedy, tokens)
+            x, owned = (x.div_(temp) if owned else x / temp), True
+        lp = torch.log_softmax(x, dim=1) if need_logprobs or max_top_n > 0 else None
+        if blocked is not None:
+            x = x.masked_fill_(blocked, float("-inf")) if owned else \
+                x.masked_fill(blocked, float("-inf"))
+        if all_greedy:
+            tokens = x.argmax(dim=1)
+        else:
+            tokens = self._draw(x, st, output_count, hints)
+            if hints.any_greedy:
+                tokens = torch.where(is_greedy, x.argmax(dim=1), tokens)
         out = SamplerOutput(tokens, None, None, None, None)
-        if need_logprobs or max_top_n > 0:
-            lp = torch.log_softmax(xs, dim=1)
+        if lp is not None:
             if need_logprobs:
                 chosen = lp.gather(1, tokens.unsqueeze(1))
                 out.logprobs = chosen.squeeze(1)
