@@ -77,9 +77,10 @@ class GuidedRegistry:
         if t.token_class.shape != (self.vocab_size,):
             raise ValueError(f"guided table {t.table_id}: token_class has shape "
                              f"{t.token_class.shape}, the model's vocab_size is {self.vocab_size}")
-        nxt = torch.from_numpy(np.ascontiguousarray(t.next_state, dtype=np.int32)).to(self.device)
-        cls = torch.from_numpy(np.ascontiguousarray(t.token_class, dtype=np.int32))
-        return DeviceTable(nxt, nxt.view(-1), cls.to(self.device), t)
+        # Copies: a decoded message's arrays are read-only views of its frames.
+        nxt = torch.tensor(np.asarray(t.next_state, dtype=np.int32), device=self.device)
+        cls = torch.tensor(np.asarray(t.token_class, dtype=np.int32), device=self.device)
+        return DeviceTable(nxt, nxt.view(-1), cls, t)
 
     def table(self, table_id: str) -> DeviceTable:
         table = self.tables.get(table_id)

@@ -7,6 +7,7 @@ and resent meanwhile), with seeds, with min_new_tokens, and under the host-sync 
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator
@@ -18,9 +19,11 @@ import torch
 
 from bench.guided_tables import choice_regex, json_schema_regex
 from gpu_worker.guided import GuidedBatch
+from gpu_worker.runner import ModelRunner
 from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
+    grammar,
     guided,
     guided_checkpoint,
     hf_guided,
@@ -258,3 +261,55 @@ def test_k_step_loop_with_guided_rows_never_reads_the_device(path: str, k: int) 
             d.run(k)
     finally:
         GuidedBatch.masks = masks  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+def _graph_run(path: str, runner: Any) -> dict[int, list[int]]:
+    g = grammar(f"start: /{NUM}/")
+    d, tables = Driver(runner, seed=19), [table(path, rx) for rx in (NUM, JSON)]
+    for c in (*tables, g):
+        d.send_table(c)
+    p = random_prompts([5, 40, 17, 28], 512, seed=20)
+    d.add(0, p[0], guided(tables[0], 40))
+    d.add(1, p[1])
+    d.add(2, p[2], guided(tables[1], 40, temperature=0.8, seed=2, logprobs=True, top_n=2))
+    d.run(4)
+    d.add(3, p[3], guided(g, 40, min_new_tokens=3))
+    d.run_until_done([8, 1])
+    assert d.reqs[0].out == hf_guided(path, NUM, p[0], 40)
+    _check_matches(path, d.reqs[2].out, JSON)
+    _check_matches(path, d.reqs[3].out, NUM)
+    return d.outputs()
+
+
+def test_guided_rows_on_the_graph_plumbing_on_cpu(path: str) -> None:
+    """Replayed 'graphs' (eager on CPU) hand the guided mask the static logits buffer."""
+    from gpu_worker.cuda_graphs import DecodeGraphs
+    from tests.gpu_worker.test_runner_graphs import EagerReplay
+
+    class CpuGraphs(DecodeGraphs):
+        def _record(self, run: Any) -> tuple[EagerReplay, torch.Tensor]:
+            replay = EagerReplay(run)
+            return replay, replay.out
+
+    runner = make_runner(path, max_model_len=300, max_num_seqs=8)
+    runner.graphs = CpuGraphs(runner.forward_decode, 8, -(-300 // 16), 16, runner.device)
+    assert _graph_run(path, runner) == _graph_run(path, make_runner(path, max_model_len=300))
+    assert runner.graphs._graphs
+
+
+@pytest.mark.gpu
+def test_guided_rows_with_cuda_graphs_match_eager(path: str) -> None:
+    def runner(graphs: bool) -> ModelRunner:
+        r = ModelRunner(path, device="cuda", dtype="float32", block_size=16,
+                        num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs)
+        # Dispatch checks only: the publisher and grammar threads wait on copy events.
+        r.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)
+        return r
+
+    graphed = runner(True)
+    with_graphs = _graph_run(path, graphed)
+    assert graphed.graphs is not None and graphed.graphs.enabled and graphed.graphs._graphs
+    assert with_graphs == _graph_run(path, runner(False))
