@@ -24,12 +24,16 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from proto.messages import GuidedGrammar
+
+if TYPE_CHECKING:
+    from gpu_worker.batch import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -86,9 +90,10 @@ class GrammarRegistry:
         _consume(matcher, output)
         return matcher
 
-    def rows(self, rows: list[int], matchers: list[Any]) -> GrammarRows:
+    def rows(self, lo: int, reqs: list[RequestState]) -> GrammarRows:
+        """The grammar rows [lo, lo + len(reqs)) of a plan's decode batch."""
         assert self._thread is not None and self._executor is not None
-        return GrammarRows(rows, matchers, self.vocab_size, self._tokenizer.vocab_size,
+        return GrammarRows(lo, reqs, self.vocab_size, self._tokenizer.vocab_size,
                            self.device, self._thread, self._executor)
 
 
@@ -102,14 +107,26 @@ def _consume(matcher: Any, tokens: list[int]) -> None:
             log.warning("grammar matcher rejected token %d: %s", tok, matcher.get_error())
 
 
-class GrammarRows:
-    """The grammar rows of one plan: their matchers, the helper thread's queue, and the
-    bitmask of the step about to sample."""
+def _stop_columns(reqs: list[RequestState]) -> np.ndarray:
+    """[G, S] stop ids of the rows, padded with each row's first (a repeated column is
+    harmless: they are only cleared); rows without stop ids point at token 0."""
+    width = max(1, max(len(r.sampling.stop_token_ids) for r in reqs))
+    out = np.zeros((len(reqs), width), dtype=np.int64)
+    for j, r in enumerate(reqs):
+        ids = r.sampling.stop_token_ids
+        if ids:
+            out[j] = ids + [ids[0]] * (width - len(ids))
+    return out
 
-    def __init__(self, rows: list[int], matchers: list[Any], vocab_size: int, llg_vocab: int,
+
+class GrammarRows:
+    """The grammar rows [lo, hi) of one plan: their matchers, the helper thread's queue, and
+    the mask of the step about to sample."""
+
+    def __init__(self, lo: int, reqs: list[RequestState], vocab_size: int, llg_vocab: int,
                  device: torch.device, thread: ThreadPoolExecutor, executor: Any) -> None:
-        self.rows = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        self.matchers = matchers
+        self.lo, self.hi = lo, lo + len(reqs)
+        self.matchers = [r.matcher for r in reqs]
         self.vocab_size = vocab_size
         self.device = device
         self._cuda = device.type == "cuda"
@@ -117,27 +134,45 @@ class GrammarRows:
         self._thread = thread
         words = (llg_vocab + 31) // 32
         # Two host buffers: the helper fills one while the other may still be uploading.
-        self._buffers = [torch.empty((len(rows), words), dtype=torch.int32,
+        self._buffers = [torch.empty((len(reqs), words), dtype=torch.int32,
                                      pin_memory=self._cuda) for _ in range(2)]
-        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        # Bit j of byte b forbids token 8b + j when clear: a [256, 8] lookup of 0 / -inf
+        # biases unpacks a byte per row gathered (2-3x faster than shifting every word by
+        # 0..31), and adding the bias is cheaper than a masked_fill_.
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        self._unpack = torch.where(bits == 0, float("-inf"), 0.0).to(device)
+        self._stops = None
+        if any(r.sampling.min_new_tokens > 0 for r in reqs):
+            self._stops = torch.from_numpy(_stop_columns(reqs)).to(device)
+        self.bias: Tensor | None = None  # this step's [G, V] bias: -inf = forbidden, else 0
+        self._bias_buf = torch.empty(len(reqs) * words * 4, 8, device=device)
         self._next = 0  # buffer of the next mask
         self._pending: Future[int | None] = thread.submit(self._fill, 0)
 
     # ---------------------------------------------------------------- main thread
 
-    def fill(self, blocked: Tensor) -> None:
-        """Write this step's grammar masks into `blocked`'s rows: waits for the helper."""
+    def prepare(self, may_block: Tensor | None) -> None:
+        """This step's mask from the helper (waits for it), and which rows min_new_tokens may
+        hold back from their stop ids."""
         index = self._pending.result()
         assert index is not None, "a mask was asked for after the plan's last step"
-        mask = self._buffers[index].to(self.device, non_blocking=True)
-        bits = torch.bitwise_right_shift(mask.unsqueeze(2), self._shifts).bitwise_and_(1)
-        flat = bits.view(mask.shape[0], -1)[:, : self.vocab_size]
-        blocked.index_copy_(0, self.rows, flat == 0)
+        words = self._buffers[index].to(self.device, non_blocking=True)
+        rows = words.shape[0]
+        by_byte = words.view(torch.uint8).view(-1).to(torch.int32)
+        bias = torch.index_select(self._unpack, 0, by_byte, out=self._bias_buf)
+        self.bias = bias.view(rows, -1)[:, : self.vocab_size]
+        if self._stops is not None and may_block is not None:
+            allowed = (self.bias == 0).scatter_(1, self._stops, False)
+            may_block[self.lo: self.hi] = allowed.any(dim=1)
+
+    def apply_(self, logits: Tensor) -> None:
+        assert self.bias is not None, "prepare() comes first"
+        logits[self.lo: self.hi].add_(self.bias)
 
     def submit(self, tokens: Tensor, last: bool) -> None:
         """Queue step k's tokens: the helper advances the matchers and, unless it was the
         plan's last step, fills step k+1's mask.  Reads no device value here."""
-        mine = tokens.index_select(0, self.rows)
+        mine = tokens[self.lo: self.hi]
         event = None
         if self._cuda:
             host = torch.empty(mine.shape, dtype=mine.dtype, pin_memory=True)

@@ -2,17 +2,20 @@
 masks and state advances of the guided rows of the decode batch.
 
 A `GuidedTable` (regex, choice, JSON schema) is uploaded once, when a plan first sends it,
-and stays until a plan drops its id.  Each plan then packs its guided rows by table, with
-static shapes (row lists, a [B] state vector and a [B, V] mask buffer fixed for the plan), so
-that every one of the K steps is a fixed sequence of device ops with no host read:
+and stays until a plan drops its id.  A plan's decode batch puts its guided rows first,
+grouped by table, so each group is a fixed slice of the batch; every one of the K steps then
+runs a fixed sequence of device ops per group, with no host read and no data-dependent shape:
 
-    blocked[row] = next_state[state[row]][token_class] < 0        (before the sampler's draw)
-    state[row]   = next_state[state[row], token_class[token]]     (after it)
+    bias[r, c]    = -inf if next_state[state[r], c] < 0 else 0     a [G, C] lookup
+    logits[r, v] += bias[r, token_class[v]]                        before the sampler's draw
+    state[r]      = next_state[state[r], token_class[tok[r]]]      after it
 
-A state only the host knows between plans: `_collect` reads the [B] state vector back with
-the plan's tokens, and a resumed (preempted) request replays its kept output through the
-table on the host.  Grammar rows (`gpu_worker/grammar.py`) share the mask buffer; their mask
-comes from llguidance on the host, one step behind.
+Adding a 0 / -inf bias gathered from the small [G, C] class mask is branch-free: on a CPU it
+costs about half of a `masked_fill_` with a [G, V] boolean mask.  Unguided rows are not
+touched at all.  Between plans the state lives on the host: `_collect` reads the state
+vector back with the plan's tokens, and a resumed (preempted) request replays its kept output
+through the table on the host.  Grammar rows (`gpu_worker/grammar.py`) follow as one more
+slice; their mask comes from llguidance on the host, one step behind.
 """
 from __future__ import annotations
 
@@ -32,8 +35,8 @@ class DeviceTable:
     """One table, on the device and (for replays after preemption) on the host."""
 
     next_state: Tensor  # int32 [S + 1, C]
-    flat: Tensor  # the same, flattened: next state of (state, class) at state * C + class
-    token_class: Tensor  # int32 [V]
+    flat: Tensor  # the same, flat: next state of (state, class) at state * C + class
+    token_class: Tensor  # int64 [V]
     host: GuidedTable
 
     @property
@@ -52,6 +55,10 @@ class DeviceTable:
             nxt = int(next_state[state, token_class[tok]])
             state = nxt if nxt >= 0 else self.num_states  # never sampled; end the constraint
         return state
+
+    def class_sizes(self) -> np.ndarray:
+        """Tokens per class [C] (host)."""
+        return np.bincount(self.host.token_class, minlength=self.num_classes)
 
 
 class GuidedRegistry:
@@ -79,7 +86,7 @@ class GuidedRegistry:
                              f"{t.token_class.shape}, the model's vocab_size is {self.vocab_size}")
         # Copies: a decoded message's arrays are read-only views of its frames.
         nxt = torch.tensor(np.asarray(t.next_state, dtype=np.int32), device=self.device)
-        cls = torch.tensor(np.asarray(t.token_class, dtype=np.int32), device=self.device)
+        cls = torch.tensor(np.asarray(t.token_class, dtype=np.int64), device=self.device)
         return DeviceTable(nxt, nxt.view(-1), cls, t)
 
     def table(self, table_id: str) -> DeviceTable:
@@ -108,90 +115,114 @@ class GuidedRegistry:
         req.guided_state, req.matcher = -1, None
 
     def batch(self, reqs: list[RequestState]) -> GuidedBatch | None:
-        """The plan's guided rows packed for the device; None when it has none."""
-        kinds = [r.sampling.guided_kind for r in reqs]
-        if all(k == GuidedKind.NONE for k in kinds):
+        """The plan's guided rows packed for the device; None when it has none.  `reqs` must
+        be in `batch_order`."""
+        if not reqs or reqs[0].sampling.guided_kind == GuidedKind.NONE:
             return None
         return GuidedBatch(self, reqs)
 
 
-@dataclass
-class _TableRows:
-    table: DeviceTable
-    rows: Tensor  # int64 [G]: the rows of the batch that use it
+def batch_order(reqs: list[RequestState]) -> list[RequestState]:
+    """Guided rows first, grouped by table, then grammar rows, then the rest: each group is a
+    slice of the decode batch (row order means nothing else: tokens travel with their ids)."""
+    def key(r: RequestState) -> tuple[int, str]:
+        kind = r.sampling.guided_kind
+        rank = {GuidedKind.TABLE: 0, GuidedKind.GRAMMAR: 1}.get(kind, 2)
+        return rank, r.sampling.guided_id if kind == GuidedKind.TABLE else ""
+    return sorted(reqs, key=key)
 
 
-def _stop_columns(reqs: list[RequestState], rows: list[int]) -> np.ndarray:
-    """[G, S] stop ids of the rows, padded with each row's first (a repeated column is
-    harmless: they are only ever cleared); rows without stop ids point at token 0."""
-    width = max(1, max(len(reqs[i].sampling.stop_token_ids) for i in rows))
-    out = np.zeros((len(rows), width), dtype=np.int64)
-    for j, i in enumerate(rows):
-        ids = reqs[i].sampling.stop_token_ids
-        if ids:
-            out[j] = ids + [ids[0]] * (width - len(ids))
+def _nonstop_classes(table: DeviceTable, reqs: list[RequestState]) -> np.ndarray:
+    """[G, C] bool: the class holds some token that is not one of the row's stop ids."""
+    sizes = table.class_sizes()
+    vocab = len(table.host.token_class)
+    out = np.ones((len(reqs), table.num_classes), dtype=bool)
+    for j, r in enumerate(reqs):
+        stops = np.unique([t for t in r.sampling.stop_token_ids if 0 <= t < vocab])
+        stop_counts = np.bincount(table.host.token_class[stops.astype(np.int64)],
+                                  minlength=table.num_classes)
+        out[j] = sizes > stop_counts
     return out
+
+
+@dataclass
+class _Group:
+    """The rows [lo, hi) of the batch that use one table."""
+
+    table: DeviceTable
+    lo: int
+    hi: int
+    nonstop: Tensor | None  # [G, C] bool, when some row of the group has min_new_tokens
+    vocab_bias: Tensor  # [G, V] f32, rewritten every step (one buffer per plan: no allocation)
+    bias: Tensor | None = None  # this step's [G, C] class bias: -inf = forbidden, else 0
 
 
 class GuidedBatch:
     """The guided rows of one plan's decode batch: their states, masks and advances."""
 
     def __init__(self, registry: GuidedRegistry, reqs: list[RequestState]) -> None:
-        dev, size, vocab = registry.device, len(reqs), registry.vocab_size
-        by_table: dict[str, list[int]] = {}
-        grammar_rows: list[int] = []
-        for i, r in enumerate(reqs):
-            if r.sampling.guided_kind == GuidedKind.TABLE:
-                by_table.setdefault(r.sampling.guided_id, []).append(i)
-            elif r.sampling.guided_kind == GuidedKind.GRAMMAR:
-                grammar_rows.append(i)
-        self.tables = [_TableRows(registry.table(tid), _rows(rows, dev))
-                       for tid, rows in by_table.items()]
-        self.table_rows = [i for rows in by_table.values() for i in rows]
-        self.state = torch.tensor([max(r.guided_state, 0) for r in reqs],
+        dev = registry.device
+        self.groups: list[_Group] = []
+        lo = 0
+        while lo < len(reqs) and reqs[lo].sampling.guided_kind == GuidedKind.TABLE:
+            tid = reqs[lo].sampling.guided_id
+            hi = lo
+            while (hi < len(reqs) and reqs[hi].sampling.guided_kind == GuidedKind.TABLE
+                   and reqs[hi].sampling.guided_id == tid):
+                hi += 1
+            table, rows = registry.table(tid), reqs[lo:hi]
+            nonstop = None
+            if any(r.sampling.min_new_tokens > 0 for r in rows):
+                nonstop = torch.from_numpy(_nonstop_classes(table, rows)).to(dev)
+            buf = torch.empty(hi - lo, registry.vocab_size, device=dev)
+            self.groups.append(_Group(table, lo, hi, nonstop, buf))
+            lo = hi
+        self.num_table_rows = lo
+        self.state = torch.tensor([max(r.guided_state, 0) for r in reqs[:lo]],
                                   dtype=torch.int32).to(dev, non_blocking=True)
-        # True where a token is forbidden; unguided rows stay all False.
-        self.blocked = torch.zeros(size, vocab, dtype=torch.bool, device=dev)
+        hi = lo
+        while hi < len(reqs) and reqs[hi].sampling.guided_kind == GuidedKind.GRAMMAR:
+            hi += 1
         self.grammar: GrammarRows | None = None
-        if grammar_rows:
-            self.grammar = registry.grammars.rows(
-                grammar_rows, [reqs[i].matcher for i in grammar_rows])
-        # min_new_tokens may only block stop ids where the constraint allows something else.
-        strict = [i for i, r in enumerate(reqs)
-                  if r.sampling.guided_kind != GuidedKind.NONE and r.sampling.min_new_tokens > 0]
-        self.may_block: Tensor | None = None
-        if strict:
-            self.may_block = torch.ones(size, dtype=torch.bool, device=dev)
-            self._strict_rows = _rows(strict, dev)
-            self._strict_stops = torch.from_numpy(_stop_columns(reqs, strict)).to(dev)
+        if hi > lo:
+            self.grammar = registry.grammars.rows(lo, reqs[lo:hi])
+        # min_new_tokens may only hold back stop ids where the constraint allows more.
+        strict = any(r.sampling.guided_kind != GuidedKind.NONE and r.sampling.min_new_tokens
+                     for r in reqs)
+        self.may_block = torch.ones(len(reqs), dtype=torch.bool, device=dev) if strict else None
 
-    def masks(self) -> tuple[Tensor, Tensor | None]:
-        """This step's forbidden tokens [B, V] and which rows min_new_tokens may hold back
-        from their stop ids [B] (None: every row).  Grammar rows wait for the host here,
-        after the step's forward was launched."""
-        for t in self.tables:
-            st = self.state.index_select(0, t.rows)
-            bad = t.table.next_state.index_select(0, st) < 0  # [G, C]
-            self.blocked.index_copy_(0, t.rows, bad.index_select(1, t.table.token_class))
+    def prepare(self) -> Tensor | None:
+        """This step's masks, and which rows min_new_tokens may hold back from their stop ids
+        ([B] bool; None: every row).  Grammar rows wait for the host here, after the step's
+        forward was launched."""
+        for g in self.groups:
+            bad = g.table.next_state.index_select(0, self.state[g.lo: g.hi]) < 0
+            g.bias = torch.where(bad, float("-inf"), 0.0)
+            if g.nonstop is not None and self.may_block is not None:
+                self.may_block[g.lo: g.hi] = (g.nonstop & ~bad).any(dim=1)
         if self.grammar is not None:
-            self.grammar.fill(self.blocked)
-        if self.may_block is not None:
-            allowed = self.blocked.index_select(0, self._strict_rows).logical_not_()
-            allowed.scatter_(1, self._strict_stops, False)
-            self.may_block.index_copy_(0, self._strict_rows, allowed.any(dim=1))
-        return self.blocked, self.may_block
+            self.grammar.prepare(self.may_block)
+        return self.may_block
+
+    def apply_(self, logits: Tensor) -> None:
+        """Step 4 of the sampler: -inf on every token the guided rows' states forbid."""
+        for g in self.groups:
+            assert g.bias is not None, "prepare() comes first"
+            index = g.table.token_class.expand(g.hi - g.lo, -1)
+            logits[g.lo: g.hi].add_(torch.gather(g.bias, 1, index, out=g.vocab_bias))
+        if self.grammar is not None:
+            self.grammar.apply_(logits)
 
     def advance(self, tokens: Tensor, active: Tensor, last: bool) -> None:
         """Step every active guided row's state past its sampled token (-1: masked row)."""
-        for t in self.tables:
-            st = self.state.index_select(0, t.rows)
-            tok = tokens.index_select(0, t.rows).clamp(min=0)
-            cls = t.table.token_class.index_select(0, tok)
-            nxt = t.table.flat.index_select(0, st * t.table.num_classes + cls)
+        for g in self.groups:
+            t = g.table
+            st = self.state[g.lo: g.hi]
+            cls = t.token_class.index_select(0, tokens[g.lo: g.hi].clamp(min=0))
+            nxt = t.flat.index_select(0, st.to(torch.int64) * t.num_classes + cls)
             # A forbidden token is never sampled; were one, DONE ends the constraint.
-            nxt = torch.where(nxt >= 0, nxt, t.table.num_states)
-            keep = active.index_select(0, t.rows)
-            self.state.index_copy_(0, t.rows, torch.where(keep, nxt, st))
+            nxt = torch.where(nxt >= 0, nxt, t.num_states)
+            st.copy_(torch.where(active[g.lo: g.hi], nxt, st))
         if self.grammar is not None:
             self.grammar.submit(tokens, last)
 
@@ -199,11 +230,7 @@ class GuidedBatch:
         """After the plan: the table states read back with its tokens, and the grammar
         matchers done with its last step."""
         if states is not None:
-            for i in self.table_rows:
+            for i in range(self.num_table_rows):
                 reqs[i].guided_state = int(states[i])
         if self.grammar is not None:
             self.grammar.wait()
-
-
-def _rows(rows: list[int], device: torch.device) -> Tensor:
-    return torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)

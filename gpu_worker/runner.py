@@ -20,7 +20,7 @@ import torch
 from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
-from gpu_worker.guided import GuidedRegistry
+from gpu_worker.guided import GuidedRegistry, batch_order
 from gpu_worker.models.loader import load_model
 from gpu_worker.sampler import Sampler
 from ipc.tracing import TRACER
@@ -202,11 +202,12 @@ class ModelRunner:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
                                          b.max_position + step + 1)
         # Guided rows' masks after the forward is under way (grammar rows wait for the host).
-        blocked, may_block = b.guided.masks() if b.guided is not None else (None, None)
+        may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
-                           hints=b.hints, inplace=True, blocked=blocked, may_block=may_block)
+                           hints=b.hints, inplace=True, may_block=may_block,
+                           mask=b.guided.apply_ if b.guided is not None else None)
         tok = torch.where(b.active, out.token_ids, -1)
         if b.guided is not None:
             b.guided.advance(tok, b.active, last)
@@ -253,7 +254,7 @@ class ModelRunner:
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
-        decoding = [r for r in self.requests.values() if r.decoding]
+        decoding = batch_order([r for r in self.requests.values() if r.decoding])
         steps: list[StepTensors] = []
         batch: DecodeBatch | None = None
         if decoding:
@@ -307,7 +308,7 @@ class ModelRunner:
         finished = [r for rid in named if (r := self.requests.get(rid)) and r.finished]
         counts = np.zeros(len(decoding), dtype=np.int32)
         if batch is not None and batch.guided is not None:
-            states = batch.guided.state.cpu().numpy() if batch.guided.tables else None
+            states = batch.guided.state.cpu().numpy() if batch.guided.groups else None
             batch.guided.finish(decoding, states)
         if steps:
             toks = torch.stack([s.token_ids for s in steps]).cpu().numpy()  # [K, B]

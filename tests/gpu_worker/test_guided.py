@@ -248,19 +248,19 @@ def test_k_step_loop_with_guided_rows_never_reads_the_device(path: str, k: int) 
         _check_matches(path, d.reqs[rid].out, [NUM, CHOICE, JSON][i])
 
     # The guided work is inside the guard: a host read there fails the plan.
-    masks = GuidedBatch.masks
+    prepare = GuidedBatch.prepare
 
     def reads_host(self: GuidedBatch) -> Any:
         self.state.tolist()
-        return masks(self)
+        return prepare(self)
 
     d.add(6, p[0], guided(tables[0], 40))
-    GuidedBatch.masks = reads_host  # type: ignore[method-assign]
+    GuidedBatch.prepare = reads_host  # type: ignore[method-assign]
     try:
         with pytest.raises(HostSyncError):
             d.run(k)
     finally:
-        GuidedBatch.masks = masks  # type: ignore[method-assign]
+        GuidedBatch.prepare = prepare  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------- CUDA graphs
