@@ -140,6 +140,19 @@ def test_preempted_guided_rows_resume_their_state(path: str) -> None:
     assert d.reqs[2].out == hf_greedy(path, c)
 
 
+def test_guided_rows_with_a_cached_prefix_and_sync_publishing(path: str) -> None:
+    d, (t,) = _driver(path, 21, [JSON])
+    base, tail = random_prompts([80, 21], 512, seed=22)
+    d.add(0, base, guided(t, 40))
+    d.run(4, per_step=False)
+    prompt = base[:64] + tail
+    d.add(1, prompt, guided(t, 40), shared=d.reqs[0].blocks[:4], cached=64)
+    d.run(8, per_step=False)  # sync mode: the plan's tokens go out after its last step
+    d.run_until_done([8])
+    assert d.reqs[0].out == hf_guided(path, JSON, base, 40)
+    assert d.reqs[1].out == hf_guided(path, JSON, prompt, 40)
+
+
 def test_a_table_the_worker_does_not_hold_is_an_error(path: str) -> None:
     d, _ = _driver(path, 1, [])
     t = table(path, NUM)
