@@ -283,6 +283,20 @@ def overhead(ctx: Context) -> str:
          "--batch-sizes", "1,8,32,64", "--repeats", "4"])
 
 
+def guided(ctx: Context) -> str:
+    return command_section(ctx, (
+        "What guided decoding costs a decode step: a 32-row batch of the fast preset (the "
+        "32000-token vocabulary) with no guided rows, then half its rows under a regex, a "
+        "choice and a JSON schema (device tables) or the same schema as a grammar "
+        "(llguidance on the host), K=8, one thread. Each arm has its own runner and their "
+        "plans take turns; the ratio is the median of per-round ratios to the unguided "
+        "plan. The fast preset's step is mostly the LM head and the argmax over 32000 "
+        "logits, so a [rows, vocab] pass is a large share of it: the worst case for the "
+        "mask's relative cost."),
+        ["bench", "step", "--guided", "--model", ctx.models["fast"], "--batch-sizes", "32",
+         "--threads", "1", "--repeats", "5"])
+
+
 def postproc(ctx: Context) -> str:
     return command_section(
         ctx, "Postprocessing throughput next to the decode it has to keep up with.",
@@ -316,6 +330,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
+    "guided": ("Guided decoding (`tandem bench step --guided`)", guided),
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "soak": ("Soak (`tandem bench soak`)", soak),

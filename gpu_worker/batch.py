@@ -7,12 +7,16 @@ device without reading anything back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gpu_worker.sampler import SamplerHints, SamplingTensors
 from proto.messages import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.guided import GuidedBatch, GuidedRegistry
 
 
 @dataclass
@@ -26,6 +30,10 @@ class RequestState:
     prefill_chunk: int = 0  # tokens to prefill in the current plan
     num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
     finished: FinishReason = FinishReason.NOT_FINISHED
+    # Guided decoding, as of the end of `history`: a table row's automaton state, a grammar
+    # row's llguidance matcher (both unset while preempted: the resume replays the output).
+    guided_state: int = -1
+    matcher: Any = None
 
     @property
     def num_generated(self) -> int:
@@ -64,6 +72,7 @@ class DecodeBatch:
     any_penalty: bool
     need_logprobs: bool
     max_top_n: int
+    guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
 
     @property
     def size(self) -> int:
@@ -78,8 +87,8 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
     return out
 
 
-def build_decode_batch(reqs: list[RequestState], vocab_size: int,
-                       device: torch.device) -> DecodeBatch:
+def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
+                       guided: GuidedRegistry | None = None) -> DecodeBatch:
     params = [r.sampling for r in reqs]
 
     def col(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -135,6 +144,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int,
         any_penalty=any_penalty,
         need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
         max_top_n=max(p.top_n for p in params),
+        guided=guided.batch(reqs) if guided is not None else None,
     )
 
 

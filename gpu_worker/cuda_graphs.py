@@ -5,7 +5,9 @@ whose launch cost exceeds their run time.  Replaying a captured graph launches t
 once.  What is captured is `ModelRunner.forward_decode` (slot mapping, attention metadata,
 the whole model and the LM head) over static input buffers; the sampler, the finish checks
 and the state advance run eagerly after each replay on the graph's logits, so every
-sampling option works on the graph path too.
+sampling option works on the graph path too.  So do guided rows: their masks and automaton
+advances (`gpu_worker.guided`) run after the replay on per-plan buffers of fixed shape, and
+a plan with grammar rows waits for the host's bitmask only after the replay is launched.
 
 Graphs are keyed by (batch bucket, gather width bucket):
 

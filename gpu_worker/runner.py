@@ -20,6 +20,7 @@ import torch
 from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
+from gpu_worker.guided import GuidedRegistry, batch_order
 from gpu_worker.models.loader import load_model
 from gpu_worker.sampler import Sampler
 from ipc.tracing import TRACER
@@ -75,6 +76,8 @@ class ModelRunner:
                                            self.device)
         log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
         self.sampler = Sampler()
+        # Constraint tables (on the device) and grammars (host matchers) the plans sent.
+        self.guided = GuidedRegistry(self.device, self.vocab_size, model_dir)
         self.requests: dict[int, RequestState] = {}
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
@@ -107,6 +110,9 @@ class ModelRunner:
             req = self.requests.get(rid)
             if req is not None:
                 req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+                self.guided.pause(req)
+        # Requests dropped first: a table no request uses any more may go in the same plan.
+        self.guided.apply(plan.tables, plan.drop_tables)
         for new in plan.new:
             self._add(new)
         for cont in plan.cont:
@@ -129,6 +135,7 @@ class ModelRunner:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         req.prefill_chunk = new.num_prefill_tokens
+        self.guided.start(req)  # fresh: the initial state; resumed: its output replayed
 
     # ------------------------------------------------------------------ forward passes
 
@@ -192,19 +199,25 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def decode_step(self, b: DecodeBatch, step: int,
-                    graph: GraphStep | None = None) -> StepTensors:
-        """One forward + sample for every row; no host reads."""
+    def decode_step(self, b: DecodeBatch, step: int, graph: GraphStep | None = None,
+                    last: bool = False) -> StepTensors:
+        """One forward + sample for every row; no host reads (grammar rows aside: their
+        mask waits for the host's matchers, see `gpu_worker.grammar`)."""
         if graph is not None:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
                                          b.max_position + step + 1)
+        # Guided rows' masks after the forward is under way (grammar rows wait for the host).
+        may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
-                           hints=b.hints, inplace=True, counts=b.counts)
+                           hints=b.hints, inplace=True, counts=b.counts, may_block=may_block,
+                           mask=b.guided.apply_ if b.guided is not None else None)
         tok = torch.where(b.active, out.token_ids, -1)
+        if b.guided is not None:
+            b.guided.advance(tok, b.active, last)
         finish = self._finish_reasons(b, tok)
         if b.seen is not None:
             # Masked rows write False into their own row only; they never sample again.
@@ -251,10 +264,11 @@ class ModelRunner:
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
-        decoding = [r for r in self.requests.values() if r.decoding]
+        decoding = batch_order([r for r in self.requests.values() if r.decoding])
         steps: list[StepTensors] = []
+        batch: DecodeBatch | None = None
         if decoding:
-            batch = build_decode_batch(decoding, self.vocab_size, self.device)
+            batch = build_decode_batch(decoding, self.vocab_size, self.device, self.guided)
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
             with self.step_guard():
                 steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s)
@@ -263,7 +277,7 @@ class ModelRunner:
         publish.flush()
         forward_time = time.monotonic() - t0
         with TRACER.span("collect", plan.plan_id):
-            done = self._collect(plan, decoding, steps)
+            done = self._collect(plan, decoding, steps, batch)
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         done.decode_only = bool(decoding) and not chunked
@@ -285,7 +299,7 @@ class ModelRunner:
             started = time.perf_counter()
             # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
             with TRACER.span("forward", plan.plan_id, k):
-                st = self.decode_step(batch, k, graph)
+                st = self.decode_step(batch, k, graph, k == last)
             steps.append(st)
             if plan.publish_per_step:
                 with TRACER.span("publish", plan.plan_id, k):
@@ -296,12 +310,16 @@ class ModelRunner:
                 publish(plan, batch, st, st.step == last)
         return steps
 
-    def _collect(self, plan: StepPlan, decoding: list[RequestState],
-                 steps: list[StepTensors]) -> StepDone:
-        """The plan's one host read: append the tokens to the histories, count, report."""
+    def _collect(self, plan: StepPlan, decoding: list[RequestState], steps: list[StepTensors],
+                 batch: DecodeBatch | None) -> StepDone:
+        """The plan's one host read: append the tokens to the histories, count, report (and
+        keep the guided rows' automaton states for the next plan)."""
         named = [n.request_id for n in plan.new] + [c.request_id for c in plan.cont]
         finished = [r for rid in named if (r := self.requests.get(rid)) and r.finished]
         counts = np.zeros(len(decoding), dtype=np.int32)
+        if batch is not None and batch.guided is not None:
+            states = batch.guided.state.cpu().numpy() if batch.guided.groups else None
+            batch.guided.finish(decoding, states)
         if steps:
             toks = torch.stack([s.token_ids for s in steps]).cpu().numpy()  # [K, B]
             fins = torch.stack([s.finish for s in steps]).cpu().numpy()

@@ -22,6 +22,7 @@ from proto.messages import (
     AddRequest,
     ContinueRequest,
     FinishReason,
+    GuidedKind,
     NewRequest,
     PlanEnding,
     PlanProcessed,
@@ -87,6 +88,11 @@ class Scheduler(SchedulerState):
         if problem is not None:
             self._record_failure(req, problem)
             return None
+        problem = self._constraints.problem(msg)
+        if problem is not None:  # the frontend's compiler made it: a bug, not an overload
+            self._record_failure(req, problem, FinishReason.ERROR)
+            return None
+        self._constraints.hold(msg)
         if self.params.enable_prefix_caching:
             req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size)
         self._requests[req.request_id] = req
@@ -161,8 +167,12 @@ class Scheduler(SchedulerState):
         if not draft.preempt:  # blocks ran short for running requests: admit nobody now
             self._admit_waiting(draft)
         drop = self._take_pending_drops(draft.plan_id)
+        # Before _advance: requests that finish by counts inside this plan still need theirs.
+        tables, drop_tables = self._constraints.take()
         self._advance(draft)
-        return self._issue(draft, drop)
+        plan = self._issue(draft, drop)
+        plan.tables, plan.drop_tables = tables, drop_tables
+        return plan
 
     def _continue_decodes(self, draft: _Draft) -> None:
         for req in list(self._running):
@@ -345,6 +355,8 @@ class Scheduler(SchedulerState):
         req.num_computed = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
+        if req.sampling.guided_kind != GuidedKind.NONE:  # the worker replays it on resume
+            self._constraints.stop(req.sampling.guided_id)
         req.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.appendleft(req)

@@ -44,7 +44,7 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         async_mode=cfg.async_postproc, num_postproc_workers=cfg.num_postproc_workers,
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
-        pace_plans=cfg.pace_plans)
+        pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:

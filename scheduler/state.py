@@ -12,8 +12,9 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from proto.messages import FinishReason, RequestFailed
+from proto.messages import FinishReason, GuidedKind, RequestFailed
 from scheduler.block_manager import BlockManager
+from scheduler.guided import WorkerConstraints
 from scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
@@ -38,6 +39,10 @@ class SchedulerParams:
     # Async mode: build plan n+1 only once plan n is ending (PlanEnding) or done, not as soon
     # as plan n is sent, so that requests arriving during plan n still make plan n+1.
     pace_plans: bool = False
+    # Guided decoding: the model's vocabulary (a table's token_class must cover it; 0: not
+    # checked) and how many constraints no running request uses the worker keeps for reuse.
+    vocab_size: int = 0
+    guided_kept: int = 32
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,7 @@ class SchedulerState:
         self._next_plan_id = 0
         self._failures: list[RequestFailed] = []
         self._ledger = TokenLedger()
+        self._constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self._num_preemptions = 0
         self._num_rejected = 0
         self._num_failed = 0
@@ -105,12 +111,18 @@ class SchedulerState:
         req.num_computed = num_cached
         req.num_registered_blocks = num_hit_blocks
         self._ledger.open(req.request_id)
+        if _guided(req):
+            self._constraints.start(req.sampling.guided_id)
         if self.params.enable_prefix_caching:
             self._prefix_queries += 1
             self._prefix_query_tokens += req.num_tokens
             self._prefix_hit_blocks += num_hit_blocks
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if _guided(req):
+            if req.status is RequestStatus.RUNNING:
+                self._constraints.stop(req.sampling.guided_id)
+            self._constraints.release(req.sampling.guided_id)
         if req.status is RequestStatus.RUNNING:
             self._running.remove(req)
         else:
@@ -129,9 +141,10 @@ class SchedulerState:
         self._finish(req, FinishReason.TOKEN_LIMIT)
         self._record_failure(req, message)
 
-    def _record_failure(self, req: Request, message: str) -> None:
+    def _record_failure(self, req: Request, message: str,
+                        reason: FinishReason = FinishReason.TOKEN_LIMIT) -> None:
         self._num_failed += 1
-        self._failures.append(RequestFailed(req.request_id, FinishReason.TOKEN_LIMIT, message))
+        self._failures.append(RequestFailed(req.request_id, reason, message))
 
     def _take_pending_drops(self, plan_id: int) -> list[int]:
         drops, self._pending_drops = self._pending_drops, []
@@ -205,6 +218,9 @@ class SchedulerState:
                 f"block {block} is shared by {holders[block]} requests but is not a cached "
                 f"prefix block")
         assert self._blocks.num_free + len(holders) == self.params.num_blocks, "blocks leaked"
+        self._constraints.check_invariants(
+            Counter(r.sampling.guided_id for r in self._running if _guided(r)),
+            Counter(r.sampling.guided_id for r in self._requests.values() if _guided(r)))
         limit = MAX_OUTSTANDING_ASYNC if self.params.async_mode else 1
         assert self._num_outstanding() <= limit, f"{self._num_outstanding()} plans outstanding"
 
@@ -228,3 +244,7 @@ class SchedulerState:
             f"request {rid} has KV outside its blocks")
         assert req.num_tokens < req.max_tokens, f"request {rid} should have finished"
         assert req.num_registered_blocks <= len(req.blocks)
+
+
+def _guided(req: Request) -> bool:
+    return req.sampling.guided_kind != GuidedKind.NONE

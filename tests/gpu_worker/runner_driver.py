@@ -21,6 +21,8 @@ from gpu_worker.runner import ModelRunner
 from proto.messages import (
     ContinueRequest,
     FinishReason,
+    GuidedGrammar,
+    GuidedTable,
     NewRequest,
     PromptDetail,
     SamplingParams,
@@ -70,6 +72,8 @@ class Driver:
         self._new: list[tuple[int, bool, int]] = []  # (id, resume, cached tokens)
         self._drop: list[int] = []
         self._preempt: list[int] = []
+        self._tables: list[GuidedTable | GuidedGrammar] = []
+        self._drop_tables: list[str] = []
         self.done: list[StepDone] = []
 
     # -- deltas for the next plan
@@ -108,6 +112,13 @@ class Driver:
         t.gone = True
         self._drop.append(rid)
 
+    def send_table(self, table: GuidedTable | GuidedGrammar) -> None:
+        """A guided constraint for the next plan (the scheduler sends each once)."""
+        self._tables.append(table)
+
+    def drop_table(self, table_id: str) -> None:
+        self._drop_tables.append(table_id)
+
     def _release(self, t: Tracked) -> None:
         for b in t.blocks:
             self.refs[b] -= 1
@@ -136,7 +147,8 @@ class Driver:
             if t.finish and not t.gone:
                 self.drop(rid)
         plan = StepPlan(self.plan_id, k, drop=self._drop, preempt=self._preempt,
-                        publish_per_step=per_step)
+                        publish_per_step=per_step, tables=self._tables,
+                        drop_tables=self._drop_tables)
         fresh = {rid for rid, _, _ in self._new}
         for rid, resume, cached in self._new:
             t = self.reqs[rid]
@@ -152,6 +164,7 @@ class Driver:
             if grown or t.chunk:
                 plan.cont.append(ContinueRequest(rid, grown, t.chunk))
         self._new, self._drop, self._preempt = [], [], []
+        self._tables, self._drop_tables = [], []
         first = len(self.messages)
         done = self.runner.execute(plan, self.pub, ending, lead_s)
         self._check_and_record(plan, self.messages[first:], done)

@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto.messages import FinishReason, PlanProcessed, StepDone, StepPlan, StopHit
+from proto.messages import (
+    FinishReason,
+    GuidedKind,
+    GuidedTable,
+    PlanProcessed,
+    StepDone,
+    StepPlan,
+    StopHit,
+)
 from scheduler.core import SchedulerParams
 
 VOCAB = 50
@@ -44,6 +52,7 @@ class WorkerRequest:
     prompt_len: int
     max_new: int
     table: list[int] = field(default_factory=list)
+    guided_id: str = ""  # the constraint it decodes under ("" = none)
     num_computed: int = 0
     chunk: int = 0
     finish: FinishReason = FinishReason.NOT_FINISHED
@@ -71,6 +80,8 @@ class FakeWorker:
         self.finished_in: dict[int, int] = {}  # request id -> plan in which the worker ended it
         self.count_drop_due: dict[int, int] = {}  # request id -> plan that must drop it
         self.produced_total = 0
+        self.tables: set[str] = set()  # guided constraints held, as the plans said
+        self.tables_sent = 0
 
     def run(self, plan: StepPlan) -> tuple[StepDone, list[list[Row]]]:
         for rid, due in list(self.count_drop_due.items()):
@@ -102,6 +113,7 @@ class FakeWorker:
         for rid in plan.preempt:
             req = self.reqs[rid]
             req.table, req.num_computed, req.chunk = [], 0, 0
+        self._apply_constraints(plan)
         named: list[int] = []
         for new in plan.new:
             if new.resume:
@@ -113,7 +125,11 @@ class FakeWorker:
                 prompt = [int(t) for t in new.prompt_ids]
                 req = WorkerRequest(prompt, kv_values_of(prompt), len(prompt),
                                     new.sampling.max_new_tokens)
+                if new.sampling.guided_kind != GuidedKind.NONE:
+                    req.guided_id = new.sampling.guided_id
                 self.reqs[new.request_id] = req
+            assert not req.guided_id or req.guided_id in self.tables, (
+                f"request {new.request_id} starts without its constraint {req.guided_id}")
             req.table = list(new.block_ids)
             req.num_computed = new.num_cached_tokens
             req.chunk = new.num_prefill_tokens
@@ -129,6 +145,16 @@ class FakeWorker:
                 f"request {rid} finished in plan {self.finished_in[rid]} is still named in "
                 f"plan {plan.plan_id}")
         return again
+
+    def _apply_constraints(self, plan: StepPlan) -> None:
+        for gid in plan.drop_tables:
+            assert gid in self.tables, f"plan {plan.plan_id} drops {gid}, which it lacks"
+            self.tables.remove(gid)
+        for item in plan.tables:
+            gid = item.table_id if isinstance(item, GuidedTable) else item.grammar_id
+            assert gid not in self.tables, f"plan {plan.plan_id} resends {gid}"
+            self.tables.add(gid)
+            self.tables_sent += 1
 
     def _check_before_forwards(self) -> None:
         bs = self.params.block_size
@@ -192,6 +218,8 @@ class FakeWorker:
             for rid, req in self.reqs.items():
                 if not req.decoding:
                     continue
+                assert not req.guided_id or req.guided_id in self.tables, (
+                    f"request {rid} decodes without its constraint {req.guided_id}")
                 self._write(req, req.num_computed)
                 token = self.rng.randrange(VOCAB)
                 req.history.append(token)
