@@ -27,6 +27,7 @@ from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.guided")
 NICENESS = 10
+TITLE = "tandem: guided-compile"
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,6 +69,7 @@ def serve(args: argparse.Namespace, out: BinaryIO, inp: BinaryIO) -> int:
     except Exception as e:
         send({"ready": False, "error": f"{type(e).__name__}: {e}"})
         return 1
+    set_title(TITLE)  # from now on it is compiling or waiting to (tests look for this)
     send({"ready": True, "fingerprint": fingerprint})
     disk = DiskCache(args.cache_dir, args.vocab_size)
     while (request := read_message(inp)) is not None:
@@ -82,7 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
-    set_title("tandem: guided-compile")
     setup_logging("guided-compile", args.log_level)
     if args.parent_pid:
         die_with_parent(args.parent_pid)

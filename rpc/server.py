@@ -18,12 +18,14 @@ from typing import Any, cast
 
 import grpc
 
+from guided.service import GuidedCompiler
 from ipc.tracing import TRACER
 from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
+from rpc.guided import Compiled, attach, compile_or_abort
 from rpc.validation import (
     Limits,
     Request,
@@ -82,6 +84,7 @@ class _Prepared:
     deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
     rid: int  # the engine's request id, known before tokenizing so spans can name it
     arrived: float  # time.monotonic() of the RPC's arrival
+    guided: Compiled | None = None  # the compiled output constraint, if any
 
 
 def _stop_reason(reason: FinishReason) -> pb.StopReason:
@@ -93,6 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.engine = engine
         self.tok = tok
         self.limits: Limits | None = None  # known once the gpu worker reports in
+        self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
 
     async def _ready_limits(self, context: grpc.aio.ServicerContext) -> Limits:
@@ -193,9 +197,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             out.append(info)
         return out
 
+    async def _compile(self, prepared: list[_Prepared], context: grpc.aio.ServicerContext,
+                       rlog: RequestLog) -> None:
+        """Compile the constraint the requests share (once, off the event loop), or abort."""
+        spec = prepared[0].req.guided
+        if spec is None:
+            return
+        compiled = await compile_or_abort(self.guided, spec, context, rlog)
+        for p in prepared:
+            p.guided = compiled
+            attach(p.req.sampling, compiled)
+
     def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived)
+                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived,
+                                    guided=p.guided)
 
     @staticmethod
     async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
@@ -213,6 +229,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         await self._check_supported(request, context, rlog)
         p = await self._prepare(request.request.text, request.params, context, "request.text",
                                 arrived, rlog)
+        await self._compile([p], context, rlog)
         rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
                   p.req.sampling.max_new_tokens,
                   "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
@@ -282,6 +299,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
                                         arrived, rlog)
                     for i, r in enumerate(request.requests)]
+        await self._compile(prepared, context, rlog)
         rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
                   sum(len(p.ids) for p in prepared))
         tasks = [asyncio.ensure_future(self._generate_one(p, rlog)) for p in prepared]

@@ -36,6 +36,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from guided.service import GuidedCompiler
 from ipc import faults
 from ipc.channels import AsyncReceiver
 from ipc.peers import frontend_watch
@@ -44,6 +45,7 @@ from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
+from rpc import guided
 from rpc.engine_client import EngineClient
 from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
@@ -115,6 +117,7 @@ class Launcher:
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
+        self._precompile: asyncio.Task[None] | None = None  # format=JSON, after readiness
 
     # ------------------------------------------------------------------ children
 
@@ -281,6 +284,10 @@ class Launcher:
             # Cancels whatever is still open after the grace, so stop never waits for long
             # streams.
             await server.stop(grace=GRPC_STOP_GRACE)
+            if self._precompile is not None:
+                self._precompile.cancel()
+            if servicer.guided is not None:
+                await servicer.guided.close()  # its compile worker too
             engine.close()
             if reports is not None:
                 reports.close()
@@ -335,10 +342,16 @@ class Launcher:
     async def _become_ready(self, engine: EngineClient, tok: Tokenizer,
                             servicer: GenerationServicer, health_servicer: object) -> None:
         await engine.ready.wait()
+        assert engine.limits is not None
+        # The vocabulary's fingerprint names compiled constraints: before any request.
+        servicer.guided = await asyncio.to_thread(
+            GuidedCompiler.for_tokenizer, tok, guided.settings(self.cfg, engine.limits.vocab_size))
         servicer.limits = self._limits(engine, tok)
         await self._warm_up(engine, tok)
         await _set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s:%d", self.cfg.model, self.cfg.host, self.cfg.port)
+        if self.cfg.guided_precompile_json:  # after readiness, on the frontend's cores
+            self._precompile = asyncio.create_task(servicer.guided.precompile_json())
 
     async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
         """One short greedy request through every process before readiness turns on."""
