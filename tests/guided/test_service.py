@@ -159,3 +159,27 @@ def test_the_frontend_and_the_compiler_load_neither_torch_nor_transformers() -> 
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+def test_precompiling_json_warms_the_memory_cache(tmp_path: Path,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """At start-up the launcher runs precompile_json(); a table on disk costs no compile."""
+    import numpy as np
+
+    from guided.service import JSON_OBJECT
+
+    c = make(tmp_path)
+    key = c.key(JSON_OBJECT)
+    table = GuidedTable(key, np.array([[1, -1], [1, 1]], np.int32),
+                        np.zeros(c.settings.vocab_size, np.int32))
+    c.disk.store(table)
+    caplog.set_level("INFO", logger="tandem.guided")
+
+    async def body() -> None:
+        await c.precompile_json()
+        assert c.memory.get(key) is not None
+        assert await c.compile(GuidedSpec(SpecKind.JSON_OBJECT, field="x")) is c.memory.get(key)
+        await c.close()
+    run(body)
+    assert c.pool.starts == 0 and c.stats.disk_hits == 1
+    assert "format=JSON found in the cache" in caplog.text
