@@ -11,6 +11,7 @@ that does not load or does not hold a table of the expected shape is removed and
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -33,6 +34,7 @@ FORMAT_VERSION = 1
 Compiled = GuidedTable | GuidedGrammar
 
 
+@functools.cache  # a metadata lookup reads the filesystem; ids are computed per request
 def _version(package: str) -> str:
     try:
         return metadata.version(package)
