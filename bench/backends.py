@@ -22,6 +22,7 @@ builds any of them by name.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ class TandemBackend(Backend):
 
         opts = GenerateOptions(max_new_tokens=item.output_len, min_new_tokens=item.output_len,
                                stop_sequences=list(self.opts.stop))
+        if item.guided:  # the constraint says when the output is complete (EOS)
+            opts = dataclasses.replace(opts, min_new_tokens=0, **item.guided)
         if self.opts.sample:
             opts.sample = True
             opts.temperature = self.opts.temperature

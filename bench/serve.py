@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TextIO
 
+from bench import guided as bench_guided
 from bench.backends import BACKENDS, Backend, BackendOptions, make_backend
 from bench.datasets import DATASETS, BenchItem, arrival_offsets, load_dataset
 from bench.metrics import (
@@ -78,6 +79,8 @@ class BenchConfig:
     progress_interval: float = 1.0
     device: str = "auto"
     dtype: str = "float32"
+    guided: str = ""  # a bench.guided kind: that share of the requests is constrained
+    guided_share: float = 0.5
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(
@@ -174,6 +177,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sample (seed + request index) instead of greedy")
     g.add_argument("--temperature", type=float, default=d.temperature,
                    help="with --sample")
+    g.add_argument("--guided", choices=bench_guided.KINDS, default=d.guided,
+                   help="tandem: constrain --guided-share of the requests (phone-number "
+                        "regex, colour choice, person JSON schema, sum grammar, any JSON "
+                        "object); the first one's TTFT (a cold compile) is reported apart")
+    g.add_argument("--guided-share", type=float, default=d.guided_share,
+                   help="with --guided: the share of requests, in (0, 1]")
 
     g = parser.add_argument_group("output")
     g.add_argument("--output-json", default="", metavar="FILE",
@@ -312,6 +321,10 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         items = build_dataset(config, tokenizer)
     if not items:
         raise ValueError("no requests to send (--num-prompts 0?)")
+    if config.guided:
+        if config.backend != "tandem" and backend is None:
+            raise ValueError(f"--guided needs --backend tandem, not {config.backend}")
+        items = bench_guided.apply(items, config.guided, config.guided_share, config.seed)
     warmup_items: list[BenchItem] = []
     if config.warmup > 0:
         if config.dataset == "file" or tokenizer is None:
@@ -354,6 +367,8 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
 
     percentiles = tuple(sorted(set(JSON_PERCENTILES) | set(config.metric_percentiles)))
     result = calculate_metrics(records, duration, percentiles)
+    if config.guided:
+        result.update(bench_guided.summary(items, records, config.guided, config.guided_share))
     result.update({
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": config.backend,
@@ -376,6 +391,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem bench serve: {e}", file=sys.stderr)
         return 2
     print(format_result(result, config.metric_percentiles))
+    if config.guided:
+        print(bench_guided.format_summary(result))
     if config.output_json:
         with open(config.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

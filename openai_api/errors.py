@@ -15,7 +15,10 @@ from rpc.validation import ValidationError
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable_error", 500: "internal_server_error"}
-CODES = {"RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503}
+# An engine error's status: INVALID_ARGUMENT and UNIMPLEMENTED come from compiling a
+# constraint (guided decoding), which names its parameter first in the message.
+CODES = {"RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503, "INVALID_ARGUMENT": 400,
+         "UNIMPLEMENTED": 400}
 
 
 class ApiError(Exception):
@@ -36,8 +39,8 @@ class ApiError(Exception):
         return cls(400, str(exc), exc.field, "invalid_parameter")
 
     @classmethod
-    def from_engine(cls, exc: EngineError) -> ApiError:
+    def from_engine(cls, exc: EngineError, param: str | None = None) -> ApiError:
         status = CODES.get(exc.code, 500)
-        code = {429: "rate_limit_exceeded", 503: "service_unavailable"}.get(status,
-                                                                            "internal_error")
-        return cls(status, str(exc), None, code)
+        code = {429: "rate_limit_exceeded", 503: "service_unavailable",
+                400: "invalid_parameter"}.get(status, "internal_error")
+        return cls(status, str(exc), param if status == 400 else None, code)

@@ -231,6 +231,10 @@ def guided_spec(body: CommonRequest) -> GuidedSpec | None:
             raise ValidationError("guided_choice", "must be a non-empty list of non-empty "
                                                    "strings")
         found.append(GuidedSpec(SpecKind.CHOICE, choices=choices, field="guided_choice"))
+    if body.guided_grammar is not None:
+        if not body.guided_grammar.strip():
+            raise ValidationError("guided_grammar", "must not be empty")
+        found.append(GuidedSpec(SpecKind.GRAMMAR, body.guided_grammar, field="guided_grammar"))
     if len(found) > 1:
         raise ValidationError(found[1].field, f"only one constraint per request; "
                                               f"{found[0].field} is set already")
@@ -256,12 +260,8 @@ def _schema_spec(schema: object, field: str) -> GuidedSpec:
 
 def route_guided(req: Request, spec: GuidedSpec | None) -> None:
     """Put the constraint where the gRPC path puts its own: on the validated `Request`, whose
-    compile step turns it into what the gpu worker steps (guided decoding, issue K).
-
-    Until `Request` carries `guided`, the engine cannot honour one: a 400 naming the field.
-    """
-    if spec is not None:
-        raise ValidationError(spec.field, "guided decoding is not available on this server")
+    compile step (`rpc.frontend.Frontend.compile`) turns it into what the gpu worker steps."""
+    req.guided = spec
 
 
 def for_prompt(p: Params, prompt_len: int, limits: Limits, field: str) -> Request:

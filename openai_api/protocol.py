@@ -3,10 +3,11 @@
 Field names and types are OpenAI's, plus the vLLM extensions a vLLM user sends through
 `extra_body` (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`, `return_token_ids`,
-`guided_json` / `guided_regex` / `guided_choice`, chat template options). A field nobody
-declared is a 400 naming it (`extra="forbid"`): a parameter the engine would not honour is
-never dropped silently. OpenAI fields this server cannot honour are declared so that their
-neutral values pass; `params.check_unsupported` answers anything else with a 400 naming them.
+`guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, chat template
+options). A field nobody declared is a 400 naming it (`extra="forbid"`): a parameter the
+engine would not honour is never dropped silently. OpenAI fields this server cannot honour
+are declared so that their neutral values pass; `params.check_unsupported` answers anything
+else with a 400 naming them.
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class CommonRequest(Strict):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(CommonRequest):

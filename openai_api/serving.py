@@ -227,6 +227,12 @@ class Serving:
             raise ApiError.bad_parameter(exc) from None
         except EngineError as exc:
             raise ApiError.from_engine(exc) from None
+        try:  # the constraint the choices share, compiled once off the event loop
+            await self.frontend.compile([c.p for c in choices])
+        except EngineError as exc:
+            rlog.info("rejected: %s: %s", exc.code, exc)
+            raise ApiError.from_engine(exc, params.guided.field if params.guided else None
+                                       ) from None
         opts = body.stream_options
         reply = Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                       created=int(time.time()), model=model,

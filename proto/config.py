@@ -104,6 +104,11 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
+    # Guided decoding: compiled constraints on disk ("" = memory only), the longest one
+    # compile may take, and whether format=JSON (slow: seconds) compiles at start-up.
+    guided_cache_dir: str = ""
+    guided_compile_timeout: float = 30.0
+    guided_precompile_json: bool = True
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -165,6 +170,7 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
+    "guided_compile_timeout": (0.1, 3600),
 }
 
 

@@ -28,6 +28,8 @@ from proto.messages import (
     EngineStats,
     FinishReason,
     ForgetRequest,
+    GuidedGrammar,
+    GuidedTable,
     Heartbeat,
     OutputBatch,
     OutputDelta,
@@ -186,13 +188,16 @@ class EngineClient:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
                        name: str = "", request_id: int | None = None,
-                       arrived: float | None = None) -> AsyncIterator[OutputDelta]:
+                       arrived: float | None = None,
+                       guided: GuidedTable | GuidedGrammar | None = None
+                       ) -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
         `name` (the client's correlation id) tags our log lines about the request.
         `request_id` (from `new_request_id`) when the caller tagged spans with it already;
         `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
+        `guided`: the compiled constraint `sampling.guided_id` names (travels with the request).
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
@@ -204,7 +209,7 @@ class EngineClient:
         try:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
-            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started))
+            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started, guided))
             last_at: float | None = None
             while True:
                 item = await self._next(stream, deadline)

@@ -15,9 +15,11 @@ from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from guided.service import GuidedCompiler
 from ipc.tracing import TRACER
 from proto.messages import OutputDelta
 from rpc.engine_client import EngineClient, EngineError
+from rpc.guided import Compiled, attach, compile_spec
 from rpc.validation import Limits, Request
 from tokenization.tokenizer import Tokenizer
 
@@ -58,6 +60,7 @@ class Prepared:
     deadline: float | None  # time.monotonic(); the time limit counts from the arrival
     rid: int  # the engine's request id, known before tokenizing so spans can name it
     arrived: float  # time.monotonic() of the request's arrival
+    guided: Compiled | None = None  # the compiled output constraint, if any
 
 
 class Frontend:
@@ -71,6 +74,7 @@ class Frontend:
         self.engine = engine
         self.tok = tok
         self.limits: Limits | None = None
+        self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
         self.serving = False
 
@@ -97,7 +101,19 @@ class Frontend:
         deadline = arrived + req.time_limit if req.time_limit else None
         return Prepared(req, text, ids, deadline, rid, arrived)
 
+    async def compile(self, prepared: list[Prepared]) -> None:
+        """Compile the constraint the requests share (once, off the event loop) and attach it;
+        an EngineError naming the field when it cannot be."""
+        spec = prepared[0].req.guided if prepared else None
+        if spec is None:
+            return
+        compiled = await compile_spec(self.guided, spec)
+        for p in prepared:
+            p.guided = compiled
+            attach(p.req.sampling, compiled)
+
     def generate(self, p: Prepared, name: str) -> AsyncIterator[OutputDelta]:
         """The request's deltas until its last; leaving early aborts it in the engine."""
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=name, request_id=p.rid, arrived=p.arrived)
+                                    name=name, request_id=p.rid, arrived=p.arrived,
+                                    guided=p.guided)

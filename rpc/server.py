@@ -145,6 +145,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             out.append(info)
         return out
 
+    async def _compile(self, prepared: list[Prepared], context: grpc.aio.ServicerContext,
+                       rlog: RequestLog) -> None:
+        """Compile the constraint the requests share, or abort naming the field."""
+        try:
+            await self.frontend.compile(prepared)
+        except EngineError as exc:
+            rlog.info("rejected: %s: %s", exc.code, exc)
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
     def _deltas(self, p: Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
         return self.frontend.generate(p, rlog.cid)
 
@@ -164,6 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         await self._check_supported(request, context, rlog)
         p = await self._prepare(request.request.text, request.params, context, "request.text",
                                 arrived, rlog)
+        await self._compile([p], context, rlog)
         rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
                   p.req.sampling.max_new_tokens,
                   "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
@@ -233,6 +243,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
                                         arrived, rlog)
                     for i, r in enumerate(request.requests)]
+        await self._compile(prepared, context, rlog)
         rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
                   sum(len(p.ids) for p in prepared))
         tasks = [asyncio.ensure_future(self._generate_one(p, rlog)) for p in prepared]

@@ -22,6 +22,12 @@ ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host",
                                                                  "log_level", "fault")}
 
 
+def cache_root() -> str:
+    """Tandem's cache folder: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem (~/.cache)."""
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem")
+
+
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
                    help=help)
@@ -94,6 +100,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=d.step_timeout,
                    help="a plan unfinished after this many seconds means a hung gpu worker: "
                         "its stack is logged and the server exits non-zero (0: off)")
+    p.add_argument("--guided-cache-dir", default=os.path.join(cache_root(), "guided"),
+                   help="compiled guided-decoding constraints are kept here across restarts "
+                        "('' = in memory only; default: <cache folder>/guided)")
+    p.add_argument("--guided-compile-timeout", type=float, default=d.guided_compile_timeout,
+                   help="seconds one constraint may take to compile; a longer one is stopped "
+                        "and its request gets INVALID_ARGUMENT")
+    _bool_flag(p, "guided-precompile-json", d.guided_precompile_json,
+               "compile format=JSON (any JSON object, seconds to compile) in the background "
+               "once the server is ready, unless the cache has it")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "

@@ -38,6 +38,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from guided.service import GuidedCompiler
 from ipc import faults
 from ipc.channels import AsyncReceiver
 from ipc.peers import frontend_watch
@@ -46,6 +47,7 @@ from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
+from rpc import guided
 from rpc.engine_client import EngineClient
 from rpc.frontend import Frontend
 from rpc.metrics import serve_metrics
@@ -121,6 +123,7 @@ class Launcher:
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
+        self._precompile: asyncio.Task[None] | None = None  # format=JSON, after readiness
 
     # ------------------------------------------------------------------ children
 
@@ -304,6 +307,10 @@ class Launcher:
             # Cancels whatever is still open after the grace, so stop never waits for long
             # streams.
             await server.stop(grace=GRPC_STOP_GRACE)
+            if self._precompile is not None:
+                self._precompile.cancel()
+            if frontend.guided is not None:
+                await frontend.guided.close()  # its compile worker too
             engine.close()
             if reports is not None:
                 reports.close()
@@ -358,12 +365,18 @@ class Launcher:
     async def _become_ready(self, frontend: Frontend, health_servicer: object) -> None:
         engine, tok = frontend.engine, frontend.tok
         await engine.ready.wait()
+        assert engine.limits is not None
+        # The vocabulary's fingerprint names compiled constraints: before any request.
+        frontend.guided = await asyncio.to_thread(
+            GuidedCompiler.for_tokenizer, tok, guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
         await self._warm_up(engine, tok)
         await _set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         frontend.serving = True
         http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
         log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
+        if self.cfg.guided_precompile_json:  # after readiness, on the frontend's cores
+            self._precompile = asyncio.create_task(frontend.guided.precompile_json())
 
     async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
         """One short greedy request through every process before readiness turns on."""

@@ -188,7 +188,9 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("presence_penalty", {"presence_penalty": 5}),
     ("logit_bias", {"logit_bias": {"5": 10}}),
     ("suffix", {"suffix": "tail"}),
-    ("response_format", {"extra_body": {"response_format": {"type": "json_object"}}}),
+    ("guided_regex", {"extra_body": {"guided_regex": "(unclosed"}}),
+    ("response_format.json_schema.schema", {"extra_body": {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}}}),
     ("frobnicate", {"extra_body": {"frobnicate": True}}),
     ("model", {"model": "gpt-4"}),
     ("prompt", {"prompt": ""}),

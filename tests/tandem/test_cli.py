@@ -32,6 +32,20 @@ def test_environment_sets_flag_defaults(monkeypatch: pytest.MonkeyPatch, name: s
     assert getattr(serve_config([]), field) == want
 
 
+def test_guided_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/cache")
+    d = serve_config([])
+    assert (d.guided_cache_dir, d.guided_compile_timeout, d.guided_precompile_json) == (
+        "/cache/guided", 30.0, True)
+    monkeypatch.delenv("TANDEM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert serve_config([]).guided_cache_dir == "/xdg/tandem/guided"
+    c = serve_config(["--guided-cache-dir", "", "--guided-compile-timeout", "5",
+                      "--no-guided-precompile-json"])
+    assert (c.guided_cache_dir, c.guided_compile_timeout, c.guided_precompile_json) == (
+        "", 5.0, False)
+
+
 def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_ONEDNN", "0")
     assert serve_config(["--onednn"]).onednn is True
@@ -47,6 +61,7 @@ def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     (["--port", "9000", "--http-port", "9000"], "--http-port 9000 must differ from --port"),
     (["--metrics-port", "9100", "--http-port", "9100"],
      "--http-port 9100 must differ from --metrics-port"),
+    (["--guided-compile-timeout", "0"], "--guided-compile-timeout must be between 0.1 and 3600"),
 ])
 def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
