@@ -7,12 +7,16 @@ device without reading anything back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from gpu_worker.sampler import SamplerHints, SamplingTensors
 from proto.messages import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.lora import LoraContext
 
 
 @dataclass
@@ -26,6 +30,7 @@ class RequestState:
     prefill_chunk: int = 0  # tokens to prefill in the current plan
     num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
     finished: FinishReason = FinishReason.NOT_FINISHED
+    lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
 
     @property
     def num_generated(self) -> int:
@@ -62,6 +67,7 @@ class DecodeBatch:
     any_penalty: bool
     need_logprobs: bool
     max_top_n: int
+    lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
 
     @property
     def size(self) -> int:

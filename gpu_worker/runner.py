@@ -17,13 +17,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from adapters.peft import AdapterError, ModelShapes
 from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
+from gpu_worker.lora import LoraContext, LoraWeights
 from gpu_worker.models.loader import load_model
 from gpu_worker.sampler import Sampler
 from ipc.tracing import TRACER
-from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, StepPlan
+from proto.messages import (
+    AdapterFailed,
+    FinishReason,
+    NewRequest,
+    PromptDetail,
+    StepDone,
+    StepPlan,
+)
 
 if TYPE_CHECKING:
     from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
@@ -50,7 +59,8 @@ class ModelRunner:
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
-                 flash_attn: bool = True) -> None:
+                 flash_attn: bool = True, adapter_cache: str = "", max_loras: int = 0,
+                 max_lora_rank: int = 16) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
@@ -67,6 +77,14 @@ class ModelRunner:
                                            cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                            self.device)
         log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
+        # LoRA adapter slots (gpu_worker.lora); None: adapters off, every row is the base.
+        self.lora: LoraWeights | None = None
+        if adapter_cache and max_loras > 0:
+            self.lora = LoraWeights(ModelShapes.of(cfg), adapter_cache, max_loras,
+                                    max_lora_rank, self.dtype, self.device)
+            log.info("LoRA: %d adapter slots of rank <= %d (%.1f MiB)", max_loras,
+                     max_lora_rank, self.lora.nbytes / 2**20)
+        self._adapter_failures: list[AdapterFailed] = []
         self.sampler = Sampler()
         self.requests: dict[int, RequestState] = {}
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
@@ -79,7 +97,8 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
                                        -(-self.max_model_len // block_size), block_size,
-                                       self.device)
+                                       self.device,
+                                       self.lora.full_context if self.lora else None)
 
     def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
         cfg = self.model.config
@@ -100,8 +119,10 @@ class ModelRunner:
             req = self.requests.get(rid)
             if req is not None:
                 req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+        self._load_adapters(plan)  # into slots no remaining request uses
         for new in plan.new:
             self._add(new)
+        self._fail_unloaded(plan)
         for cont in plan.cont:
             req = self.requests.get(cont.request_id)
             if req is not None:
@@ -116,12 +137,49 @@ class ModelRunner:
             assert new.sampling is not None, "a new request carries its sampling params"
             prompt = [int(t) for t in new.prompt_ids]
             req = RequestState(new.request_id, prompt, len(prompt), new.sampling,
-                               list(new.block_ids))
+                               list(new.block_ids), lora_slot=new.lora_slot)
             self.requests[new.request_id] = req
             if new.sampling.prompt_logprobs and len(prompt) == 1:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         req.prefill_chunk = new.num_prefill_tokens
+
+    def _load_adapters(self, plan: StepPlan) -> None:
+        for load in plan.adapters:
+            if self.lora is None:
+                continue  # the requests using it fail in _fail_unloaded
+            try:
+                self.lora.load(load.slot, load.adapter_id)
+            except AdapterError as exc:
+                log.warning("plan %d: %s", plan.plan_id, exc)
+
+    def _fail_unloaded(self, plan: StepPlan) -> None:
+        """Requests whose adapter slot holds no adapter (its load failed) never run: they
+        finish with ERROR and the scheduler hears why (AdapterFailed, before StepDone)."""
+        by_slot: dict[int, list[int]] = {}
+        for new in plan.new:
+            req = self.requests.get(new.request_id)
+            if req is None or req.finished or not req.lora_slot:
+                continue
+            if self.lora is not None and req.lora_slot not in self.lora.failed:
+                continue
+            req.finished = FinishReason.ERROR
+            by_slot.setdefault(req.lora_slot, []).append(req.request_id)
+        for slot, rids in by_slot.items():
+            error = self.lora.failed.get(slot) if self.lora is not None else None
+            message = str(error) if error else (
+                "LoRA adapters are not enabled on the gpu worker (--adapter-cache)")
+            adapter_id = error.adapter_id if error else ""
+            self._adapter_failures.append(
+                AdapterFailed(plan.plan_id, adapter_id, slot, message, rids))
+            self._details = [d for d in self._details if d.request_id not in rids]
+
+    def take_adapter_failures(self) -> list[AdapterFailed]:
+        failures, self._adapter_failures = self._adapter_failures, []
+        return failures
+
+    def _lora_context(self, slots: list[int]) -> LoraContext | None:
+        return self.lora.context(slots) if self.lora is not None else None
 
     # ------------------------------------------------------------------ forward passes
 
@@ -137,10 +195,12 @@ class ModelRunner:
         slots: list[int] = []
         lens: list[int] = []
         starts: list[int] = []
+        adapter_rows: list[int] = []  # each token's adapter slot
         for r in reqs:
             start, end = r.num_computed, r.num_computed + r.prefill_chunk
             assert end <= len(r.history) - 1, f"prefill past the last token of {r.request_id}"
             ids += r.history[start:end]
+            adapter_rows += [r.lora_slot] * (end - start)
             p = np.arange(start, end)
             pos += p.tolist()
             blocks = np.asarray(r.block_ids, dtype=np.int64)
@@ -161,7 +221,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=dev),
             query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta)
+                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta,
+                            self._lora_context(adapter_rows))
         sel = prompt_logprobs.select_rows(reqs, starts, offsets[:-1].tolist(), lens)
         self._details += prompt_logprobs.score(self.model, hidden, sel)
         for r in reqs:
@@ -170,7 +231,7 @@ class ModelRunner:
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        active: torch.Tensor, block_tables: torch.Tensor,
-                       max_seq_len: int) -> torch.Tensor:
+                       max_seq_len: int, lora: LoraContext | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only."""
         bs = self.block_size
         # A row masked after finishing may sit one past its last block: clamp its lookup.
@@ -181,7 +242,7 @@ class ModelRunner:
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
             max_seq_len=max_seq_len, is_decode=True)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -192,7 +253,7 @@ class ModelRunner:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_position + step + 1)
+                                         b.max_position + step + 1, b.lora)
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
@@ -245,6 +306,7 @@ class ModelRunner:
         steps: list[StepTensors] = []
         if decoding:
             batch = build_decode_batch(decoding, self.vocab_size, self.device)
+            batch.lora = self._lora_context([r.lora_slot for r in decoding])
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
             with self.step_guard():
                 steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s)

@@ -88,6 +88,11 @@ class ServerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
+    # LoRA: adapter ids name folders under adapter_cache ("" = adapters off); the gpu worker
+    # holds up to max_loras of them at once, each of rank <= max_lora_rank.
+    adapter_cache: str = ""
+    max_loras: int = 8
+    max_lora_rank: int = 16
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -132,6 +137,7 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "max_queued_tokens": (1, None), "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
+    "max_loras": (1, 256), "max_lora_rank": (1, 512),
 }
 
 

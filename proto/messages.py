@@ -115,6 +115,7 @@ class AddRequest:
     # The compiled constraint named by sampling.guided_id (every request carries its own, so
     # the scheduler can always (re)send it to the gpu worker).
     guided: GuidedTable | GuidedGrammar | None = None
+    adapter_id: str = ""  # a LoRA adapter the frontend validated ("": the base model)
 
 
 @dataclass
@@ -141,6 +142,9 @@ class RequestFailed:
     request_id: int
     reason: FinishReason
     message: str
+    # A gRPC status name when the request fails as an error (e.g. INVALID_ARGUMENT: its
+    # adapter could not be loaded) rather than ending with `reason`.
+    code: str = ""
 
 
 # ---------------------------------------------------------------- frontend -> postproc
@@ -177,6 +181,7 @@ class NewRequest:
     num_cached_tokens: int  # prefix-cache hit: KV already in the first blocks
     num_prefill_tokens: int  # how many history tokens to prefill in this plan (a chunk)
     resume: bool = False
+    lora_slot: int = 0  # the adapter slot its rows use (0: none; kept while preempted)
 
 
 @dataclass
@@ -203,6 +208,16 @@ class StepPlan:
     # use (each sent once, not per request), and ids it may forget (no request uses them).
     tables: list[GuidedTable | GuidedGrammar] = field(default_factory=list)
     drop_tables: list[str] = field(default_factory=list)
+    # LoRA adapters to load before this plan's forwards (into slots no running request uses).
+    adapters: list[AdapterLoad] = field(default_factory=list)
+
+
+@dataclass
+class AdapterLoad:
+    """Load `adapter_id` (a folder under the adapter cache) into adapter slot `slot`."""
+
+    slot: int  # 1..max_loras
+    adapter_id: str
 
 
 # ---------------------------------------------------------------- gpu worker -> postproc
@@ -281,6 +296,18 @@ class WorkerReady:
     block_size: int
     max_model_len: int
     vocab_size: int
+
+
+@dataclass
+class AdapterFailed:
+    """The worker could not load an adapter: the requests of plan `plan_id` that use it
+    never ran (their adapter slot stays unusable until another load into it succeeds)."""
+
+    plan_id: int
+    adapter_id: str
+    slot: int
+    message: str
+    request_ids: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- postproc -> scheduler
@@ -401,6 +428,9 @@ class EngineStats:
     # Arrival to first scheduling of each request first scheduled since the previous report,
     # for the frontend's queue-time histogram (not part of the admin Stats answer).
     queue_times_s: list[float] = field(default_factory=list)
+    # LoRA: adapters resident in the gpu worker's slots (slot order) and loads since start.
+    loaded_adapters: list[str] = field(default_factory=list)
+    adapter_loads: int = 0
 
 
 @dataclass
@@ -480,4 +510,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     PlanEnding,
     GuidedTable,
     GuidedGrammar,
+    AdapterLoad,
+    AdapterFailed,
 )

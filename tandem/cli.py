@@ -83,6 +83,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="a plan unfinished after this many seconds means a hung gpu worker: "
                         "its stack is logged and the server exits non-zero (0: off)")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
+                   help="LoRA adapters: a request's adapter_id names the PEFT adapter folder "
+                        "DIR/<adapter_id> (default: adapters off)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters the gpu worker holds at once (least recently used ones "
+                        "no running request uses make room)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank served (the device cost per token grows "
+                        "with it)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
