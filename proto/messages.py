@@ -11,6 +11,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from proto.adapter_messages import AdapterFailed, AdapterLoad
+
 
 class FinishReason(IntEnum):
     """Why a request ended; the numbers are the public `fmaas.StopReason` values."""
@@ -212,14 +214,6 @@ class StepPlan:
     adapters: list[AdapterLoad] = field(default_factory=list)
 
 
-@dataclass
-class AdapterLoad:
-    """Load `adapter_id` (a folder under the adapter cache) into adapter slot `slot`."""
-
-    slot: int  # 1..max_loras
-    adapter_id: str
-
-
 # ---------------------------------------------------------------- gpu worker -> postproc
 
 
@@ -296,18 +290,6 @@ class WorkerReady:
     block_size: int
     max_model_len: int
     vocab_size: int
-
-
-@dataclass
-class AdapterFailed:
-    """The worker could not load an adapter: the requests of plan `plan_id` that use it
-    never ran (their adapter slot stays unusable until another load into it succeeds)."""
-
-    plan_id: int
-    adapter_id: str
-    slot: int
-    message: str
-    request_ids: list[int] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- postproc -> scheduler

@@ -33,6 +33,7 @@ class Simulation:
     p_abort: float = 0.01
     shared_prefixes: bool = True
     max_plans: int = 20_000
+    adapters: int = 0  # distinct LoRA adapters the requests spread over (most use one)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -75,6 +76,9 @@ class Simulation:
                 prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
             sampling = SamplingParams(max_new_tokens=rng.randint(1, 30))
             msg = AddRequest(1000 + rid, np.array(prompt, dtype=np.int32), sampling, float(rid))
+            if self.adapters and rng.random() < 0.8:
+                msg.adapter_id = f"lora-{rng.randrange(self.adapters)}"
+                self.worker.adapter_of[msg.request_id] = msg.adapter_id
             out.append((msg, rng.random() < 0.3))
         return out
 
