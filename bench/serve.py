@@ -75,6 +75,7 @@ class BenchConfig:
     progress_interval: float = 1.0
     device: str = "auto"
     dtype: str = "float32"
+    adapters: list[str] = field(default_factory=list)  # LoRA adapter ids, request i: i % n
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(
@@ -84,7 +85,7 @@ class BenchConfig:
             sample=self.sample, temperature=self.temperature, seed=self.seed,
             request_timeout=self.request_timeout, ready_timeout=self.ready_timeout,
             batch_size=self.max_concurrency or DEFAULT_HF_BATCH, device=self.device,
-            dtype=self.dtype)
+            dtype=self.dtype, adapters=list(self.adapters))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -95,6 +96,10 @@ def _rate(value: str) -> float:
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {value}")
     return rate
+
+
+def _adapters(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
 
 
 def _percentiles(value: str) -> tuple[float, ...]:
@@ -163,6 +168,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sample (seed + request index) instead of greedy")
     g.add_argument("--temperature", type=float, default=d.temperature,
                    help="with --sample")
+    g.add_argument("--adapters", type=_adapters, default=[], metavar="A,B,...",
+                   help="tandem: LoRA adapter ids the requests spread over (request i uses "
+                        "adapter i mod n; the server needs --adapter-cache)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--output-json", default="", metavar="FILE",
@@ -301,6 +309,8 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         items = build_dataset(config, tokenizer)
     if not items:
         raise ValueError("no requests to send (--num-prompts 0?)")
+    if config.adapters and config.backend != "tandem":
+        raise ValueError(f"--adapters: the {config.backend} backend cannot name LoRA adapters")
     warmup_items: list[BenchItem] = []
     if config.warmup > 0:
         if config.dataset == "file" or tokenizer is None:

@@ -23,6 +23,8 @@ from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
+from rpc import metrics
+from rpc.adapter_store import AdapterStore
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
 from rpc.validation import (
     Limits,
@@ -82,6 +84,7 @@ class _Prepared:
     deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
     rid: int  # the engine's request id, known before tokenizing so spans can name it
     arrived: float  # time.monotonic() of the RPC's arrival
+    adapter_id: str = ""  # a validated LoRA adapter ("": the base model)
 
 
 def _stop_reason(reason: FinishReason) -> pb.StopReason:
@@ -89,9 +92,11 @@ def _stop_reason(reason: FinishReason) -> pb.StopReason:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, engine: EngineClient, tok: Tokenizer) -> None:
+    def __init__(self, engine: EngineClient, tok: Tokenizer,
+                 adapters: AdapterStore | None = None) -> None:
         self.engine = engine
         self.tok = tok
+        self.adapters = adapters  # None: no --adapter-cache, adapter ids are unsupported
         self.limits: Limits | None = None  # known once the gpu worker reports in
         self.accepting = True
 
@@ -113,17 +118,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         with TRACER.span("tokenize", -1, rid):
             return self.tok.encode(text)
 
-    async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
-                               rlog: RequestLog) -> None:
+    async def _adapter_of(self, request: Any, context: grpc.aio.ServicerContext,
+                          rlog: RequestLog) -> str:
+        """The request's validated LoRA adapter ("" for none): `adapter_id`, else the older
+        name for the same lookup, `prefix_id`.  Without an adapter cache both are
+        UNIMPLEMENTED; an adapter we cannot serve is INVALID_ARGUMENT."""
         try:
-            check_unsupported(request)
+            if self.adapters is None:
+                check_unsupported(request)
+                return ""
+            for name in ("adapter_id", "prefix_id"):
+                if request.HasField(name) and getattr(request, name):
+                    return self.adapters.resolve(getattr(request, name), name).adapter_id
         except UnsupportedError as exc:
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        except ValidationError as exc:
+            rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return ""
 
     async def _prepare(self, text: str, params: pb.Parameters,
                        context: grpc.aio.ServicerContext, field: str, arrived: float,
-                       rlog: RequestLog) -> _Prepared:
+                       rlog: RequestLog, adapter_id: str = "") -> _Prepared:
         limits = await self._ready_limits(context)
         rid = self.engine.new_request_id()
         try:
@@ -144,7 +161,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
         deadline = arrived + req.time_limit if req.time_limit else None
-        return _Prepared(req, text, ids, deadline, rid, arrived)
+        return _Prepared(req, text, ids, deadline, rid, arrived, adapter_id)
 
     def _input_details(self, p: _Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
@@ -194,8 +211,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         return out
 
     def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
+        if p.adapter_id:
+            metrics.ADAPTER_REQUESTS.labels(p.adapter_id).inc()
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived)
+                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived,
+                                    adapter_id=p.adapter_id)
 
     @staticmethod
     async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
@@ -210,12 +230,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                              ) -> AsyncIterator[pb.GenerationResponse]:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         p = await self._prepare(request.request.text, request.params, context, "request.text",
-                                arrived, rlog)
-        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
+                                arrived, rlog, adapter_id)
+        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s%s", len(p.ids),
                   p.req.sampling.max_new_tokens,
-                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
+                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}",
+                  f", adapter {adapter_id}" if adapter_id else "")
         generated = 0
         first = True
         reason = FinishReason.NOT_FINISHED
@@ -275,12 +296,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests: must not be empty")
         # Every input is validated before any is submitted, so a bad one wastes no work.
         prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
-                                        arrived, rlog)
+                                        arrived, rlog, adapter_id)
                     for i, r in enumerate(request.requests)]
         rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
                   sum(len(p.ids) for p in prepared))
@@ -303,7 +324,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
-        await self._check_supported(request, context, _request_log(context))
+        # An adapter is validated like for generation; it tokenizes with the base model's
+        # tokenizer (as vLLM does), since adapters with new tokens are not served.
+        await self._adapter_of(request, context, _request_log(context))
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
             if len(r.text) > THREAD_ENCODE_CHARS:
@@ -325,9 +348,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         limits = await self._ready_limits(context)
+        stats = self.engine.stats
         return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
                                     max_sequence_length=limits.max_model_len,
-                                    max_new_tokens=limits.max_new_tokens)
+                                    max_new_tokens=limits.max_new_tokens,
+                                    loaded_adapters=stats.loaded_adapters if stats else [])
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

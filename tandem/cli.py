@@ -153,6 +153,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["enable_prefix_caching"] = args.prefix_caching
+    if values.get("adapter_cache"):  # every process reads it, from its own working folder
+        values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
     try:
         cfg = ServerConfig(**values)
     except ValueError as e:  # before any model is built

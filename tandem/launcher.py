@@ -48,7 +48,7 @@ from rpc.engine_client import EngineClient
 from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.validation import Limits
-from tandem.preflight import check_model, check_ports, load_tokenizer
+from tandem.preflight import adapter_store, check_model, check_ports, load_tokenizer
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
@@ -218,7 +218,8 @@ class Launcher:
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
         # Mistakes in the command line fail here, in one line, before any process starts.
-        check_model(self.cfg.model)
+        config = check_model(self.cfg.model)
+        adapters = adapter_store(self.cfg, config)
         tok = load_tokenizer(self.cfg.model)
         check_ports(self.cfg)
         server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -235,7 +236,7 @@ class Launcher:
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
              ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-        servicer = GenerationServicer(engine, tok)
+        servicer = GenerationServicer(engine, tok, adapters)
         pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
         add_admin_service(server, engine)
         await server.start()
