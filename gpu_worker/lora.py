@@ -1,23 +1,31 @@
 """LoRA on the device: adapter slots as stacked weights, applied to mixed batches.
 
 Every fused linear of the decoder (q|k|v, o, gate|up, down) gets, per layer, two stacked
-matrices over the `max_loras` slots, each slot `n_sub * max_lora_rank` rows wide (one block
-per sub-module: q, k, v for the fused qkv; ranks below the maximum padded with zeros):
+matrices over the `max_loras` slots, each slot R_m = n_sub * max_lora_rank rows wide (one
+block per sub-module: q, k, v for the fused qkv), an adapter's blocks packed at the front of
+its slot at its own rank (lower-rank modules padded with zeros):
 
     A  [slots * R_m, in]    the slots' lora_A blocks
     Bt [slots * R_m, out]   their lora_B blocks, transposed, scaled by alpha/r, each in the
                             output columns of its sub-module (the rest zero)
 
-A forward gets a `LoraContext`: every row's slot (0 = no adapter) as a one-hot [T, n] over
-slots 1..n, built once per plan for decode rows.  Per module it runs
+A forward gets a `LoraContext`, built once per plan (decode) or per prefill, in one of two
+forms; a plan with no adapter rows gets none and skips all of it.
 
-    u = x @ A[:n R_m]^T ;  u *= one-hot (per slot block) ;  out += u @ Bt[:n R_m]
+* masked (CUDA graphs): every row's slot as a one-hot [T, slots]; per module
 
-so rows of different adapters (or none: an all-zero one-hot adds exactly 0) share one pair
-of matmuls with static shapes: the K-step loop and CUDA graphs need no host read, and a plan
-with no adapter rows skips all of it.  Eager forwards use only the first n slots (the
-highest slot in the plan) and the modules its adapters target; graphs take every slot.  The
-cost per token is ∝ n * max_lora_rank * (in + out) per adapted module.
+      u = x @ A^T ;  u *= one-hot (per slot block) ;  out += u @ Bt
+
+  rows of different adapters (or none: an all-zero one-hot adds exactly 0) share one pair
+  of matmuls with static shapes, so a captured graph serves any mix, and loading an
+  adapter only rewrites weights in place.  Cost per token ∝ slots * R_m * (in + out).
+* segments (eager forwards: CPU, prefill, anything not replayed from a graph): the runner
+  orders a plan's rows by slot, so each adapter's rows are one contiguous range, known on
+  the host when the plan starts; per module and adapter, `out[a:b] += x[a:b] @ A_s^T @ Bt_s`.
+  Each token pays only its own adapter, at its own rank (∝ n_sub * r * (in + out)), for two
+  small matmuls per adapter in the plan; modules an adapter does not target are skipped.
+
+Neither reads anything back from the device inside the K-step loop.
 """
 from __future__ import annotations
 
@@ -69,9 +77,8 @@ class LoraWeights:
             self.bt.append({f: zeros(self.rows[f], sum(shapes.linears[s][0] for s in subs))
                             for f, subs in FUSED.items()})
         self.adapter_of: dict[int, str] = {}  # slot -> adapter id loaded there
-        self.targets: dict[int, frozenset[str]] = {}  # slot -> fused modules it adapts
+        self.used: dict[int, dict[str, int]] = {}  # slot -> fused module -> rows it fills
         self.failed: dict[int, AdapterError] = {}  # slot -> why its last load failed
-        self.all_modules = frozenset(FUSED)
         self._slot_ids = torch.arange(1, max_loras + 1, device=device)
 
     @property
@@ -96,7 +103,6 @@ class LoraWeights:
             self.failed[slot] = error
             raise error from exc
         self.adapter_of[slot] = adapter_id
-        self.targets[slot] = frozenset(_PLACE[m][0] for m in adapter.targets)
         self.failed.pop(slot, None)
         log.info("adapter %r loaded into slot %d (rank %d, %s)", adapter_id, slot,
                  adapter.rank, ", ".join(adapter.targets))
@@ -107,13 +113,18 @@ class LoraWeights:
                 self.a[layer][f][(slot - 1) * r: slot * r].zero_()
                 self.bt[layer][f][(slot - 1) * r: slot * r].zero_()
         self.adapter_of.pop(slot, None)
-        self.targets.pop(slot, None)
+        self.used.pop(slot, None)
 
     def _copy_in(self, slot: int, adapter: LoraAdapter) -> None:
+        # Per fused module, sub-module blocks `width` rows apart: the adapter's highest rank.
+        width: dict[str, int] = {}
+        for m in adapter.modules:
+            fused = _PLACE[m.module][0]
+            width[fused] = max(width.get(fused, 0), m.rank)
         with safe_open(adapter.weights_path, framework="pt", device="cpu") as f:
             for m in adapter.modules:
                 fused, index = _PLACE[m.module]
-                first = (slot - 1) * self.rows[fused] + index * self.max_rank
+                first = (slot - 1) * self.rows[fused] + index * width[fused]
                 rows = slice(first, first + m.rank)
                 a = f.get_tensor(m.a_key).float()
                 b = f.get_tensor(m.b_key).float() * m.scaling  # folded in at full precision
@@ -121,21 +132,33 @@ class LoraWeights:
                 self.a[m.layer][fused][rows].copy_(a.to(self.dtype))
                 self.bt[m.layer][fused][rows, col: col + b.shape[0]].copy_(
                     b.t().to(self.dtype))
+        self.used[slot] = {f: len(FUSED[f]) * w for f, w in width.items()}
 
     # ------------------------------------------------------------------ forwards
 
     def context(self, slots: list[int]) -> LoraContext | None:
-        """The eager context for rows with these slots; None when no row uses an adapter."""
-        n = max(slots, default=0)
-        if n == 0:
+        """The eager context for rows with these slots (each slot's rows adjacent: segments,
+        else masked); None when no row uses an adapter."""
+        if not any(slots):
             return None
-        modules = frozenset().union(*(self.targets.get(s, frozenset()) for s in set(slots)))
         index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        return LoraContext(self, index, n, modules)
+        runs = [(s, a) for a, s in enumerate(slots) if a == 0 or slots[a - 1] != s]
+        adapted = [s for s, _ in runs if s]
+        if len(set(adapted)) < len(adapted):  # an adapter's rows are not one range
+            return LoraContext(self, index)
+        bounds = [a for _, a in runs] + [len(slots)]
+        segments = [(s, a, b, self.used.get(s, {}))
+                    for (s, a), b in zip(runs, bounds[1:], strict=True) if s]
+        return LoraContext(self, index, segments)
 
     def full_context(self, slots: torch.Tensor) -> LoraContext:
         """Every slot and module, whatever is loaded: the shape a CUDA graph captures."""
-        return LoraContext(self, slots, self.max_loras, self.all_modules)
+        return LoraContext(self, slots)
+
+
+# An adapter's rows in a forward: (slot, first row, end row, rows of its slot each fused
+# module uses; a module it does not adapt is absent).
+Segment = tuple[int, int, int, dict[str, int]]
 
 
 @dataclass
@@ -144,20 +167,24 @@ class LoraContext:
 
     weights: LoraWeights
     slots: torch.Tensor  # [T] int64 on the device, 0 = no adapter
-    n: int  # slots 1..n take part
-    modules: frozenset[str]  # fused modules some taking-part adapter adapts
+    segments: list[Segment] | None = None  # None: masked over every slot
 
     def __post_init__(self) -> None:
-        ids = self.weights._slot_ids[: self.n]
-        self.onehot = (self.slots.unsqueeze(1) == ids).to(self.weights.dtype).unsqueeze(2)
+        if self.segments is None:
+            ids = self.weights._slot_ids
+            self.onehot = (self.slots.unsqueeze(1) == ids).to(self.weights.dtype).unsqueeze(2)
 
     def add(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, out_features] += each row's adapter delta for `fused` at `layer`."""
-        if fused not in self.modules:
-            return out
         w = self.weights
         r = w.rows[fused]
-        rows = self.n * r
-        u = F.linear(x, w.a[layer][fused][:rows])
-        u = (u.view(-1, self.n, r) * self.onehot).view(-1, rows)
-        return out.addmm_(u, w.bt[layer][fused][:rows])
+        a, bt = w.a[layer][fused], w.bt[layer][fused]
+        if self.segments is not None:
+            for slot, first, end, used in self.segments:
+                if fused in used:
+                    rows = slice((slot - 1) * r, (slot - 1) * r + used[fused])
+                    out[first:end].addmm_(F.linear(x[first:end], a[rows]), bt[rows])
+            return out
+        u = F.linear(x, a)
+        u = (u.view(-1, w.max_loras, r) * self.onehot).view(-1, w.max_loras * r)
+        return out.addmm_(u, bt)

@@ -291,7 +291,9 @@ class ModelRunner:
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
             self.apply(plan)
-        chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
+        # Rows ordered by adapter slot: each adapter's rows are one range (gpu_worker.lora).
+        chunked = sorted((r for r in self.requests.values()
+                          if r.prefill_chunk > 0 and not r.finished), key=_by_slot)
         # No decode steps to time: ask for the next plan now.
         if ending is not None and not any(r.decodes_this_plan for r in self.requests.values()):
             ending()
@@ -302,7 +304,7 @@ class ModelRunner:
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
-        decoding = [r for r in self.requests.values() if r.decoding]
+        decoding = sorted((r for r in self.requests.values() if r.decoding), key=_by_slot)
         steps: list[StepTensors] = []
         if decoding:
             batch = build_decode_batch(decoding, self.vocab_size, self.device)
@@ -377,3 +379,7 @@ class ModelRunner:
             finished_ids=np.array(list(seen), dtype=np.int64),
             finish_reasons=np.array([int(r.finished) for r in seen.values()], dtype=np.uint8),
             forward_time=0.0, wall_time=0.0)
+
+
+def _by_slot(req: RequestState) -> int:
+    return req.lora_slot

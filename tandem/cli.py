@@ -325,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench_ab.add_arguments(p)
     p.set_defaults(func=bench_ab.main)
 
+    from bench import lora as bench_lora
+
+    p = bench.add_parser("lora", help="TPOT and throughput with LoRA adapters vs the base model")
+    bench_lora.add_arguments(p)
+    p.set_defaults(func=bench_lora.main)
+
     from bench import report as bench_report
 
     p = bench.add_parser("report", help="rerun the benchmarks, rewrite docs/BENCHMARKS.md")

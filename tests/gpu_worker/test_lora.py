@@ -176,3 +176,32 @@ class _EagerReplay:
 
     def replay(self) -> None:
         self.out.copy_(self.run())
+
+
+def test_segment_and_masked_forms_add_the_same_deltas(model: str, cache: Path) -> None:
+    """Eager segments (rows grouped by slot, each at its own rank), the masked fallback for
+    ungrouped rows, and the graphs' form over every slot agree; rows without an adapter get
+    exactly nothing added."""
+    runner = lora_runner(model, cache)
+    lora = runner.lora
+    for slot, name in ((1, "attn"), (2, "all"), (4, "mlp")):
+        lora.load(slot, name)
+    slots = [0, 0, 1, 1, 1, 2, 4, 4, 0]
+    gen = torch.Generator().manual_seed(3)
+    grouped = lora.context(slots)
+    shuffled = [4, 1, 0, 2, 0, 1, 4, 1, 0]
+    assert grouped.segments is not None and lora.context(shuffled).segments is None
+    assert lora.context([0, 0]) is None
+    for layer in range(lora.shapes.num_layers):
+        for fused in ("qkv", "o", "gate_up", "down"):
+            x = torch.randn(len(slots), lora.a[layer][fused].shape[1], generator=gen)
+            base = torch.randn(len(slots), lora.bt[layer][fused].shape[1], generator=gen)
+            got = grouped.add(layer, fused, x, base.clone())
+            full = lora.full_context(torch.tensor(slots)).add(layer, fused, x, base.clone())
+            torch.testing.assert_close(got, full)
+            rows_of = {s: [i for i, t in enumerate(slots) if t == s] for s in set(slots)}
+            order = [rows_of[s].pop(0) for s in shuffled]  # shuffled[i] == slots[order[i]]
+            masked = lora.context(shuffled).add(layer, fused, x[order], base[order].clone())
+            torch.testing.assert_close(masked, got[order])
+            assert torch.equal(got[[0, 1, 8]], base[[0, 1, 8]])
+            assert fused in ("qkv", "o") or torch.equal(got[2:5], base[2:5])  # attn only
