@@ -205,3 +205,25 @@ def test_segment_and_masked_forms_add_the_same_deltas(model: str, cache: Path) -
             torch.testing.assert_close(masked, got[order])
             assert torch.equal(got[[0, 1, 8]], base[[0, 1, 8]])
             assert fused in ("qkv", "o") or torch.equal(got[2:5], base[2:5])  # attn only
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_adapters_match_eager_and_peft(model: str, cache: Path,
+                                                        expected: dict[int, list[int]]) -> None:
+    from gpu_worker.runner import ModelRunner
+
+    def run(graphs: bool) -> tuple[Any, dict[int, list[int]]]:
+        runner = ModelRunner(model, device="cuda", dtype="float32", block_size=16,
+                             num_kv_blocks=400, max_num_seqs=8, cuda_graphs=graphs,
+                             adapter_cache=str(cache), max_loras=4)
+        runner.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)
+        d = Driver(runner, seed=9)
+        d.add = functools.partial(d.add, sampling=sampling())  # type: ignore[method-assign]
+        run_mix(d)
+        return runner, d.outputs()
+
+    graphed, with_graphs = run(True)
+    assert graphed.graphs is not None and graphed.graphs.enabled
+    assert any(key[2] for key in graphed.graphs._graphs), "no LoRA graph was captured"
+    assert with_graphs == run(False)[1]
+    assert with_graphs == expected
