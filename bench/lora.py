@@ -4,8 +4,8 @@ One server (K=8 async by default) with an adapter cache of `--adapters` syntheti
 (rank `--rank`, every linear layer), and the same seeded workload run in three arms,
 alternately, `--repeats` times each: the base model alone, every request on one adapter,
 and requests spread over every adapter (request i on adapter i mod n, as `bench serve
---adapters` does).  It prints median TPOT, ITL and output throughput per arm with ratios to
-the base arm, and writes them as JSON.
+--adapters` does).  It prints median TPOT, ITL and output throughput per arm, and ratios to
+the base arm taken within each repeat (then the median), and writes the figures as JSON.
 
 The adapters are written here with numpy and safetensors in PEFT's layout (random weights,
 alpha = rank): their speed does not depend on the values, and no torch or peft is needed.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 from typing import Any
@@ -58,15 +59,22 @@ def model_shapes(model: str) -> ModelShapes:
         return ModelShapes.of(ModelArgs.from_hf_config(json.load(f)))
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
-    base = results["base model"]
+def paired_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> float:
+    """Median over repeats of arm / base within the same repeat: the arms of one repeat run
+    back to back, so a slow drift of a shared machine cancels out."""
+    pairs = zip(runs[name], runs["base model"], strict=True)
+    return statistics.median(r[key] / b[key] for r, b in pairs)
+
+
+def table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    results = {name: median_result(rs) for name, rs in runs.items()}
     head = "| arm | " + " | ".join(c for _, c in COLUMNS) + \
         " | TPOT vs base | throughput vs base |"
     lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for name, r in results.items():
         cells = [f"{r[k]:.2f}" for k, _ in COLUMNS]
-        cells += [f"{r['mean_tpot_ms'] / base['mean_tpot_ms']:.2f}×",
-                  f"{r['output_throughput'] / base['output_throughput']:.2f}×"]
+        cells += [f"{paired_ratio(runs, name, 'mean_tpot_ms'):.2f}×",
+                  f"{paired_ratio(runs, name, 'output_throughput'):.2f}×"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -122,8 +130,8 @@ def main(args: argparse.Namespace) -> int:
                         print(f"[bench lora] {rep + 1}/{args.repeats} {name}: TPOT "
                               f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
                               file=sys.stderr, flush=True)
+    print(table(runs))
     results = {name: median_result(rs) for name, rs in runs.items()}
-    print(table(results))
     keep = [k for k, _ in COLUMNS] + ["completed", "median_tpot_ms", "p99_tpot_ms", "repeats"]
     with open(args.output_json, "w") as f:
         json.dump({n: {k: r.get(k) for k in keep} for n, r in results.items()}, f, indent=2)
