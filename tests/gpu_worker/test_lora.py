@@ -227,3 +227,32 @@ def test_cuda_graphs_with_adapters_match_eager_and_peft(model: str, cache: Path,
     assert any(key[2] for key in graphed.graphs._graphs), "no LoRA graph was captured"
     assert with_graphs == run(False)[1]
     assert with_graphs == expected
+
+
+def test_seeded_sampling_and_logprobs_under_an_adapter_ignore_the_batch(model: str,
+                                                                       cache: Path) -> None:
+    """A seeded sampled request on an adapter draws the same tokens alone and in a mixed
+    batch, and its logprobs come from its adapter's distribution (rank 1 when greedy)."""
+    from proto.messages import SamplingParams, TokenBatch
+    from tests.gpu_worker.runner_driver import sampled
+
+    def run(mixed: bool) -> tuple[list[int], list[TokenBatch]]:
+        d = Driver(lora_runner(model, cache), seed=12)
+        d.load(1, "all")
+        d.load(2, "mlp")
+        d.add(7, PROMPTS[2], sampled(5, max_new_tokens=NEW), lora_slot=1)
+        d.add(8, PROMPTS[3], SamplingParams(max_new_tokens=NEW, logprobs=True, top_n=2),
+              lora_slot=1)
+        if mixed:
+            d.add(0, PROMPTS[0], sampling())
+            d.add(3, PROMPTS[3], sampled(9, max_new_tokens=NEW), lora_slot=2)
+        d.run_until_done([8, 3])
+        return d.reqs[7].out, [m for m in d.messages if isinstance(m, TokenBatch)]
+
+    alone, _ = run(False)
+    together, batches = run(True)
+    assert alone == together and len(alone) > 0
+    rows = [(b.ranks[list(b.request_ids).index(8)], b.logprobs[list(b.request_ids).index(8)])
+            for b in batches if 8 in b.request_ids and b.token_ids[
+                list(b.request_ids).index(8)] >= 0]
+    assert rows and all(rank == 1 and lp <= 0 for rank, lp in rows)
