@@ -94,6 +94,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for the server (repeatable)")
     p.add_argument("--output-json", default="bench_lora.json")
+    p.add_argument("--step", action="store_true",
+                   help="instead of serving: decode ms/step in one process, arms alternating "
+                        "(bench/lora_step.py), batch --max-concurrency")
+
+
+def step_main(args: argparse.Namespace, model: str) -> int:
+    from bench.lora_step import step_table
+
+    ids = [f"bench-{i}" for i in range(args.adapters)]
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as cache:
+        shapes = model_shapes(model)
+        for i, adapter_id in enumerate(ids):
+            write_adapter(os.path.join(cache, adapter_id), shapes, args.rank, seed=i)
+        print(step_table(model, cache, ids, args.rank, batch=args.max_concurrency,
+                         prompt_len=args.input_len, k=args.steps, repeats=args.repeats))
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
@@ -102,6 +118,8 @@ def main(args: argparse.Namespace) -> int:
         from gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model())
+    if args.step:
+        return step_main(args, model)
     bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
                         output_len=args.output_len, max_concurrency=args.max_concurrency,
                         seed=args.seed, warmup=4, model=model)

@@ -288,7 +288,7 @@ def ipc(ctx: Context) -> str:
 
 
 def lora(ctx: Context) -> str:
-    return command_section(ctx, (
+    serving = command_section(ctx, (
         "LoRA on the default preset, K=8 async, one server: the same workload (32 concurrent "
         "requests, 128-token prompts, 64 output tokens) on the base model alone, every "
         "request on one adapter, and requests spread over 4 adapters (rank 16, every linear "
@@ -296,6 +296,12 @@ def lora(ctx: Context) -> str:
         "by adapter, so each token pays only its own adapter's rank."),
         ["bench", "lora", "--model", ctx.models["default"], "--repeats", str(ctx.repeats),
          "--num-prompts", "96", "--output-json", "/tmp/tandem-bench-lora.json"])
+    step = command_section(ctx, (
+        "The device side alone, where a shared machine's noise is smaller: decode ms/step "
+        "through `ModelRunner.execute` in one process (one torch thread, batch 32, K=8 "
+        "plans), arms alternating."),
+        ["bench", "lora", "--step", "--model", ctx.models["default"], "--repeats", "8"])
+    return serving + "\n\n" + step
 
 
 def soak(ctx: Context) -> str:
