@@ -80,7 +80,8 @@ def wait_ready(client: TandemClient, proc: subprocess.Popen, timeout: float = 18
 
 def _counters(client: TandemClient) -> dict[str, float]:
     s = client.stats()
-    return {f.name: float(getattr(s, f.name)) for f in s.DESCRIPTOR.fields}
+    values = {f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
 
 
 def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -56,6 +56,7 @@ class BackendOptions:
     batch_size: int = 16  # hf-generate only
     device: str = "auto"  # hf-generate only
     dtype: str = "float32"  # hf-generate only
+    adapters: list[str] = field(default_factory=list)  # tandem: request i uses i % n
 
 
 class Progress:
@@ -166,8 +167,11 @@ class TandemBackend(Backend):
             opts.generated_tokens = True
             opts.token_logprobs = True
             opts.top_n_tokens = self.opts.logprobs
-        return pb.SingleGenerationRequest(request=pb.GenerationRequest(text=item.prompt),
-                                          params=opts.to_proto())
+        req = pb.SingleGenerationRequest(request=pb.GenerationRequest(text=item.prompt),
+                                         params=opts.to_proto())
+        if self.opts.adapters:
+            req.adapter_id = self.opts.adapters[item.index % len(self.opts.adapters)]
+        return req
 
     async def run_one(self, item: BenchItem) -> RequestRecord:
         import grpc

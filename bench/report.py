@@ -308,6 +308,23 @@ def ipc(ctx: Context) -> str:
                            ["bench", "ipc"], fenced=True)
 
 
+def lora(ctx: Context) -> str:
+    serving = command_section(ctx, (
+        "LoRA on the default preset, K=8 async, one server: the same workload (32 concurrent "
+        "requests, 128-token prompts, 64 output tokens) on the base model alone, every "
+        "request on one adapter, and requests spread over 4 adapters (rank 16, every linear "
+        "layer); arms alternate, medians of the repeats. Eager forwards group a plan's rows "
+        "by adapter, so each token pays only its own adapter's rank."),
+        ["bench", "lora", "--model", ctx.models["default"], "--repeats", str(ctx.repeats),
+         "--num-prompts", "96", "--output-json", "/tmp/tandem-bench-lora.json"])
+    step = command_section(ctx, (
+        "The device side alone, where a shared machine's noise is smaller: decode ms/step "
+        "through `ModelRunner.execute` in one process (one torch thread, batch 32, K=8 "
+        "plans), arms alternating."),
+        ["bench", "lora", "--step", "--model", ctx.models["default"], "--repeats", "8"])
+    return serving + "\n\n" + step
+
+
 def soak(ctx: Context) -> str:
     return command_section(
         ctx, "Steady load; resident memory of every process at the start and the end. Two "
@@ -333,6 +350,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "guided": ("Guided decoding (`tandem bench step --guided`)", guided),
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
+    "lora": ("LoRA adapters (`tandem bench lora`)", lora),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }
 DEFAULT_SECTIONS = [s for s in SECTIONS if s != "soak"]  # soak: 10+ minutes, on request

@@ -81,6 +81,7 @@ class BenchConfig:
     dtype: str = "float32"
     guided: str = ""  # a bench.guided kind: that share of the requests is constrained
     guided_share: float = 0.5
+    adapters: list[str] = field(default_factory=list)  # LoRA adapter ids, request i: i % n
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(
@@ -91,7 +92,7 @@ class BenchConfig:
             sample=self.sample, temperature=self.temperature, seed=self.seed,
             request_timeout=self.request_timeout, ready_timeout=self.ready_timeout,
             batch_size=self.max_concurrency or DEFAULT_HF_BATCH, device=self.device,
-            dtype=self.dtype)
+            dtype=self.dtype, adapters=list(self.adapters))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -102,6 +103,10 @@ def _rate(value: str) -> float:
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {value}")
     return rate
+
+
+def _adapters(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
 
 
 def _percentiles(value: str) -> tuple[float, ...]:
@@ -183,6 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "object); the first one's TTFT (a cold compile) is reported apart")
     g.add_argument("--guided-share", type=float, default=d.guided_share,
                    help="with --guided: the share of requests, in (0, 1]")
+    g.add_argument("--adapters", type=_adapters, default=[], metavar="A,B,...",
+                   help="tandem: LoRA adapter ids the requests spread over (request i uses "
+                        "adapter i mod n; the server needs --adapter-cache)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--output-json", default="", metavar="FILE",
@@ -325,6 +333,8 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         if config.backend != "tandem" and backend is None:
             raise ValueError(f"--guided needs --backend tandem, not {config.backend}")
         items = bench_guided.apply(items, config.guided, config.guided_share, config.seed)
+    if config.adapters and config.backend != "tandem":
+        raise ValueError(f"--adapters: the {config.backend} backend cannot name LoRA adapters")
     warmup_items: list[BenchItem] = []
     if config.warmup > 0:
         if config.dataset == "file" or tokenizer is None:

@@ -17,6 +17,7 @@ from proto.messages import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
     from gpu_worker.guided import GuidedBatch, GuidedRegistry
+    from gpu_worker.lora import LoraContext
 
 
 @dataclass
@@ -34,6 +35,7 @@ class RequestState:
     # row's llguidance matcher (both unset while preempted: the resume replays the output).
     guided_state: int = -1
     matcher: Any = None
+    lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
 
     @property
     def num_generated(self) -> int:
@@ -73,6 +75,7 @@ class DecodeBatch:
     need_logprobs: bool
     max_top_n: int
     guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
+    lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
 
     @property
     def size(self) -> int:

@@ -109,6 +109,11 @@ class ServerConfig:
     guided_cache_dir: str = ""
     guided_compile_timeout: float = 30.0
     guided_precompile_json: bool = True
+    # LoRA: adapter ids name folders under adapter_cache ("" = adapters off); the gpu worker
+    # holds up to max_loras of them at once, each of rank <= max_lora_rank.
+    adapter_cache: str = ""
+    max_loras: int = 8
+    max_lora_rank: int = 16
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -171,6 +176,7 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
     "guided_compile_timeout": (0.1, 3600),
+    "max_loras": (1, 256), "max_lora_rank": (1, 512),
 }
 
 

@@ -117,25 +117,34 @@ class TandemClient:
 
     def stream(self, text: str, opts: GenerateOptions | None = None,
                metadata: list[tuple[str, str]] | None = None,
-               timeout: float | None = None) -> Iterator[pb.GenerationResponse]:
+               timeout: float | None = None,
+               adapter_id: str = "") -> Iterator[pb.GenerationResponse]:
+        """One GenerateStream call; `adapter_id`: a LoRA adapter of the server's cache."""
         req = pb.SingleGenerationRequest(request=pb.GenerationRequest(text=text),
                                          params=(opts or GenerateOptions()).to_proto())
+        if adapter_id:
+            req.adapter_id = adapter_id
         return self.stub.GenerateStream(req, metadata=metadata, timeout=timeout)
 
     def generate(self, texts: list[str], opts: GenerateOptions | None = None,
                  timeout: float | None = None,
-                 metadata: list[tuple[str, str]] | None = None) -> list[pb.GenerationResponse]:
+                 metadata: list[tuple[str, str]] | None = None,
+                 adapter_id: str = "") -> list[pb.GenerationResponse]:
         """One batched Generate call; the responses come in the order of `texts`."""
         req = pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=t) for t in texts],
             params=(opts or GenerateOptions()).to_proto())
+        if adapter_id:
+            req.adapter_id = adapter_id
         return list(self.stub.Generate(req, timeout=timeout, metadata=metadata).responses)
 
     def tokenize(self, texts: list[str], tokens: bool = True, offsets: bool = False,
-                 truncate: int = 0) -> list[pb.TokenizeResponse]:
+                 truncate: int = 0, adapter_id: str = "") -> list[pb.TokenizeResponse]:
         req = pb.BatchedTokenizeRequest(requests=[pb.TokenizeRequest(text=t) for t in texts],
                                         return_tokens=tokens, return_offsets=offsets,
                                         truncate_input_tokens=truncate)
+        if adapter_id:
+            req.adapter_id = adapter_id
         return list(self.stub.Tokenize(req).responses)
 
     def model_info(self) -> pb.ModelInfoResponse:

@@ -18,6 +18,8 @@ from typing import Any
 from guided.service import GuidedCompiler
 from ipc.tracing import TRACER
 from proto.messages import OutputDelta
+from rpc import metrics
+from rpc.adapter_store import AdapterStore
 from rpc.engine_client import EngineClient, EngineError
 from rpc.guided import Compiled, attach, compile_spec
 from rpc.validation import Limits, Request
@@ -61,6 +63,7 @@ class Prepared:
     rid: int  # the engine's request id, known before tokenizing so spans can name it
     arrived: float  # time.monotonic() of the request's arrival
     guided: Compiled | None = None  # the compiled output constraint, if any
+    adapter_id: str = ""  # a validated LoRA adapter ("": the base model)
 
 
 class Frontend:
@@ -70,9 +73,11 @@ class Frontend:
     through (readiness), and `accepting` goes False when the server drains.
     """
 
-    def __init__(self, engine: EngineClient, tok: Tokenizer) -> None:
+    def __init__(self, engine: EngineClient, tok: Tokenizer,
+                 adapters: AdapterStore | None = None) -> None:
         self.engine = engine
         self.tok = tok
+        self.adapters = adapters  # LoRA adapters (None: no --adapter-cache)
         self.limits: Limits | None = None
         self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
@@ -96,10 +101,10 @@ class Frontend:
             return self.tok.encode(text, add_special_tokens)
 
     @staticmethod
-    def prepared(req: Request, text: str, ids: list[int], rid: int, arrived: float
-                 ) -> Prepared:
+    def prepared(req: Request, text: str, ids: list[int], rid: int, arrived: float,
+                 adapter_id: str = "") -> Prepared:
         deadline = arrived + req.time_limit if req.time_limit else None
-        return Prepared(req, text, ids, deadline, rid, arrived)
+        return Prepared(req, text, ids, deadline, rid, arrived, adapter_id=adapter_id)
 
     async def compile(self, prepared: list[Prepared]) -> None:
         """Compile the constraint the requests share (once, off the event loop) and attach it;
@@ -114,6 +119,8 @@ class Frontend:
 
     def generate(self, p: Prepared, name: str) -> AsyncIterator[OutputDelta]:
         """The request's deltas until its last; leaving early aborts it in the engine."""
+        if p.adapter_id:
+            metrics.ADAPTER_REQUESTS.labels(p.adapter_id).inc()
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
                                     name=name, request_id=p.rid, arrived=p.arrived,
-                                    guided=p.guided)
+                                    guided=p.guided, adapter_id=p.adapter_id)

@@ -21,6 +21,7 @@ from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
+from rpc.adapter_store import AdapterStore
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
 from rpc.frontend import THREAD_ENCODE_CHARS, Frontend, Prepared, RequestLog, request_log
 from rpc.validation import (
@@ -56,6 +57,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.frontend = frontend
         self.engine = frontend.engine
         self.tok = frontend.tok
+        # None: no --adapter-cache, adapter ids are unsupported
+        self.adapters: AdapterStore | None = frontend.adapters
 
     async def _ready_limits(self, context: grpc.aio.ServicerContext) -> Limits:
         try:
@@ -66,17 +69,29 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     # ------------------------------------------------------------------ helpers
 
-    async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
-                               rlog: RequestLog) -> None:
+    async def _adapter_of(self, request: Any, context: grpc.aio.ServicerContext,
+                          rlog: RequestLog) -> str:
+        """The request's validated LoRA adapter ("" for none): `adapter_id`, else the older
+        name for the same lookup, `prefix_id`.  Without an adapter cache both are
+        UNIMPLEMENTED; an adapter we cannot serve is INVALID_ARGUMENT."""
         try:
-            check_unsupported(request)
+            if self.adapters is None:
+                check_unsupported(request)
+                return ""
+            for name in ("adapter_id", "prefix_id"):
+                if request.HasField(name) and getattr(request, name):
+                    return self.adapters.resolve(getattr(request, name), name).adapter_id
         except UnsupportedError as exc:
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        except ValidationError as exc:
+            rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return ""
 
     async def _prepare(self, text: str, params: pb.Parameters,
                        context: grpc.aio.ServicerContext, field: str, arrived: float,
-                       rlog: RequestLog) -> Prepared:
+                       rlog: RequestLog, adapter_id: str = "") -> Prepared:
         limits = await self._ready_limits(context)
         rid = self.engine.new_request_id()
         try:
@@ -96,7 +111,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except UnsupportedError as exc:
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
-        return self.frontend.prepared(req, text, ids, rid, arrived)
+        return self.frontend.prepared(req, text, ids, rid, arrived, adapter_id)
 
     def _input_details(self, p: Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
@@ -170,13 +185,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                              ) -> AsyncIterator[pb.GenerationResponse]:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         p = await self._prepare(request.request.text, request.params, context, "request.text",
-                                arrived, rlog)
+                                arrived, rlog, adapter_id)
         await self._compile([p], context, rlog)
-        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
+        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s%s", len(p.ids),
                   p.req.sampling.max_new_tokens,
-                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
+                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}",
+                  f", adapter {adapter_id}" if adapter_id else "")
         generated = 0
         first = True
         reason = FinishReason.NOT_FINISHED
@@ -236,12 +252,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests: must not be empty")
         # Every input is validated before any is submitted, so a bad one wastes no work.
         prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
-                                        arrived, rlog)
+                                        arrived, rlog, adapter_id)
                     for i, r in enumerate(request.requests)]
         await self._compile(prepared, context, rlog)
         rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
@@ -265,7 +281,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
-        await self._check_supported(request, context, _request_log(context))
+        # An adapter is validated like for generation; it tokenizes with the base model's
+        # tokenizer (as vLLM does), since adapters with new tokens are not served.
+        await self._adapter_of(request, context, _request_log(context))
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
             if len(r.text) > THREAD_ENCODE_CHARS:
@@ -287,9 +305,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         limits = await self._ready_limits(context)
+        stats = self.engine.stats
         return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
                                     max_sequence_length=limits.max_model_len,
-                                    max_new_tokens=limits.max_new_tokens)
+                                    max_new_tokens=limits.max_new_tokens,
+                                    loaded_adapters=stats.loaded_adapters if stats else [])
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

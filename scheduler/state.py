@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from proto.messages import FinishReason, GuidedKind, RequestFailed
 from scheduler.block_manager import BlockManager
 from scheduler.guided import WorkerConstraints
+from scheduler.lora_slots import LoraSlots
 from scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
@@ -43,6 +44,7 @@ class SchedulerParams:
     # checked) and how many constraints no running request uses the worker keeps for reuse.
     vocab_size: int = 0
     guided_kept: int = 32
+    max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class SchedulerStats:
     num_plans: int = 0
     num_rejected: int = 0
     num_failed: int = 0
+    loaded_adapters: tuple[str, ...] = ()  # resident in the worker's slots, slot order
+    adapter_loads: int = 0
 
 
 @dataclass
@@ -81,6 +85,7 @@ class SchedulerState:
         self.params = params
         self._blocks = BlockManager(params.num_blocks, params.block_size,
                                     params.enable_prefix_caching)
+        self._lora = LoraSlots(params.max_loras)
         self._requests: dict[int, Request] = {}  # waiting, preempted and running
         self._waiting: deque[Request] = deque()  # preempted ones at the front
         self._running: list[Request] = []  # oldest admission first; preempted newest first
@@ -130,6 +135,9 @@ class SchedulerState:
             self._waiting_tokens -= req.prompt_len
         self._blocks.free(req.blocks)
         req.blocks = []
+        if req.lora_slot:
+            self._lora.give_back(req.adapter_id)
+            req.lora_slot = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
@@ -200,6 +208,8 @@ class SchedulerState:
             num_plans=self._next_plan_id,
             num_rejected=self._num_rejected,
             num_failed=self._num_failed,
+            loaded_adapters=tuple(self._lora.resident),
+            adapter_loads=self._lora.num_loads,
         )
 
     def check_invariants(self) -> None:
@@ -221,6 +231,7 @@ class SchedulerState:
         self._constraints.check_invariants(
             Counter(r.sampling.guided_id for r in self._running if _guided(r)),
             Counter(r.sampling.guided_id for r in self._requests.values() if _guided(r)))
+        self._check_adapters()
         limit = MAX_OUTSTANDING_ASYNC if self.params.async_mode else 1
         assert self._num_outstanding() <= limit, f"{self._num_outstanding()} plans outstanding"
 
@@ -234,6 +245,19 @@ class SchedulerState:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not req.blocks and req.num_computed == 0, f"waiting {req.request_id} holds KV"
             assert req.known_to_worker == (req.status is RequestStatus.PREEMPTED)
+
+    def _check_adapters(self) -> None:
+        holders: Counter[str] = Counter()
+        for req in self._requests.values():
+            if req.lora_slot:
+                assert req.lora_slot == self._lora.slot_of(req.adapter_id), (
+                    f"request {req.request_id} holds slot {req.lora_slot}, its adapter "
+                    f"{req.adapter_id!r} is in slot {self._lora.slot_of(req.adapter_id)}")
+                holders[req.adapter_id] += 1
+            else:
+                assert not (req.adapter_id and req.known_to_worker), (
+                    f"request {req.request_id} reached the worker without its adapter slot")
+        self._lora.check_invariants(holders)
 
     def _check_running(self, req: Request) -> None:
         rid = req.request_id

@@ -115,6 +115,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                         "/v1/models, /health, /metrics) on --host; 0: off")
     p.add_argument("--served-model-name", default=d.served_model_name,
                    help="the model name HTTP clients send (default: the model folder's name)")
+    p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
+                   help="LoRA adapters: a request's adapter_id names the PEFT adapter folder "
+                        "DIR/<adapter_id> (default: adapters off)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters the gpu worker holds at once (least recently used ones "
+                        "no running request uses make room)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank served (the device cost per token grows "
+                        "with it)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
@@ -180,6 +189,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["enable_prefix_caching"] = args.prefix_caching
+    if values.get("adapter_cache"):  # every process reads it, from its own working folder
+        values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
     try:
         cfg = ServerConfig(**values)
     except ValueError as e:  # before any model is built
@@ -358,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("ab", help="sync/async x K table, each arm on a fresh server")
     bench_ab.add_arguments(p)
     p.set_defaults(func=bench_ab.main)
+
+    from bench import lora as bench_lora
+
+    p = bench.add_parser("lora", help="TPOT and throughput with LoRA adapters vs the base model")
+    bench_lora.add_arguments(p)
+    p.set_defaults(func=bench_lora.main)
 
     from bench import report as bench_report
 

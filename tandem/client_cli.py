@@ -60,6 +60,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="guided: the output is exactly one of these (repeat, 2 or more)")
     g.add_argument("--response-format", choices=["json", "text"], default=None,
                    help="guided: json = one JSON object of any content")
+    p.add_argument("--adapter-id", default="",
+                   help="a LoRA adapter of the server's --adapter-cache (default: the base model)")
     p.add_argument("--correlation-id", default="")
     p.add_argument("--json", action="store_true", help="one JSON object per response message")
     p.add_argument("--no-stream", action="store_true", help="use the batched Generate RPC")
@@ -101,7 +103,8 @@ def generate_main(args: argparse.Namespace) -> int:
     meta = [("x-correlation-id", args.correlation_id)] if args.correlation_id else None
     try:
         if args.no_stream or len(args.prompt) > 1:
-            for resp in client.generate(args.prompt, opts, metadata=meta):
+            for resp in client.generate(args.prompt, opts, metadata=meta,
+                                        adapter_id=args.adapter_id):
                 if args.json:
                     _dump(resp)
                 else:
@@ -111,7 +114,8 @@ def generate_main(args: argparse.Namespace) -> int:
             return 0
         t0 = time.monotonic()
         last = None
-        for resp in client.stream(args.prompt[0], opts, metadata=meta):
+        for resp in client.stream(args.prompt[0], opts, metadata=meta,
+                                  adapter_id=args.adapter_id):
             if args.json:
                 _dump(resp)
             else:

@@ -14,8 +14,10 @@ import os
 import socket
 from typing import Any
 
+from adapters.peft import ModelShapes
 from ipc.process import StartupError
 from proto.config import ServerConfig
+from rpc.adapter_store import AdapterStore
 from tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
@@ -53,6 +55,19 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     if problems:
         raise StartupError(f"--model {model!r} cannot be split: {'; '.join(problems)}")
     return config
+
+
+def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | None:
+    """The frontend's adapter validator, sized from the model's config (None: adapters off)."""
+    if not cfg.adapter_cache:
+        return None
+    if not os.path.isdir(cfg.adapter_cache):
+        raise StartupError(f"--adapter-cache {cfg.adapter_cache!r} is not a folder; expected "
+                           "the folder holding one PEFT adapter folder per adapter id")
+    from gpu_worker.models.config import ModelArgs
+
+    shapes = ModelShapes.of(ModelArgs.from_hf_config(config))
+    return AdapterStore(cfg.adapter_cache, shapes, cfg.max_lora_rank)
 
 
 def load_tokenizer(model: str) -> Tokenizer:

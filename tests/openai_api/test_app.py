@@ -46,7 +46,8 @@ class ScriptedEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None, name: str = "",
                        request_id: int | None = None, arrived: float | None = None,
-                       guided: object = None) -> AsyncIterator[OutputDelta]:
+                       guided: object = None, adapter_id: str = ""
+                       ) -> AsyncIterator[OutputDelta]:
         rid = request_id or 0
         text = tok().decode(prompt_ids)
         if "reject" in text:

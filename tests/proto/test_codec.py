@@ -7,6 +7,8 @@ import pytest
 
 from proto import codec
 from proto.messages import (
+    AdapterFailed,
+    AdapterLoad,
     FinishReason,
     GuidedGrammar,
     GuidedKind,
@@ -44,6 +46,16 @@ def test_step_plan_carries_guided_constraints() -> None:
     np.testing.assert_array_equal(got.token_class, table.token_class)
     assert grammar == GuidedGrammar("g", 'start: "x"') and out.drop_tables == ["old"]
     assert out.new[0].sampling.guided_kind is GuidedKind.TABLE
+
+
+def test_lora_deltas_round_trip() -> None:
+    plan = StepPlan(4, 8, new=[NewRequest(7, np.arange(3, dtype=np.int32), SamplingParams(),
+                                          [1], 0, 2, lora_slot=2)],
+                    adapters=[AdapterLoad(2, "team/sql")])
+    out = codec.decode(codec.encode(plan))
+    assert out.adapters == [AdapterLoad(2, "team/sql")] and out.new[0].lora_slot == 2
+    failed = AdapterFailed(4, "team/sql", 2, "adapter 'team/sql': truncated", [7, 8])
+    assert codec.decode(codec.encode(failed)) == failed
 
 
 def test_large_arrays_travel_as_their_own_frame() -> None:

@@ -4,7 +4,10 @@ The fake worker follows the gpu worker's rules exactly (persistent per-request s
 decode steps for every decoding request, its own finishes at EOS / max_new_tokens /
 max_model_len) and checks what it is told: no prefill past len - 1, no block it does not own,
 never fewer blocks than its next writes need, and the KV it reads is the KV that was written
-for exactly that prefix (every cache slot holds a hash chained over the tokens before it).
+for exactly that prefix (every cache slot holds a hash chained over the tokens before it,
+started from the request's LoRA adapter: KV computed under another adapter reads as stale).
+With adapters it keeps the slot table the plans' loads build, and checks that a request runs
+with its own adapter in its slot and that a load never replaces an adapter a request holds.
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ def kv_value(prev: int, token: int) -> int:
     return (prev * 1_000_003 + token + 1) % MOD
 
 
-def kv_values_of(tokens: list[int]) -> list[int]:
-    values, prev = [], 0
+def kv_values_of(tokens: list[int], adapter: str = "") -> list[int]:
+    values, prev = [], sum(map(ord, adapter)) * 7919 % MOD
     for token in tokens:
         prev = kv_value(prev, token)
         values.append(prev)
@@ -56,6 +59,8 @@ class WorkerRequest:
     num_computed: int = 0
     chunk: int = 0
     finish: FinishReason = FinishReason.NOT_FINISHED
+    adapter: str = ""
+    lora_slot: int = 0
 
     @property
     def finished(self) -> bool:
@@ -82,6 +87,8 @@ class FakeWorker:
         self.produced_total = 0
         self.tables: set[str] = set()  # guided constraints held, as the plans said
         self.tables_sent = 0
+        self.adapter_of: dict[int, str] = {}  # request id -> its adapter (the simulation's)
+        self.slots: dict[int, str] = {}  # adapter slot -> adapter loaded there
 
     def run(self, plan: StepPlan) -> tuple[StepDone, list[list[Row]]]:
         for rid, due in list(self.count_drop_due.items()):
@@ -114,6 +121,12 @@ class FakeWorker:
             req = self.reqs[rid]
             req.table, req.num_computed, req.chunk = [], 0, 0
         self._apply_constraints(plan)
+        for load in plan.adapters:
+            assert 1 <= load.slot <= self.params.max_loras, f"slot {load.slot}"
+            users = [rid for rid, r in self.reqs.items() if r.lora_slot == load.slot
+                     and not r.finished]
+            assert not users, f"slot {load.slot} reloaded under requests {users}"
+            self.slots[load.slot] = load.adapter_id
         named: list[int] = []
         for new in plan.new:
             if new.resume:
@@ -123,8 +136,11 @@ class FakeWorker:
                 assert new.request_id not in self.reqs, f"{new.request_id} added twice"
                 assert new.sampling is not None
                 prompt = [int(t) for t in new.prompt_ids]
-                req = WorkerRequest(prompt, kv_values_of(prompt), len(prompt),
-                                    new.sampling.max_new_tokens)
+                adapter = self.adapter_of.get(new.request_id, "")
+                req = WorkerRequest(prompt, kv_values_of(prompt, adapter), len(prompt),
+                                    new.sampling.max_new_tokens, adapter=adapter,
+                                    lora_slot=new.lora_slot)
+                assert (new.lora_slot > 0) == bool(adapter), "adapter slot missing or stray"
                 if new.sampling.guided_kind != GuidedKind.NONE:
                     req.guided_id = new.sampling.guided_id
                 self.reqs[new.request_id] = req
@@ -167,6 +183,9 @@ class FakeWorker:
         for req in self.reqs.values():
             if req.finished:
                 continue  # masked: writes nothing, and its blocks may already be reused
+            if req.adapter:
+                assert self.slots.get(req.lora_slot) == req.adapter, (
+                    f"runs with {self.slots.get(req.lora_slot)!r}, not its {req.adapter!r}")
             assert len(set(req.table)) == len(req.table), "a block twice in one table"
             assert req.num_computed + req.chunk <= len(req.history) - 1 or req.chunk == 0, (
                 f"prefill past len - 1: computed {req.num_computed} + chunk {req.chunk}, "

@@ -52,6 +52,7 @@ class Simulation:
     shared_prefixes: bool = True
     max_plans: int = 20_000
     p_guided: float = 0.4
+    adapters: int = 0  # distinct LoRA adapters the requests spread over (most use one)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -100,6 +101,9 @@ class Simulation:
             if self.guided_rng.random() < self.p_guided:
                 msg.guided = guided_request(self.guided_rng, sampling)
                 self.guided_of[msg.request_id] = sampling.guided_id
+            if self.adapters and rng.random() < 0.8:
+                msg.adapter_id = f"lora-{rng.randrange(self.adapters)}"
+                self.worker.adapter_of[msg.request_id] = msg.adapter_id
             out.append((msg, rng.random() < 0.3))
         return out
 

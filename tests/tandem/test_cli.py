@@ -46,6 +46,17 @@ def test_guided_flags(monkeypatch: pytest.MonkeyPatch) -> None:
         "", 5.0, False)
 
 
+def test_adapter_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    d = serve_config([])
+    assert (d.adapter_cache, d.max_loras, d.max_lora_rank) == ("", 8, 16)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TANDEM_ADAPTER_CACHE", "adapters")
+    c = serve_config(["--max-loras", "2", "--max-lora-rank", "64"])
+    # Made absolute: every process reads it, the gpu worker perhaps from elsewhere.
+    assert c.adapter_cache == os.path.join(str(tmp_path), "adapters")
+    assert (c.max_loras, c.max_lora_rank) == (2, 64)
+
+
 def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_ONEDNN", "0")
     assert serve_config(["--onednn"]).onednn is True
@@ -62,6 +73,7 @@ def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     (["--metrics-port", "9100", "--http-port", "9100"],
      "--http-port 9100 must differ from --metrics-port"),
     (["--guided-compile-timeout", "0"], "--guided-compile-timeout must be between 0.1 and 3600"),
+    (["--max-loras", "0"], "--max-loras must be between 1 and 256 (got 0)"),
 ])
 def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
