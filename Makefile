@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PACKAGES := proto ipc tokenization rpc scheduler gpu_worker postproc_worker tandem bench
+PACKAGES := proto ipc tokenization guided adapters rpc openai_api scheduler gpu_worker postproc_worker tandem bench
 
 .PHONY: bootstrap serve test lint proto compose-check clean benchmarks
 

@@ -5,9 +5,12 @@ runs the same seeded `bench serve` workload against it, and reads the engine's c
 before and after (admin Stats): device idle share (time the gpu worker waited for a plan)
 over the whole run and in steady decode (plans without prefill), mean forward time per
 plan and mean postprocessing time per plan, plus the CPU seconds each process used.
+`--http` runs each async arm a second time over the OpenAI-compatible HTTP API (the
+`openai-completions` backend) beside gRPC, for the HTTP / gRPC throughput ratio.
 `--peers` runs the same workload against `transformers serve --continuous-batching` and
-static-batch `generate()` in the same invocation.  It writes a markdown table with ratios
-to sync K=1, a JSON file and a PNG chart.
+static-batch `generate()` in the same invocation; with transformers serve in it, Tandem's
+largest-K async arm also runs over HTTP, so both servers are driven through the same HTTP
+client.  It writes a markdown table with ratios to sync K=1, a JSON file and a PNG chart.
 """
 from __future__ import annotations
 
@@ -24,6 +27,16 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from bench.ab_tables import (
+    COLUMNS,
+    PEER_NAMES,
+    chart,
+    cpu_table,
+    http_ratios,
+    median_result,
+    peer_ratios,
+    table,
+)
 from bench.serve import BenchConfig, run_benchmark
 from bench.soak import free_port, role_of, tree_pids
 from rpc.client import TandemClient
@@ -36,16 +49,18 @@ class Arm:
     steps: int
     async_mode: bool
     paced: bool = True  # async only: --pace-plans (the default) or --no-pace-plans
+    http: bool = False  # driven over the OpenAI-compatible HTTP API instead of gRPC
 
     @property
     def name(self) -> str:
         mode = "sync" if not self.async_mode else "async" if self.paced else "async unpaced"
-        return f"{mode} K={self.steps}"
+        return f"{mode} K={self.steps}" + (" HTTP" if self.http else "")
 
 
-def start_server(model: str, arm: Arm, extra: list[str], port: int) -> subprocess.Popen:
+def start_server(model: str, arm: Arm, extra: list[str], port: int,
+                 http_port: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model, "--port", str(port),
-           "--num-scheduler-steps", str(arm.steps),
+           "--http-port", str(http_port), "--num-scheduler-steps", str(arm.steps),
            "--async-postproc" if arm.async_mode else "--no-async-postproc",
            "--pace-plans" if arm.paced else "--no-pace-plans",
            "--log-level", "WARNING", *extra]
@@ -65,7 +80,8 @@ def wait_ready(client: TandemClient, proc: subprocess.Popen, timeout: float = 18
 
 def _counters(client: TandemClient) -> dict[str, float]:
     s = client.stats()
-    return {f.name: float(getattr(s, f.name)) for f in s.DESCRIPTOR.fields}
+    values = {f.name: getattr(s, f.name) for f in s.DESCRIPTOR.fields}
+    return {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
 
 
 def engine_figures(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -171,14 +187,16 @@ def beside_frontend(frontend_pid: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def arm_server(model: str, arm: Arm, extra: list[str]
-               ) -> Iterator[tuple[subprocess.Popen, TandemClient, int]]:
-    """A fresh `tandem serve` for one arm, SERVING on a free port; stopped on exit."""
+               ) -> Iterator[tuple[subprocess.Popen, TandemClient, int, int]]:
+    """A fresh `tandem serve` for one arm, SERVING on a free port (and, for an HTTP arm, a
+    free HTTP port); stopped on exit."""
     port = free_port()
-    proc = start_server(model, arm, extra, port)
+    http_port = free_port() if arm.http else 0
+    proc = start_server(model, arm, extra, port, http_port)
     client = TandemClient(f"127.0.0.1:{port}")
     try:
         wait_ready(client, proc)
-        yield proc, client, port
+        yield proc, client, port, http_port
     finally:
         client.close()
         proc.send_signal(signal.SIGTERM)
@@ -189,7 +207,7 @@ def arm_server(model: str, arm: Arm, extra: list[str]
 
 
 def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:
-    with arm_server(model, arm, extra) as (proc, client, port):
+    with arm_server(model, arm, extra) as (proc, client, port, http_port):
         start: dict[str, Any] = {}
 
         def warmed() -> None:
@@ -197,8 +215,12 @@ def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str,
             start["counters"] = _counters(client)
             start["meter"] = CpuMeter(proc.pid)
 
+        target: dict[str, Any] = dict(port=port)
+        if arm.http:
+            target = dict(backend="openai-completions", port=http_port,
+                          base_url=f"http://127.0.0.1:{http_port}")
         with beside_frontend(proc.pid):
-            result = work.run(port=port, model=model, warmed=warmed)
+            result = work.run(model=model, warmed=warmed, **target)
         result["cpu_s"] = start["meter"].stop()
         before = start["counters"]
         time.sleep(0.5)  # the scheduler reports counters every 0.2 s
@@ -206,8 +228,7 @@ def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str,
         return result
 
 
-PEERS = ("transformers-serve", "hf-generate")
-PEER_NAMES = {"transformers-serve": "transformers serve", "hf-generate": "hf generate()"}
+PEERS = tuple(PEER_NAMES)
 
 
 def transformers_cli() -> str:
@@ -279,107 +300,6 @@ def run_peer(name: str, model: str, work: Workload) -> dict[str, Any]:
     raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
 
 
-def median_result(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-key median of repeated runs (numbers only; CPU seconds per process too)."""
-    import statistics
-
-    out = dict(runs[-1])
-    for key, value in runs[-1].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = statistics.median(float(r[key]) for r in runs if key in r)
-    roles = {role for r in runs for role in r.get("cpu_s", {})}
-    out["cpu_s"] = {role: statistics.median(r.get("cpu_s", {}).get(role, 0.0) for r in runs)
-                    for role in sorted(roles)}
-    out["repeats"] = len(runs)
-    return out
-
-
-COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
-           ("output_throughput", "out tok/s"), ("device_idle_pct", "device idle %"),
-           ("steady_idle_pct", "idle % in steady decode"),
-           ("forward_ms_per_plan", "forward ms/plan"),
-           ("postproc_ms_per_plan", "postproc ms/plan")]
-
-
-def _cell(r: dict[str, Any], key: str) -> str:
-    v = r.get(key)
-    return "–" if v is None else f"{v:.2f}"
-
-
-def table(results: dict[str, dict[str, Any]]) -> str:
-    """One row per arm, with ratios to sync K=1 (or, without it, to the first sync arm)."""
-    syncs = [n for n in results if n.startswith("sync K=")]
-    base_name = "sync K=1" if "sync K=1" in results else syncs[0] if syncs else ""
-    base = results.get(base_name)
-    head = "| arm | " + " | ".join(c for _, c in COLUMNS) + \
-        f" | TPOT vs {base_name or 'sync'} | throughput vs {base_name or 'sync'} |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
-    for name, r in results.items():
-        cells = [_cell(r, k) for k, _ in COLUMNS]
-        if base:
-            cells += [f"{r['mean_tpot_ms'] / base['mean_tpot_ms']:.2f}×",
-                      f"{r['output_throughput'] / base['output_throughput']:.2f}×"]
-        else:
-            cells += ["–", "–"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def cpu_table(results: dict[str, dict[str, Any]]) -> str:
-    """CPU seconds per process over each run: where a CPU host's cores went."""
-    roles: list[str] = []
-    for r in results.values():
-        roles += [k for k in r.get("cpu_s", {}) if k not in roles]
-    lines = ["| arm | wall s | " + " | ".join(roles) + " |", "|" + "---|" * (len(roles) + 2)]
-    for name, r in results.items():
-        cpu = r.get("cpu_s", {})
-        cells = [f"{cpu[k]:.2f}" if k in cpu else "–" for k in roles]
-        lines.append(f"| {name} | {r.get('duration', 0.0):.2f} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def peer_ratios(results: dict[str, dict[str, Any]]) -> str:
-    """Output throughput of Tandem's async arm with the largest K over each peer's, measured
-    in the same run."""
-    ours = [n for n in results if n.startswith("async K=")]
-    if not ours:
-        return ""
-    arm = max(ours, key=lambda n: int(n.split("=")[1]))
-    mine = results[arm]["output_throughput"]
-    parts = [f"{arm} output throughput = {mine / r['output_throughput']:.2f}× {name}'s"
-             for name, r in results.items()
-             if name in PEER_NAMES.values() and r.get("output_throughput")]
-    return "; ".join(parts)
-
-
-def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(results)
-    fig, axes = plt.subplots(1, 3, figsize=(4.4 * 3, 3.8))
-    for ax, (key, label) in zip(axes, [("mean_tpot_ms", "mean TPOT (ms)"),
-                                       ("output_throughput", "output tok/s"),
-                                       ("steady_idle_pct", "device idle in steady decode (%)")],
-                                 strict=True):
-        raw = [results[n].get(key) for n in names]
-        values = [v or 0.0 for v in raw]
-        colors = ["#9ecae1" if "unpaced" in n else "#1f77b4" if "async" in n
-                  else "#ff7f0e" if "sync" in n else "#7f7f7f" for n in names]
-        ax.bar(names, values, color=colors)
-        ax.set_title(label)
-        ax.tick_params(axis="x", rotation=25)
-        for i, v in enumerate(raw):  # a peer has no engine counters: say so, not 0
-            ax.text(i, v or 0.0, "n/a" if v is None else f"{v:.1f}", ha="center",
-                    va="bottom", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model folder (e.g. a make-tiny-model one)")
     p.add_argument("--steps", default="1,8", help="comma-separated K values")
@@ -399,6 +319,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="",
                    help=f"comma-separated, from {', '.join(PEERS)}: the same workload "
                         "against them, in this run (needs the bench extra)")
+    p.add_argument("--http", action="store_true",
+                   help="also run every async arm over the OpenAI-compatible HTTP API "
+                        "(HTTP / gRPC ratios)")
     p.add_argument("--unpaced", action="store_true",
                    help="also run async arms with --no-pace-plans (plan n+1 built as soon as "
                         "plan n is sent), for K > 1")
@@ -409,12 +332,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="")
 
 
-def engine_arms(steps: str, unpaced: bool) -> list[Arm]:
+def engine_arms(steps: str, unpaced: bool, http: bool = False,
+                peers: tuple[str, ...] = ()) -> list[Arm]:
     """sync and async for each K; with `unpaced`, async --no-pace-plans too where K > 1 (a
-    one-step plan asks for the next one at its start either way)."""
+    one-step plan asks for the next one at its start either way); with `http`, each async
+    arm over HTTP too, and with transformers serve among the peers at least the largest-K
+    async arm, so that peer is compared through the same HTTP client."""
     kinds = [(False, True), (True, True), (True, False)]
-    return [Arm(int(k), a, paced) for k in steps.split(",") for a, paced in kinds
-            if paced or (unpaced and int(k) > 1)]
+    ks = [int(k) for k in steps.split(",")]
+    arms = [Arm(k, a, paced) for k in ks for a, paced in kinds
+            if paced or (unpaced and k > 1)]
+    over_http = ks if http else [max(ks)] if "transformers-serve" in peers else []
+    return arms + [Arm(k, True, True, http=True) for k in over_http]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -428,7 +357,8 @@ def main(args: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             raise SystemExit(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
-    arms: list[Arm | str] = [*engine_arms(args.steps, args.unpaced), *peers]
+    arms: list[Arm | str] = [*engine_arms(args.steps, args.unpaced, args.http, tuple(peers)),
+                             *peers]
     runs: dict[str, list[dict[str, Any]]] = {}
     total = len(arms) * args.repeats
     n = 0
@@ -453,10 +383,10 @@ def main(args: argparse.Namespace) -> int:
     print(f"CPU seconds per process ({os.cpu_count()} cores = {os.cpu_count()} CPU s per s of "
           "wall time):")
     print(cpu_table(results))
-    ratios = peer_ratios(results)
-    if ratios:
-        print()
-        print(ratios)
+    for ratios in (http_ratios(results), peer_ratios(results)):
+        if ratios:
+            print()
+            print(ratios)
     keep = [k for k, _ in COLUMNS] + ["completed", "duration", "median_tpot_ms", "p99_tpot_ms",
                                       "median_ttft_ms", "p99_itl_ms", "plans", "wasted_tokens",
                                       "delivered_tokens", "cpu_s", "repeats"]

@@ -7,17 +7,22 @@ needed to see whether it carried tokens.
 
 * `tandem`: `fmaas.GenerationService/GenerateStream` over `grpc.aio`; thousands of streams
   share one event loop and one channel, no threads.
+* `openai-completions` / `openai-chat`: any OpenAI-compatible server at `--base-url`
+  (Tandem's HTTP API, vLLM, ...), streamed over SSE (`bench/openai_backends.py`).
 * `transformers-serve`: the OpenAI-compatible `/v1/completions` SSE stream of
-  `transformers serve` (aiohttp when installed, else a small HTTP/1.1 client on asyncio).
+  `transformers serve`, through the same HTTP client (aiohttp when installed, else a small
+  HTTP/1.1 client on asyncio).
 * `hf-generate`: no server; static batches of `model.generate()` in this process, the
   upper bound a server has to beat (or the floor it must not fall through).
 
-This module holds the interface and the Tandem backend; the two peers are in
-`bench/peer_backends.py`, and `make_backend` builds any of them by name.
+This module holds the interface and the Tandem backend; the HTTP ones are in
+`bench/openai_backends.py`, hf-generate in `bench/peer_backends.py`, and `make_backend`
+builds any of them by name.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,7 +33,7 @@ from bench.metrics import RequestRecord
 
 log = logging.getLogger("tandem.bench")
 
-BACKENDS = ("tandem", "transformers-serve", "hf-generate")
+BACKENDS = ("tandem", "openai-completions", "openai-chat", "transformers-serve", "hf-generate")
 
 
 @dataclass
@@ -39,7 +44,8 @@ class BackendOptions:
     port: int = 8033
     model: str = ""  # model folder (tokenizer, hf-generate weights)
     served_model_name: str = ""  # the "model" field of OpenAI requests
-    endpoint: str = "/v1/completions"
+    base_url: str = ""  # OpenAI-compatible servers: scheme://host:port (else host and port)
+    endpoint: str = ""  # OpenAI path; "": /v1/completions or /v1/chat/completions
     logprobs: int | None = None  # top-N logprobs per generated token
     stop: list[str] = field(default_factory=list)
     sample: bool = False
@@ -50,6 +56,7 @@ class BackendOptions:
     batch_size: int = 16  # hf-generate only
     device: str = "auto"  # hf-generate only
     dtype: str = "float32"  # hf-generate only
+    adapters: list[str] = field(default_factory=list)  # tandem: request i uses i % n
 
 
 class Progress:
@@ -149,6 +156,8 @@ class TandemBackend(Backend):
 
         opts = GenerateOptions(max_new_tokens=item.output_len, min_new_tokens=item.output_len,
                                stop_sequences=list(self.opts.stop))
+        if item.guided:  # the constraint says when the output is complete (EOS)
+            opts = dataclasses.replace(opts, min_new_tokens=0, **item.guided)
         if self.opts.sample:
             opts.sample = True
             opts.temperature = self.opts.temperature
@@ -158,8 +167,11 @@ class TandemBackend(Backend):
             opts.generated_tokens = True
             opts.token_logprobs = True
             opts.top_n_tokens = self.opts.logprobs
-        return pb.SingleGenerationRequest(request=pb.GenerationRequest(text=item.prompt),
-                                          params=opts.to_proto())
+        req = pb.SingleGenerationRequest(request=pb.GenerationRequest(text=item.prompt),
+                                         params=opts.to_proto())
+        if self.opts.adapters:
+            req.adapter_id = self.opts.adapters[item.index % len(self.opts.adapters)]
+        return req
 
     async def run_one(self, item: BenchItem) -> RequestRecord:
         import grpc
@@ -206,9 +218,12 @@ class TandemBackend(Backend):
 def make_backend(name: str, opts: BackendOptions, tokenizer: Any = None) -> Backend:
     if name == "tandem":
         return TandemBackend(opts)
-    # The peer backends build on the classes above, so they are imported once one is chosen.
+    # The other backends build on the classes above, so they are imported once one is chosen.
+    from bench.openai_backends import OpenAIBackend
     from bench.peer_backends import HFGenerateBackend, TransformersServeBackend
 
+    if name in ("openai-completions", "openai-chat"):
+        return OpenAIBackend(opts, chat=name == "openai-chat")
     if name == "transformers-serve":
         return TransformersServeBackend(opts)
     if name == "hf-generate":

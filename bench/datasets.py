@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +55,8 @@ class BenchItem:
     prompt: str
     prompt_len: int  # tokens as the server's tokenizer counts them (0: unknown)
     output_len: int
+    # Guided decoding: the constraint's GenerateOptions fields (bench/guided.py); None: none.
+    guided: dict[str, Any] | None = None
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:

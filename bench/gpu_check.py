@@ -65,7 +65,7 @@ QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len
                      output_len=8, request_rate=50.0,
                      max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,
                      step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
-                     skip=("gpu tests",))
+                     skip=("gpu tests", "features"))
 
 
 def _say(msg: str) -> None:
@@ -143,7 +143,7 @@ def _served_tokens(model: str, flags: list[str], jobs: list[tuple[str, int]]) ->
     from bench.ab import Arm, arm_server
     from rpc.client import GenerateOptions
 
-    with arm_server(model, Arm(8, True), flags) as (_, client, _port):
+    with arm_server(model, Arm(8, True), flags) as (_, client, _port, _):
         out = []
         for text, n in jobs:
             opts = GenerateOptions(max_new_tokens=n, min_new_tokens=n, generated_tokens=True)
@@ -183,6 +183,12 @@ def stage_parity(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], 
     if any(v["exact"] != v["prompts"] for v in fp32):
         raise RuntimeError("float32 greedy output differs from HF generate(): " + json.dumps(fig))
     return fig, "\n".join(rows)
+
+
+def stage_features(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
+    from bench.gpu_check_features import check_features
+
+    return check_features(_tiny_model(out, "default"), plan.device, out)
 
 
 def _tiny_model(out: str, preset: str) -> str:
@@ -256,7 +262,7 @@ def _run_arm(model: str, arm: Any, work: Any, flags: list[str],
     same server while it still runs."""
     from bench.ab import _counters, arm_server, beside_frontend, engine_figures
 
-    with arm_server(model, arm, flags) as (proc, client, port):
+    with arm_server(model, arm, flags) as (proc, client, port, _):
         before: dict[str, Any] = {}
 
         def warmed() -> None:
@@ -359,7 +365,7 @@ def _weight_bytes(model: str, dtype: str) -> int:
 
 # Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
 NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
-         "experiment": (200, 60), "profile": (0, 0), "step": (60, 40)}
+         "features": (60, 40), "experiment": (200, 60), "profile": (0, 0), "step": (60, 40)}
 
 
 def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
@@ -373,7 +379,7 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
     profile: dict[str, Any] = {}
     stages: list[tuple[str, Callable[..., tuple[dict[str, Any], str]]]] = [
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
-        ("parity", stage_parity),
+        ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
         ("step", stage_step)]
     failed = 0

@@ -1,7 +1,8 @@
 """The peer engines `tandem bench serve` compares Tandem with (see `bench/backends.py`).
 
 * `transformers-serve`: the OpenAI-compatible `/v1/completions` SSE stream of
-  `transformers serve` (aiohttp when installed, else `bench/http_sse.py` on asyncio).
+  `transformers serve`, through the same HTTP client as every OpenAI-compatible server
+  (`bench/openai_backends.py`, re-exported here).
 * `hf-generate`: no server; static batches of `model.generate()` in this process.
 
 Kept apart from the Tandem backend so each reads on its own; `make_backend` picks one.
@@ -9,130 +10,16 @@ Kept apart from the Tandem backend so each reads on its own; `make_backend` pick
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from bench.backends import Backend, BackendOptions, Progress, fail_record
 from bench.datasets import BenchItem
-from bench.http_sse import HTTPError, post_sse_asyncio, sse_events
 from bench.metrics import RequestRecord
+from bench.openai_backends import TransformersServeBackend
 
-
-class TransformersServeBackend(Backend):
-    """`transformers serve` `/v1/completions`, streamed.
-
-    Its request schema rejects unknown fields (no `min_tokens`/`ignore_eos`), so the fixed
-    output length goes in its `generation_config` JSON field: min_new_tokens =
-    max_new_tokens = output_len, which suppresses EOS until the length is reached.
-    """
-
-    name = "transformers-serve"
-
-    def __init__(self, opts: BackendOptions) -> None:
-        super().__init__(opts)
-        self._session: Any = None
-        try:
-            import aiohttp  # noqa: F401
-            self._use_aiohttp = True
-        except ImportError:
-            self._use_aiohttp = False
-
-    async def start(self) -> None:
-        if self._use_aiohttp:
-            import aiohttp
-
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, force_close=True),
-                timeout=aiohttp.ClientTimeout(total=self.opts.request_timeout or 6 * 3600))
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    def body(self, item: BenchItem) -> dict[str, Any]:
-        gen: dict[str, Any] = {"max_new_tokens": item.output_len,
-                               "min_new_tokens": item.output_len,
-                               "do_sample": self.opts.sample}
-        body: dict[str, Any] = {
-            "model": self.opts.served_model_name or self.opts.model,
-            "prompt": item.prompt,
-            "max_tokens": item.output_len,
-            "stream": True,
-            "generation_config": json.dumps(gen),
-        }
-        if self.opts.sample:
-            body["temperature"] = self.opts.temperature
-            body["seed"] = self.opts.seed + item.index
-        else:
-            body["temperature"] = 0.0
-        if self.opts.stop:
-            body["stop"] = list(self.opts.stop)
-        return body
-
-    async def _events(self, body: dict[str, Any]) -> AsyncIterator[str]:
-        if self._session is None:
-            async for e in post_sse_asyncio(self.opts.host, self.opts.port,
-                                             self.opts.endpoint, body):
-                yield e
-            return
-        url = f"http://{self.opts.host}:{self.opts.port}{self.opts.endpoint}"
-        async with self._session.post(url, json=body) as resp:
-            if resp.status != 200:
-                raise HTTPError(f"HTTP {resp.status}: {(await resp.text())[:500]}")
-
-            async def chunks() -> AsyncIterator[bytes]:
-                async for data in resp.content.iter_any():
-                    yield data
-
-            async for e in sse_events(chunks()):
-                yield e
-
-    async def run_one(self, item: BenchItem) -> RequestRecord:
-        body = self.body(item)
-        rec = RequestRecord(send_time=time.perf_counter(), input_tokens=item.prompt_len)
-        text: list[str] = []
-        counted = 0
-        usage_tokens: int | None = None
-
-        async def consume() -> None:
-            nonlocal counted, usage_tokens
-            async for event in self._events(body):
-                now = time.perf_counter()
-                if event.strip() == "[DONE]":
-                    break
-                data = json.loads(event)
-                if "error" in data:
-                    raise HTTPError(str(data["error"]))
-                for choice in data.get("choices") or ():
-                    piece = choice.get("text") or ""
-                    if piece:
-                        # SSE chunks carry text, not token ids: one chunk is one token here,
-                        # the usage block at the end gives the true total.
-                        rec.add_chunk(now, 1)
-                        counted += 1
-                        self.progress.add_tokens(1)
-                        text.append(piece)
-                usage = data.get("usage")
-                if usage:
-                    usage_tokens = usage.get("completion_tokens")
-                    if usage.get("prompt_tokens"):
-                        rec.input_tokens = int(usage["prompt_tokens"])
-
-        try:
-            if self.opts.request_timeout:
-                await asyncio.wait_for(consume(), self.opts.request_timeout)
-            else:
-                await consume()
-        except Exception as e:  # report the request as failed, keep the benchmark going
-            return fail_record(rec, f"{type(e).__name__}: {e}")
-        rec.end_time = time.perf_counter()
-        rec.output_tokens = int(usage_tokens) if usage_tokens is not None else counted
-        rec.generated_text = "".join(text)
-        rec.success = True
-        return rec
+__all__ = ["HFGenerateBackend", "TransformersServeBackend"]
 
 
 # ----------------------------------------------------------------------- hf-generate

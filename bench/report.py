@@ -146,6 +146,13 @@ def _ab_reading(r: dict[str, dict[str, Any]]) -> str:
              f"K=1's and {ratio('async K=8', 'sync K=8', 'mean_tpot_ms')} sync K=8's (the "
              "seed measured 0.76× sync K=1 on an H100)."]
     a8 = r.get("async K=8", {})
+    if "async K=8 HTTP" in r:
+        lines.append(f"- Over the OpenAI-compatible HTTP API (the `openai-completions` client, "
+                     f"SSE) async K=8 output throughput is "
+                     f"{ratio('async K=8 HTTP', 'async K=8', 'output_throughput')} and mean "
+                     f"TPOT {ratio('async K=8 HTTP', 'async K=8', 'mean_tpot_ms')} of gRPC's; "
+                     "transformers serve is compared with this HTTP arm, through the same "
+                     "client.")
     if "async unpaced K=8" in r:
         lines.append(f"- Paced planning: async K=8 output throughput "
                      f"{ratio('async K=8', 'async unpaced K=8', 'output_throughput')} and mean "
@@ -210,7 +217,7 @@ def profile(ctx: Context) -> str:
     texts: dict[str, str] = {}
     out = tempfile.mkdtemp(prefix="tandem-report-")
     for mode in ("async", "sync"):
-        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port):
+        with arm_server(model, Arm(8, mode == "async"), []) as (_, _, port, _):
             js = os.path.join(out, f"{mode}.json")
             texts[mode] = tandem(
                 "profile", "--port", str(port), "--duration", "3", "--summary-json", js,
@@ -276,6 +283,20 @@ def overhead(ctx: Context) -> str:
          "--batch-sizes", "1,8,32,64", "--repeats", "4"])
 
 
+def guided(ctx: Context) -> str:
+    return command_section(ctx, (
+        "What guided decoding costs a decode step: a 32-row batch of the fast preset (the "
+        "32000-token vocabulary) with no guided rows, then half its rows under a regex, a "
+        "choice and a JSON schema (device tables) or the same schema as a grammar "
+        "(llguidance on the host), K=8, one thread. Each arm has its own runner and their "
+        "plans take turns; the ratio is the median of per-round ratios to the unguided "
+        "plan. The fast preset's step is mostly the LM head and the argmax over 32000 "
+        "logits, so a [rows, vocab] pass is a large share of it: the worst case for the "
+        "mask's relative cost."),
+        ["bench", "step", "--guided", "--model", ctx.models["fast"], "--batch-sizes", "32",
+         "--threads", "1", "--repeats", "5"])
+
+
 def postproc(ctx: Context) -> str:
     return command_section(
         ctx, "Postprocessing throughput next to the decode it has to keep up with.",
@@ -285,6 +306,23 @@ def postproc(ctx: Context) -> str:
 def ipc(ctx: Context) -> str:
     return command_section(ctx, "Token channels: the shared-memory ring next to ZeroMQ.",
                            ["bench", "ipc"], fenced=True)
+
+
+def lora(ctx: Context) -> str:
+    serving = command_section(ctx, (
+        "LoRA on the default preset, K=8 async, one server: the same workload (32 concurrent "
+        "requests, 128-token prompts, 64 output tokens) on the base model alone, every "
+        "request on one adapter, and requests spread over 4 adapters (rank 16, every linear "
+        "layer); arms alternate, medians of the repeats. Eager forwards group a plan's rows "
+        "by adapter, so each token pays only its own adapter's rank."),
+        ["bench", "lora", "--model", ctx.models["default"], "--repeats", str(ctx.repeats),
+         "--num-prompts", "96", "--output-json", "/tmp/tandem-bench-lora.json"])
+    step = command_section(ctx, (
+        "The device side alone, where a shared machine's noise is smaller: decode ms/step "
+        "through `ModelRunner.execute` in one process (one torch thread, batch 32, K=8 "
+        "plans), arms alternating."),
+        ["bench", "lora", "--step", "--model", ctx.models["default"], "--repeats", "8"])
+    return serving + "\n\n" + step
 
 
 def soak(ctx: Context) -> str:
@@ -309,8 +347,10 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
+    "guided": ("Guided decoding (`tandem bench step --guided`)", guided),
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
+    "lora": ("LoRA adapters (`tandem bench lora`)", lora),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }
 DEFAULT_SECTIONS = [s for s in SECTIONS if s != "soak"]  # soak: 10+ minutes, on request

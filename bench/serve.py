@@ -1,4 +1,5 @@
-"""`tandem bench serve`: vLLM's serving benchmark, pointed at Tandem's gRPC API.
+"""`tandem bench serve`: vLLM's serving benchmark, pointed at Tandem's gRPC API (or at any
+OpenAI-compatible HTTP server: `--backend openai-completions|openai-chat --base-url URL`).
 
 It builds a seeded workload (`bench.datasets`), sends it to a backend
 (`bench.backends`) with Poisson arrivals and an optional concurrency cap, and prints
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TextIO
 
+from bench import guided as bench_guided
 from bench.backends import BACKENDS, Backend, BackendOptions, make_backend
 from bench.datasets import DATASETS, BenchItem, arrival_offsets, load_dataset
 from bench.metrics import (
@@ -37,7 +39,8 @@ from bench.metrics import (
     format_result,
 )
 
-DEFAULT_PORTS = {"tandem": 8033, "transformers-serve": 8000, "hf-generate": 0}
+DEFAULT_PORTS = {"tandem": 8033, "openai-completions": 8000, "openai-chat": 8000,
+                 "transformers-serve": 8000, "hf-generate": 0}
 # hf-generate's static batch size when --max-concurrency is not given.
 DEFAULT_HF_BATCH = 16
 
@@ -51,7 +54,8 @@ class BenchConfig:
     port: int = 0  # 0: the backend's usual port
     model: str = ""
     served_model_name: str = ""
-    endpoint: str = "/v1/completions"
+    base_url: str = ""
+    endpoint: str = ""
     dataset: str = "random"
     dataset_path: str = ""
     num_prompts: int = 100
@@ -75,16 +79,20 @@ class BenchConfig:
     progress_interval: float = 1.0
     device: str = "auto"
     dtype: str = "float32"
+    guided: str = ""  # a bench.guided kind: that share of the requests is constrained
+    guided_share: float = 0.5
+    adapters: list[str] = field(default_factory=list)  # LoRA adapter ids, request i: i % n
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(
             host=self.host, port=self.port or DEFAULT_PORTS.get(self.backend, 0),
             model=self.model, served_model_name=self.served_model_name,
-            endpoint=self.endpoint, logprobs=self.logprobs, stop=list(self.stop),
+            base_url=self.base_url, endpoint=self.endpoint, logprobs=self.logprobs,
+            stop=list(self.stop),
             sample=self.sample, temperature=self.temperature, seed=self.seed,
             request_timeout=self.request_timeout, ready_timeout=self.ready_timeout,
             batch_size=self.max_concurrency or DEFAULT_HF_BATCH, device=self.device,
-            dtype=self.dtype)
+            dtype=self.dtype, adapters=list(self.adapters))
 
 
 # --------------------------------------------------------------------------- CLI
@@ -95,6 +103,10 @@ def _rate(value: str) -> float:
     if not rate > 0:
         raise argparse.ArgumentTypeError(f"request rate must be > 0 or inf, got {value}")
     return rate
+
+
+def _adapters(value: str) -> list[str]:
+    return [a.strip() for a in value.split(",") if a.strip()]
 
 
 def _percentiles(value: str) -> tuple[float, ...]:
@@ -113,21 +125,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     env_model = os.environ.get("TANDEM_MODEL", "")
     g = parser.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default=d.backend,
-                   help="tandem: gRPC GenerateStream; transformers-serve: OpenAI "
-                        "/v1/completions SSE; hf-generate: in-process static batches, no server")
+                   help="tandem: gRPC GenerateStream; openai-completions / openai-chat: any "
+                        "OpenAI-compatible server at --base-url (SSE); transformers-serve: "
+                        "its /v1/completions; hf-generate: in-process static batches")
     g.add_argument("--host", default=os.environ.get("TANDEM_HOST") or d.host)
     g.add_argument("--port", type=int, default=d.port,
-                   help="default: 8033 for tandem, 8000 for transformers-serve")
+                   help="default: 8033 for tandem, 8000 for the HTTP backends")
+    g.add_argument("--base-url", default=d.base_url,
+                   help="HTTP backends: the server's root, e.g. http://127.0.0.1:8000 "
+                        "(default: http://--host:--port)")
     g.add_argument("--model", default=env_model,
                    help="model folder: tokenizer for the datasets, weights for hf-generate "
                         "(default: $TANDEM_MODEL, else the embedded tiny model)")
     g.add_argument("--served-model-name", default=d.served_model_name,
                    help="'model' field of OpenAI requests (default: --model)")
-    g.add_argument("--endpoint", default=d.endpoint, help="OpenAI endpoint path")
+    g.add_argument("--endpoint", default=d.endpoint,
+                   help="OpenAI endpoint path (default: /v1/completions, or "
+                        "/v1/chat/completions for openai-chat)")
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds before one request counts as failed")
     g.add_argument("--ready-timeout", type=float, default=d.ready_timeout,
-                   help="tandem: wait up to this long for health SERVING first")
+                   help="wait up to this long for the server to be ready first (gRPC health "
+                        "SERVING, or HTTP /health 200)")
     g.add_argument("--device", default=d.device, help="hf-generate: auto, cpu, cuda")
     g.add_argument("--dtype", default=d.dtype, help="hf-generate: float32, bfloat16, ...")
 
@@ -163,6 +182,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="sample (seed + request index) instead of greedy")
     g.add_argument("--temperature", type=float, default=d.temperature,
                    help="with --sample")
+    g.add_argument("--guided", choices=bench_guided.KINDS, default=d.guided,
+                   help="tandem: constrain --guided-share of the requests (phone-number "
+                        "regex, colour choice, person JSON schema, sum grammar, any JSON "
+                        "object); the first one's TTFT (a cold compile) is reported apart")
+    g.add_argument("--guided-share", type=float, default=d.guided_share,
+                   help="with --guided: the share of requests, in (0, 1]")
+    g.add_argument("--adapters", type=_adapters, default=[], metavar="A,B,...",
+                   help="tandem: LoRA adapter ids the requests spread over (request i uses "
+                        "adapter i mod n; the server needs --adapter-cache)")
 
     g = parser.add_argument_group("output")
     g.add_argument("--output-json", default="", metavar="FILE",
@@ -301,6 +329,12 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         items = build_dataset(config, tokenizer)
     if not items:
         raise ValueError("no requests to send (--num-prompts 0?)")
+    if config.guided:
+        if config.backend != "tandem" and backend is None:
+            raise ValueError(f"--guided needs --backend tandem, not {config.backend}")
+        items = bench_guided.apply(items, config.guided, config.guided_share, config.seed)
+    if config.adapters and config.backend != "tandem":
+        raise ValueError(f"--adapters: the {config.backend} backend cannot name LoRA adapters")
     warmup_items: list[BenchItem] = []
     if config.warmup > 0:
         if config.dataset == "file" or tokenizer is None:
@@ -343,6 +377,8 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
 
     percentiles = tuple(sorted(set(JSON_PERCENTILES) | set(config.metric_percentiles)))
     result = calculate_metrics(records, duration, percentiles)
+    if config.guided:
+        result.update(bench_guided.summary(items, records, config.guided, config.guided_share))
     result.update({
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": config.backend,
@@ -365,6 +401,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"tandem bench serve: {e}", file=sys.stderr)
         return 2
     print(format_result(result, config.metric_percentiles))
+    if config.guided:
+        print(bench_guided.format_summary(result))
     if config.output_json:
         with open(config.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

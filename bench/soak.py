@@ -239,7 +239,7 @@ def free_port() -> int:
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port),
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--http-port", "0",
            "--log-level", "WARNING", *(["--model", model] if model else []), *extra]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, stdin=subprocess.DEVNULL)

@@ -116,8 +116,10 @@ class Ours:
         self.runner.execute(plan, self.publisher)
         self.plan_id += 1
 
-    def samples(self, prompts: np.ndarray, steps: int) -> list[float]:
-        """Milliseconds per step of each timed plan."""
+    def samples(self, prompts: np.ndarray, steps: int,
+                sampling: list[SamplingParams] | None = None, **deltas: Any) -> list[float]:
+        """Milliseconds per step of each timed plan (`sampling`: one per row, default greedy
+        and endless; `deltas`: more of the first plan, e.g. guided tables)."""
         import torch
 
         if self.threads:  # arms of one run may use different thread counts in this process
@@ -125,9 +127,9 @@ class Ours:
         new = []
         for i, p in enumerate(prompts):
             blocks = list(range(i * self.per_req, (i + 1) * self.per_req))
-            new.append(NewRequest(self.next_id + i, p, SamplingParams(max_new_tokens=1 << 30),
-                                  blocks, 0, len(p) - 1))
-        self._execute(1, new=new, drop=self.live)  # prefill + the first token
+            params = sampling[i] if sampling else SamplingParams(max_new_tokens=1 << 30)
+            new.append(NewRequest(self.next_id + i, p, params, blocks, 0, len(p) - 1))
+        self._execute(1, new=new, drop=self.live, **deltas)  # prefill + the first token
         self.live = [n.request_id for n in new]
         self.next_id += len(new)
         out = []
@@ -393,6 +395,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N > 1: ms/step of N tensor-parallel ranks (gloo, real gpu worker "
                         "processes) next to one rank, on the same cores")
+    p.add_argument("--guided", action="store_true",
+                   help="measure guided decoding instead: no guided rows vs --guided-share of "
+                        "them per kind (regex, choice, JSON schema tables; a grammar)")
+    p.add_argument("--guided-share", type=float, default=0.5,
+                   help="with --guided: the share of the batch's rows that are guided")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -412,6 +419,10 @@ def main(args: argparse.Namespace) -> int:
         batches = [int(b) for b in args.batch_sizes.split(",") if b]
         _progress(f"{model}: prompts of {args.prompt_len} tokens, {args.steps} decode steps, "
                   f"K={args.num_scheduler_steps}, {torch.get_num_threads()} threads")
+        if args.guided:
+            from bench import guided_step
+
+            return guided_step.run(model, batches, args)
         if args.trace:
             trace_rows = measure_trace(model, batches, args.prompt_len, args.steps,
                                        args.num_scheduler_steps, args.repeats)

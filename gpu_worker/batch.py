@@ -7,12 +7,17 @@ device without reading anything back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from gpu_worker.sampler import SamplerHints, SamplingTensors
 from proto.messages import FinishReason, SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.guided import GuidedBatch, GuidedRegistry
+    from gpu_worker.lora import LoraContext
 
 
 @dataclass
@@ -26,6 +31,11 @@ class RequestState:
     prefill_chunk: int = 0  # tokens to prefill in the current plan
     num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
     finished: FinishReason = FinishReason.NOT_FINISHED
+    # Guided decoding, as of the end of `history`: a table row's automaton state, a grammar
+    # row's llguidance matcher (both unset while preempted: the resume replays the output).
+    guided_state: int = -1
+    matcher: Any = None
+    lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
 
     @property
     def num_generated(self) -> int:
@@ -57,11 +67,15 @@ class DecodeBatch:
     sampling: SamplingTensors
     hints: SamplerHints  # host-known facts that let the sampler skip whole passes
     seen: torch.Tensor | None  # [B, V] bool when some row has a repetition penalty
+    # [B, V] f32 output-token counts when some row has a frequency or presence penalty.
+    counts: torch.Tensor | None
     max_position: int  # host: largest starting position
     all_greedy: bool
     any_penalty: bool
     need_logprobs: bool
     max_top_n: int
+    guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
+    lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
 
     @property
     def size(self) -> int:
@@ -76,8 +90,8 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
     return out
 
 
-def build_decode_batch(reqs: list[RequestState], vocab_size: int,
-                       device: torch.device) -> DecodeBatch:
+def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
+                       guided: GuidedRegistry | None = None) -> DecodeBatch:
     params = [r.sampling for r in reqs]
 
     def col(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -104,6 +118,15 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int,
         for i, r in enumerate(reqs):
             seen[i, torch.tensor(r.history, dtype=torch.int64)] = True
         seen = seen.to(device)
+    counts = None
+    if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        st.frequency_penalty = col([p.frequency_penalty for p in params], torch.float32)
+        st.presence_penalty = col([p.presence_penalty for p in params], torch.float32)
+        counts = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
+        for i, r in enumerate(reqs):
+            out = torch.tensor(r.history[r.num_prompt:], dtype=torch.int64)
+            counts[i].index_add_(0, out, torch.ones(len(out)))
+        counts = counts.to(device)
     positions = [len(r.history) - 1 for r in reqs]
     return DecodeBatch(
         request_ids=np.array([r.request_id for r in reqs], dtype=np.int64),
@@ -118,11 +141,13 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int,
         sampling=st,
         hints=SamplerHints.from_params(params),
         seen=seen,
+        counts=counts,
         max_position=max(positions),
         all_greedy=all(p.temperature == 0.0 for p in params),
         any_penalty=any_penalty,
         need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
         max_top_n=max(p.top_n for p in params),
+        guided=guided.batch(reqs) if guided is not None else None,
     )
 
 

@@ -5,15 +5,20 @@ whose launch cost exceeds their run time.  Replaying a captured graph launches t
 once.  What is captured is `ModelRunner.forward_decode` (slot mapping, attention metadata,
 the whole model and the LM head) over static input buffers; the sampler, the finish checks
 and the state advance run eagerly after each replay on the graph's logits, so every
-sampling option works on the graph path too.
+sampling option works on the graph path too.  So do guided rows: their masks and automaton
+advances (`gpu_worker.guided`) run after the replay on per-plan buffers of fixed shape, and
+a plan with grammar rows waits for the host's bitmask only after the replay is launched.
 
-Graphs are keyed by (batch bucket, gather width bucket):
+Graphs are keyed by (batch bucket, gather width bucket, LoRA rows or not):
 
 * the batch is padded up to a bucket (1, 2, 4, 8, then multiples of 16 up to max_num_seqs);
   padded rows are masked (slot -1: their KV lands in the scratch block) and ignored;
 * the SDPA decode path gathers a host-known number of blocks per row, fixed at capture, so
   the width is bucketed by powers of two of blocks up to ceil(max_model_len / block_size);
-  a plan uses the smallest width that covers its longest row after its K steps.
+  a plan uses the smallest width that covers its longest row after its K steps;
+* a plan with adapter rows replays a graph that also applies every adapter slot
+  (`gpu_worker.lora`), its rows' slots copied into a static buffer once per plan (padded
+  rows: slot 0, no adapter); loading an adapter rewrites the slot weights in place.
 
 Graphs are captured lazily, the first time a plan needs a key, into one shared memory pool
 (replays never overlap: one stream, one step at a time).  Anything the graphs do not cover
@@ -30,11 +35,15 @@ import torch
 
 if TYPE_CHECKING:
     from gpu_worker.batch import DecodeBatch
+    from gpu_worker.lora import LoraContext
 
 log = logging.getLogger(__name__)
 
-# (input_ids, positions, active, block_tables, max_seq_len) -> logits [B, V]
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (input_ids, positions, active, block_tables, max_seq_len, lora) -> logits [B, V]
+ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
+                      "LoraContext | None"], torch.Tensor]
+# The adapter rows' slots [B] -> a context over every slot (LoraWeights.full_context).
+LoraFn = Callable[[torch.Tensor], "LoraContext"]
 GraphStep = Callable[["DecodeBatch"], torch.Tensor]
 
 
@@ -58,8 +67,9 @@ def width_buckets(max_blocks: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, forward: ForwardFn, max_num_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device) -> None:
+                 block_size: int, device: torch.device, lora: LoraFn | None = None) -> None:
         self._forward = forward
+        self._lora = lora
         self._block_size = block_size
         self._batches = batch_buckets(max_num_seqs)
         self._widths = width_buckets(max_blocks_per_seq)
@@ -68,7 +78,8 @@ class DecodeGraphs:
         self._pos = torch.zeros(n, dtype=torch.int64, device=device)
         self._active = torch.zeros(n, dtype=torch.bool, device=device)
         self._tables = torch.zeros(n, w, dtype=torch.int32, device=device)
-        self._graphs: dict[tuple[int, int], tuple[Replayable, torch.Tensor]] = {}
+        self._slots = torch.zeros(n, dtype=torch.int64, device=device)  # adapter slot per row
+        self._graphs: dict[tuple[int, int, bool], tuple[Replayable, torch.Tensor]] = {}
         self._pool: Any = None  # a graph memory pool handle, made at the first capture
         self.enabled = True
 
@@ -88,9 +99,14 @@ class DecodeGraphs:
         self._ids[rows:bucket].zero_()
         self._pos[rows:bucket].zero_()
         self._active[:bucket].zero_()  # masked while capturing; each step copies its rows in
-        entry = self._graphs.get((bucket, width))
+        lora = b.lora is not None and self._lora is not None
+        if lora:
+            assert b.lora is not None
+            self._slots[:bucket].zero_()
+            self._slots[:rows].copy_(b.lora.slots)
+        entry = self._graphs.get((bucket, width, lora))
         if entry is None:
-            entry = self._capture(bucket, width)
+            entry = self._capture(bucket, width, lora)
             if entry is None:
                 return None
         graph, logits = entry
@@ -105,13 +121,16 @@ class DecodeGraphs:
         return step
 
     @torch.inference_mode()
-    def _capture(self, bucket: int, width: int) -> tuple[Replayable, torch.Tensor] | None:
+    def _capture(self, bucket: int, width: int,
+                 lora: bool) -> tuple[Replayable, torch.Tensor] | None:
         ids, pos, active = self._ids[:bucket], self._pos[:bucket], self._active[:bucket]
         tables = self._tables[:bucket, :width]
+        slots = self._slots[:bucket]
         max_seq_len = width * self._block_size
 
         def run() -> torch.Tensor:
-            return self._forward(ids, pos, active, tables, max_seq_len)
+            context = self._lora(slots) if lora and self._lora is not None else None
+            return self._forward(ids, pos, active, tables, max_seq_len, context)
 
         try:
             entry = self._record(run)
@@ -120,8 +139,9 @@ class DecodeGraphs:
                           bucket, width)
             self.enabled = False
             return None
-        self._graphs[(bucket, width)] = entry
-        log.info("captured decode graph: batch %d, %d blocks per row", bucket, width)
+        self._graphs[(bucket, width, lora)] = entry
+        log.info("captured decode graph: batch %d, %d blocks per row%s", bucket, width,
+                 ", LoRA" if lora else "")
         return entry
 
     def _record(self, run: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:

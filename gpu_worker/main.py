@@ -62,7 +62,8 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
                            kv_cache_memory=cfg.kv_cache_memory,
                            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                            cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                           flash_attn=cfg.flash_attn, tp=tp,
+                           flash_attn=cfg.flash_attn, tp=tp, adapter_cache=cfg.adapter_cache,
+                           max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
                            load_format=cfg.load_format)
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
@@ -125,6 +126,8 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
                 ending = partial(to_scheduler.put, PlanEnding(msg.plan_id)) if paced else None
                 done = runner.execute(msg, publisher, ending, cfg.plan_lead_ms / 1000)
                 done.idle_time = (started - idle_since) / 1e9
+                for failure in runner.take_adapter_failures():  # before the StepDone
+                    to_scheduler.put(failure)
                 to_scheduler.put(done)
                 recording = TRACER.enabled
                 on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here

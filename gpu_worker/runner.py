@@ -17,13 +17,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from adapters.peft import AdapterError, ModelShapes
 from gpu_worker import prompt_logprobs
 from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
-from gpu_worker.models.loader import load_model
+from gpu_worker.guided import GuidedRegistry, batch_order
+from gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
+from gpu_worker.models.loader import load_model, load_model_args
 from gpu_worker.sampler import Sampler
 from ipc.tracing import TRACER
-from proto.messages import FinishReason, NewRequest, PromptDetail, StepDone, StepPlan
+from proto.messages import (
+    AdapterFailed,
+    FinishReason,
+    NewRequest,
+    PromptDetail,
+    StepDone,
+    StepPlan,
+)
 
 if TYPE_CHECKING:
     from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
@@ -52,6 +62,7 @@ class ModelRunner:
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
                  flash_attn: bool = True, tp: TensorParallel | None = None,
+                 adapter_cache: str = "", max_loras: int = 0, max_lora_rank: int = 16,
                  load_format: str = "auto") -> None:
         self.device = tp.device if tp is not None else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -76,7 +87,21 @@ class ModelRunner:
                                            cfg.num_kv_heads, cfg.head_dim, self.dtype,
                                            self.device)
         log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
+        # LoRA adapter slots (gpu_worker.lora); None: adapters off, every row is the base.
+        self.lora: LoraWeights | None = None
+        if adapter_cache and max_loras > 0:
+            whole = load_model_args(model_dir)  # cfg is this rank's part under TP
+            tp_split = (tensor_parallel_split(whole, tp.shard)
+                        if tp is not None and tp.shard.size > 1 else None)
+            self.lora = LoraWeights(ModelShapes.of(cfg), adapter_cache, max_loras,
+                                    max_lora_rank, self.dtype, self.device, tp_split,
+                                    ModelShapes.of(whole))
+            log.info("LoRA: %d adapter slots of rank <= %d (%.1f MiB)", max_loras,
+                     max_lora_rank, self.lora.nbytes / 2**20)
+        self._adapter_failures: list[AdapterFailed] = []
         self.sampler = Sampler()
+        # Constraint tables (on the device) and grammars (host matchers) the plans sent.
+        self.guided = GuidedRegistry(self.device, self.vocab_size, model_dir)
         self.requests: dict[int, RequestState] = {}
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
@@ -88,7 +113,8 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
                                        -(-self.max_model_len // block_size), block_size,
-                                       self.device)
+                                       self.device,
+                                       self.lora.full_context if self.lora else None)
 
     def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
         cfg = self.model.config
@@ -109,8 +135,13 @@ class ModelRunner:
             req = self.requests.get(rid)
             if req is not None:
                 req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+                self.guided.pause(req)
+        # Requests dropped first: a table no request uses any more may go in the same plan.
+        self.guided.apply(plan.tables, plan.drop_tables)
+        self._load_adapters(plan)  # into slots no remaining request uses
         for new in plan.new:
             self._add(new)
+        self._fail_unloaded(plan)
         for cont in plan.cont:
             req = self.requests.get(cont.request_id)
             if req is not None:
@@ -125,12 +156,50 @@ class ModelRunner:
             assert new.sampling is not None, "a new request carries its sampling params"
             prompt = [int(t) for t in new.prompt_ids]
             req = RequestState(new.request_id, prompt, len(prompt), new.sampling,
-                               list(new.block_ids))
+                               list(new.block_ids), lora_slot=new.lora_slot)
             self.requests[new.request_id] = req
             if new.sampling.prompt_logprobs and len(prompt) == 1:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         req.prefill_chunk = new.num_prefill_tokens
+        self.guided.start(req)  # fresh: the initial state; resumed: its output replayed
+
+    def _load_adapters(self, plan: StepPlan) -> None:
+        for load in plan.adapters:
+            if self.lora is None:
+                continue  # the requests using it fail in _fail_unloaded
+            try:
+                self.lora.load(load.slot, load.adapter_id)
+            except AdapterError as exc:
+                log.warning("plan %d: %s", plan.plan_id, exc)
+
+    def _fail_unloaded(self, plan: StepPlan) -> None:
+        """Requests whose adapter slot holds no adapter (its load failed) never run: they
+        finish with ERROR and the scheduler hears why (AdapterFailed, before StepDone)."""
+        by_slot: dict[int, list[int]] = {}
+        for new in plan.new:
+            req = self.requests.get(new.request_id)
+            if req is None or req.finished or not req.lora_slot:
+                continue
+            if self.lora is not None and req.lora_slot not in self.lora.failed:
+                continue
+            req.finished = FinishReason.ERROR
+            by_slot.setdefault(req.lora_slot, []).append(req.request_id)
+        for slot, rids in by_slot.items():
+            error = self.lora.failed.get(slot) if self.lora is not None else None
+            message = str(error) if error else (
+                "LoRA adapters are not enabled on the gpu worker (--adapter-cache)")
+            adapter_id = error.adapter_id if error else ""
+            self._adapter_failures.append(
+                AdapterFailed(plan.plan_id, adapter_id, slot, message, rids))
+            self._details = [d for d in self._details if d.request_id not in rids]
+
+    def take_adapter_failures(self) -> list[AdapterFailed]:
+        failures, self._adapter_failures = self._adapter_failures, []
+        return failures
+
+    def _lora_context(self, slots: list[int]) -> LoraContext | None:
+        return self.lora.context(slots) if self.lora is not None else None
 
     # ------------------------------------------------------------------ forward passes
 
@@ -146,10 +215,12 @@ class ModelRunner:
         slots: list[int] = []
         lens: list[int] = []
         starts: list[int] = []
+        adapter_rows: list[int] = []  # each token's adapter slot
         for r in reqs:
             start, end = r.num_computed, r.num_computed + r.prefill_chunk
             assert end <= len(r.history) - 1, f"prefill past the last token of {r.request_id}"
             ids += r.history[start:end]
+            adapter_rows += [r.lora_slot] * (end - start)
             p = np.arange(start, end)
             pos += p.tolist()
             blocks = np.asarray(r.block_ids, dtype=np.int64)
@@ -170,7 +241,8 @@ class ModelRunner:
             query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=dev),
             query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta)
+                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta,
+                            self._lora_context(adapter_rows))
         sel = prompt_logprobs.select_rows(reqs, starts, offsets[:-1].tolist(), lens)
         self._details += prompt_logprobs.score(self.model, hidden, sel)
         for r in reqs:
@@ -179,7 +251,7 @@ class ModelRunner:
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        active: torch.Tensor, block_tables: torch.Tensor,
-                       max_seq_len: int) -> torch.Tensor:
+                       max_seq_len: int, lora: LoraContext | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only."""
         bs = self.block_size
         # A row masked after finishing may sit one past its last block: clamp its lookup.
@@ -190,27 +262,36 @@ class ModelRunner:
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
             max_seq_len=max_seq_len, is_decode=True)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def decode_step(self, b: DecodeBatch, step: int,
-                    graph: GraphStep | None = None) -> StepTensors:
-        """One forward + sample for every row; no host reads."""
+    def decode_step(self, b: DecodeBatch, step: int, graph: GraphStep | None = None,
+                    last: bool = False) -> StepTensors:
+        """One forward + sample for every row; no host reads (grammar rows aside: their
+        mask waits for the host's matchers, see `gpu_worker.grammar`)."""
         if graph is not None:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_position + step + 1)
+                                         b.max_position + step + 1, b.lora)
+        # Guided rows' masks after the forward is under way (grammar rows wait for the host).
+        may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
-                           hints=b.hints, inplace=True)
+                           hints=b.hints, inplace=True, counts=b.counts, may_block=may_block,
+                           mask=b.guided.apply_ if b.guided is not None else None)
         tok = torch.where(b.active, out.token_ids, -1)
+        if b.guided is not None:
+            b.guided.advance(tok, b.active, last)
         finish = self._finish_reasons(b, tok)
         if b.seen is not None:
             # Masked rows write False into their own row only; they never sample again.
             b.seen.scatter_(1, tok.clamp(min=0).unsqueeze(1), b.active.unsqueeze(1))
+        if b.counts is not None:  # masked rows add 0
+            b.counts.scatter_add_(1, tok.clamp(min=0).unsqueeze(1),
+                                  b.active.to(b.counts.dtype).unsqueeze(1))
         b.output_count += b.active.to(torch.int32)
         b.input_ids = torch.where(b.active, tok, b.input_ids)
         b.positions = b.positions + b.active.to(torch.int64)
@@ -239,7 +320,9 @@ class ModelRunner:
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
             self.apply(plan)
-        chunked = [r for r in self.requests.values() if r.prefill_chunk > 0 and not r.finished]
+        # Rows ordered by adapter slot: each adapter's rows are one range (gpu_worker.lora).
+        chunked = sorted((r for r in self.requests.values()
+                          if r.prefill_chunk > 0 and not r.finished), key=_by_slot)
         # No decode steps to time: ask for the next plan now.
         if ending is not None and not any(r.decodes_this_plan for r in self.requests.values()):
             ending()
@@ -250,10 +333,15 @@ class ModelRunner:
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
-        decoding = [r for r in self.requests.values() if r.decoding]
+        # Guided rows grouped by constraint; within each group (and among the rest) rows of
+        # one adapter are adjacent, so LoRA runs each adapter's rows as few segments.
+        decoding = batch_order(sorted((r for r in self.requests.values() if r.decoding),
+                                      key=_by_slot))
         steps: list[StepTensors] = []
+        batch: DecodeBatch | None = None
         if decoding:
-            batch = build_decode_batch(decoding, self.vocab_size, self.device)
+            batch = build_decode_batch(decoding, self.vocab_size, self.device, self.guided)
+            batch.lora = self._lora_context([r.lora_slot for r in decoding])
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
             with self.step_guard():
                 steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s)
@@ -262,7 +350,7 @@ class ModelRunner:
         publish.flush()
         forward_time = time.monotonic() - t0
         with TRACER.span("collect", plan.plan_id):
-            done = self._collect(plan, decoding, steps)
+            done = self._collect(plan, decoding, steps, batch)
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         done.decode_only = bool(decoding) and not chunked
@@ -284,7 +372,7 @@ class ModelRunner:
             started = time.perf_counter()
             # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
             with TRACER.span("forward", plan.plan_id, k):
-                st = self.decode_step(batch, k, graph)
+                st = self.decode_step(batch, k, graph, k == last)
             steps.append(st)
             if plan.publish_per_step:
                 with TRACER.span("publish", plan.plan_id, k):
@@ -295,12 +383,16 @@ class ModelRunner:
                 publish(plan, batch, st, st.step == last)
         return steps
 
-    def _collect(self, plan: StepPlan, decoding: list[RequestState],
-                 steps: list[StepTensors]) -> StepDone:
-        """The plan's one host read: append the tokens to the histories, count, report."""
+    def _collect(self, plan: StepPlan, decoding: list[RequestState], steps: list[StepTensors],
+                 batch: DecodeBatch | None) -> StepDone:
+        """The plan's one host read: append the tokens to the histories, count, report (and
+        keep the guided rows' automaton states for the next plan)."""
         named = [n.request_id for n in plan.new] + [c.request_id for c in plan.cont]
         finished = [r for rid in named if (r := self.requests.get(rid)) and r.finished]
         counts = np.zeros(len(decoding), dtype=np.int32)
+        if batch is not None and batch.guided is not None:
+            states = batch.guided.state.cpu().numpy() if batch.guided.groups else None
+            batch.guided.finish(decoding, states)
         if steps:
             toks = torch.stack([s.token_ids for s in steps]).cpu().numpy()  # [K, B]
             fins = torch.stack([s.finish for s in steps]).cpu().numpy()
@@ -324,3 +416,7 @@ class ModelRunner:
             finished_ids=np.array(list(seen), dtype=np.int64),
             finish_reasons=np.array([int(r.finished) for r in seen.values()], dtype=np.uint8),
             forward_time=0.0, wall_time=0.0)
+
+
+def _by_slot(req: RequestState) -> int:
+    return req.lora_slot

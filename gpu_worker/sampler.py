@@ -9,11 +9,15 @@ ops, and only host facts known before the plan (``all_greedy``, ``max_top_n``, t
 Processing follows Hugging Face ``generate()`` (its LogitsProcessors are the reference):
 
 1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over prompt + output tokens,
+   then OpenAI's frequency and presence penalties over output tokens (HF has none; the
+   formula is OpenAI's and vLLM's: ``logit -= frequency * count + presence * (count > 0)``),
 2. ``min_new_tokens``: stop ids get -inf while ``output_count < min_new_tokens``
    (``MinNewTokensLengthLogitsProcessor``, extended to the request's stop ids),
 3. exponential-decay length penalty on the stop-id columns (``ExponentialDecayLengthPenalty``),
-4. greedy rows (temperature 0) take the argmax here;
-5. sampled rows: temperature, top-k, top-p, min-p, typical-p (HF's warper order in
+4. guided decoding (``mask``): forbidden tokens get -inf, as HF applies a custom
+   LogitsProcessor after its own processors and before the warpers;
+5. greedy rows (temperature 0) take the argmax here;
+6. sampled rows: temperature, top-k, top-p, min-p, typical-p (HF's warper order in
    ``_get_logits_processor``), then a seeded draw from what is left.
 
 Truncation never sorts the vocabulary: a full sort of [32, 32000] costs ~80 ms on one CPU
@@ -34,14 +38,20 @@ where the exp and the integer weights are shared with top-p / min-p anyway.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingTensors"]
+from gpu_worker.seeding import row_keys, row_uniform
+
+__all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingTensors",
+           "row_keys", "row_uniform"]
+
+# Guided decoding's step 4: sets the tokens its rows forbid to -inf, in place.
+LogitsMask = Callable[[Tensor], None]
 
 
 @dataclass
@@ -63,6 +73,10 @@ class SamplingTensors:
     # cur_len - (start + prompt_len) = output_count - start, and output_count already counts
     # generated tokens from the request's start (also across preemption and re-prefill).
     prompt_len: Tensor
+    # [B] f32 OpenAI penalties over output tokens, 0 = off; None when no row of the batch uses
+    # them (the sampler then needs no per-row token counts).
+    frequency_penalty: Tensor | None = None
+    presence_penalty: Tensor | None = None
 
 
 @dataclass
@@ -144,50 +158,6 @@ _MASS_ONE = float(1 << 40)
 _RADIX_PASSES = ((21, 10), (10, 11), (0, 10))
 # Up to this many candidates per row a sort beats the radix select's histograms.
 _SORT_MAX_WIDTH = 512
-
-
-def _i64(x: int) -> int:
-    """A 64-bit constant as the signed value torch's int64 ops accept (they wrap mod 2**64)."""
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-_GOLDEN = _i64(0x9E3779B97F4A7C15)
-_MIX1 = _i64(0xBF58476D1CE4E5B9)
-_MIX2 = _i64(0x94D049BB133111EB)
-
-
-def _xorshift_right_(z: Tensor, shift: int, tmp: Tensor) -> None:
-    """z ^= z >>> shift (logical), in place. torch's >> is arithmetic on int64, so mask."""
-    torch.bitwise_right_shift(z, shift, out=tmp)
-    tmp.bitwise_and_((1 << (64 - shift)) - 1)
-    z.bitwise_xor_(tmp)
-
-
-def _mix64_(z: Tensor, tmp: Tensor, final: bool = True) -> Tensor:
-    """SplitMix64's finaliser, in place. Without ``final`` only the top 33 bits are right."""
-    _xorshift_right_(z, 30, tmp)
-    z.mul_(_MIX1)
-    _xorshift_right_(z, 27, tmp)
-    z.mul_(_MIX2)
-    if final:
-        _xorshift_right_(z, 31, tmp)
-    return z
-
-
-def row_keys(seed: Tensor, output_count: Tensor) -> Tensor:
-    """[B] int64 key of each row's draw: a function of (seed, output_count) only."""
-    z = seed.to(torch.int64) + _GOLDEN
-    tmp = torch.empty_like(z)
-    _mix64_(z, tmp)
-    # The state of a SplitMix64 stream seeded by mix(seed), advanced output_count + 1 times.
-    z.add_((output_count.to(torch.int64) + 1).mul_(_GOLDEN))
-    return _mix64_(z, tmp)
-
-
-def row_uniform(seed: Tensor, output_count: Tensor) -> Tensor:
-    """[B] float64 uniform in [0, 1) with 53 random bits, from (seed, output_count) only."""
-    bits = torch.bitwise_right_shift(row_keys(seed, output_count), 11).bitwise_and_((1 << 53) - 1)
-    return bits.to(torch.float64).mul_(2.0**-53)
 
 
 def mass_weights(xs: Tensor) -> tuple[Tensor, Tensor]:
@@ -324,11 +294,16 @@ def _stop_columns(stop_ids: Tensor, vocab: int) -> tuple[Tensor, Tensor]:
 
 def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                     output_count: Tensor, any_penalty: bool, hints: SamplerHints,
-                    inplace: bool = False) -> tuple[Tensor, bool]:
+                    inplace: bool = False, counts: Tensor | None = None,
+                    may_block: Tensor | None = None) -> tuple[Tensor, bool]:
     """HF's logits processors (steps 1-3 of the module doc), for greedy and sampled rows.
 
+    ``counts`` ([B, V] f32, how often each token was generated so far) turns the frequency
+    and presence penalties on; it needs ``st.frequency_penalty`` and ``st.presence_penalty``.
     Returns the processed logits and whether they are a tensor this call owns (safe to
-    modify in place). ``logits`` itself is only written when ``inplace``.
+    modify in place). ``logits`` itself is only written when ``inplace``. ``may_block`` [B]
+    bool: rows whose stop ids min_new_tokens may hold back (guided rows whose constraint
+    allows nothing else keep them); None: every row.
     """
     x, owned = logits, inplace
     if x.dtype != torch.float32 or not x.is_contiguous():
@@ -341,6 +316,14 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
         # HF: a seen token's score < 0 is multiplied by the penalty, otherwise divided.
         x = torch.where(seen, torch.where(x < 0, x * pen, x / pen), x)
         owned = True
+    if counts is not None:
+        assert st.frequency_penalty is not None and st.presence_penalty is not None, \
+            "counts need the frequency and presence penalty columns"
+        # vLLM's order: after the repetition penalty, before everything else.
+        penalty = counts * st.frequency_penalty.unsqueeze(1)
+        penalty.add_((counts > 0).to(counts.dtype).mul_(st.presence_penalty.unsqueeze(1)))
+        x = x.sub_(penalty) if owned else x - penalty
+        owned = True
     stop = st.stop_token_ids
     if (hints.any_min_new_tokens or hints.any_length_penalty) and stop.shape[1] > 0:
         if not owned:
@@ -349,6 +332,8 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
         vals = x.gather(1, cols)
         if hints.any_min_new_tokens:
             block = (output_count < st.min_new_tokens) & has_stop
+            if may_block is not None:
+                block &= may_block
             vals.masked_fill_(block.unsqueeze(1), float("-inf"))
         if hints.any_length_penalty:
             # HF: once n = output_count passes start, stop logits += |logit| * (decay**(n -
@@ -368,35 +353,44 @@ class Sampler:
     def __call__(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                  output_count: Tensor, all_greedy: bool, any_penalty: bool,
                  need_logprobs: bool, max_top_n: int, *, hints: SamplerHints | None = None,
-                 inplace: bool = False) -> SamplerOutput:
+                 inplace: bool = False, counts: Tensor | None = None,
+                 mask: LogitsMask | None = None,
+                 may_block: Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
         logits: [B, V] f32 raw model logits (written only when ``inplace``). seen: [B, V]
         bool, tokens in prompt or output so far (may be None unless ``any_penalty``).
-        output_count: [B] int32 tokens generated before this step.
+        output_count: [B] int32 tokens generated before this step. counts: [B, V] f32, how
+        often each token was generated so far, when some row has a frequency or presence
+        penalty (None: no row has). mask: the guided rows' forbidden tokens (step 4);
+        may_block: see ``apply_penalties``.
 
         Logprobs, ranks and top-n alternatives are taken from ``log_softmax`` of the logits
         after the penalties (steps 1-3) and the temperature but BEFORE the top-k / top-p /
         min-p / typical-p truncation, so they describe the model's (penalised, tempered)
         distribution and stay comparable across requests whatever truncation each uses;
         greedy rows use temperature 1. rank = 1 + number of tokens with a strictly larger
-        logprob.
+        logprob. They ignore the guided mask too: the model's distribution, not the draw's.
         """
         hints = hints or _DEFAULT_HINTS
-        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace)
-        if all_greedy:
-            tokens, xs = x.argmax(dim=1), x
-        else:
-            is_greedy = st.temperature <= 0
-            greedy = x.argmax(dim=1) if hints.any_greedy else None
+        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace,
+                                   counts, may_block)
+        is_greedy = st.temperature <= 0
+        if not all_greedy:  # greedy rows divide by 1: their argmax is unchanged
             temp = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
-            xs = x.div_(temp) if owned else x / temp
-            tokens = self._draw(xs, st, output_count, hints)
-            if greedy is not None:
-                tokens = torch.where(is_greedy, greedy, tokens)
+            x, owned = (x.div_(temp) if owned else x / temp), True
+        lp = torch.log_softmax(x, dim=1) if need_logprobs or max_top_n > 0 else None
+        if mask is not None:
+            x = x if owned else x.clone()
+            mask(x)
+        if all_greedy:
+            tokens = x.argmax(dim=1)
+        else:
+            tokens = self._draw(x, st, output_count, hints)
+            if hints.any_greedy:
+                tokens = torch.where(is_greedy, x.argmax(dim=1), tokens)
         out = SamplerOutput(tokens, None, None, None, None)
-        if need_logprobs or max_top_n > 0:
-            lp = torch.log_softmax(xs, dim=1)
+        if lp is not None:
             if need_logprobs:
                 chosen = lp.gather(1, tokens.unsqueeze(1))
                 out.logprobs = chosen.squeeze(1)
@@ -430,14 +424,15 @@ class Sampler:
 
     def warped_logits(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
                       output_count: Tensor, any_penalty: bool, *,
-                      hints: SamplerHints | None = None) -> Tensor:
+                      hints: SamplerHints | None = None,
+                      counts: Tensor | None = None) -> Tensor:
         """[B, V] scores the draw sees: processed, tempered, -inf where truncated.
 
         Greedy rows get the processed logits unscaled and untruncated (they take the
         argmax). For tests and debugging; the draw itself never materialises this.
         """
         hints = hints or _DEFAULT_HINTS
-        x, _ = apply_penalties(logits, st, seen, output_count, any_penalty, hints)
+        x, _ = apply_penalties(logits, st, seen, output_count, any_penalty, hints, counts=counts)
         is_greedy = st.temperature <= 0
         xs = x / torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
         vals, ids = _domain(xs, hints)

@@ -37,6 +37,35 @@ PRESETS = {
     "fast": Preset(64, 172, 2, 2, 1),
 }
 
+# Llama-2's chat format for the Llama-2 tokenizer, so the OpenAI chat endpoint has a template
+# to render (transformers 5 reads it from chat_template.jinja next to the tokenizer).
+CHAT_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = none %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('Conversation roles must alternate user/assistant/user/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.first and system_message is not none %}
+            {{- bos_token + '[INST] <<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n'
+                + message['content'] | trim + ' [/INST]' }}
+        {%- else %}
+            {{- bos_token + '[INST] ' + message['content'] | trim + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] | trim + ' ' + eos_token }}
+    {%- else %}
+        {{- raise_exception('Only system, user and assistant roles are supported!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
 SEED = 1234
 # HF's default init (std 0.02) gives a tiny model whose greedy output repeats one token;
 # larger weights make every next token depend on the context, which keeps parity tests sharp.
@@ -70,6 +99,7 @@ def write_tokenizer(out: Path) -> None:
             raise RuntimeError(f"converted tokenizer has {len(tok)} tokens, expected 32000")
         tok.save_pretrained(str(out))
     shutil.copy(_sentencepiece_model(), out / "tokenizer.model")
+    (out / CHAT_TEMPLATE_FILE).write_text(CHAT_TEMPLATE)
     (out / "TOKENIZER_LICENSE").write_text(
         "The tokenizer files in this folder are derived from tokenizer.model.v1 shipped in\n"
         "the mistral-common Python package (Mistral AI), licensed under the Apache License,\n"
@@ -126,6 +156,10 @@ def ensure_default_model(preset: str = "default", *, in_subprocess: bool = False
     """
     path = default_model_dir(preset)
     if (path / "model.safetensors").exists() and (path / "tokenizer.json").exists():
+        if not (path / CHAT_TEMPLATE_FILE).exists():  # built before it had one
+            tmp = path / f"{CHAT_TEMPLATE_FILE}.tmp{os.getpid()}"
+            tmp.write_text(CHAT_TEMPLATE)
+            os.replace(tmp, path / CHAT_TEMPLATE_FILE)
         return path
     if in_subprocess:
         subprocess.run([sys.executable, "-m", "tandem.cli", "make-tiny-model", "--preset", preset],

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/admin.proto\x12\x0ctandem.admin\"M\n\x0eProfileRequest\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\r\n\x05plans\x18\x02 \x01(\r\x12\x18\n\x10torch_trace_path\x18\x03 \x01(\t\"u\n\x0fProfileResponse\x12\x15\n\rprofiles_json\x18\x01 \x01(\x0c\x12\x16\n\x0eplans_recorded\x18\x02 \x01(\r\x12\x18\n\x10torch_trace_path\x18\x03 \x01(\t\x12\x19\n\x11torch_trace_error\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"\x8a\x03\n\rStatsResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x04\x12\x18\n\x10tokens_delivered\x18\x08 \x01(\x04\x12\x1b\n\x13tokens_after_finish\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x11\n\tnum_plans\x18\x0b \x01(\x04\x12\x15\n\rworker_busy_s\x18\x0c \x01(\x01\x12\x11\n\tforward_s\x18\r \x01(\x01\x12\x17\n\x0fpostproc_busy_s\x18\x0e \x01(\x01\x12\x15\n\rsteady_busy_s\x18\x0f \x01(\x01\x12\x15\n\rsteady_idle_s\x18\x10 \x01(\x01\x32\x95\x01\n\x05\x41\x64min\x12\x42\n\x05Stats\x12\x1a.tandem.admin.StatsRequest\x1a\x1b.tandem.admin.StatsResponse\"\x00\x12H\n\x07Profile\x12\x1c.tandem.admin.ProfileRequest\x1a\x1d.tandem.admin.ProfileResponse\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11proto/admin.proto\x12\x0ctandem.admin\"M\n\x0eProfileRequest\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\r\n\x05plans\x18\x02 \x01(\r\x12\x18\n\x10torch_trace_path\x18\x03 \x01(\t\"u\n\x0fProfileResponse\x12\x15\n\rprofiles_json\x18\x01 \x01(\x0c\x12\x16\n\x0eplans_recorded\x18\x02 \x01(\r\x12\x18\n\x10torch_trace_path\x18\x03 \x01(\t\x12\x19\n\x11torch_trace_error\x18\x04 \x01(\t\"\x0e\n\x0cStatsRequest\"\xba\x03\n\rStatsResponse\x12\x17\n\x0fnum_free_blocks\x18\x01 \x01(\x04\x12\x18\n\x10num_total_blocks\x18\x02 \x01(\x04\x12\x13\n\x0bnum_running\x18\x03 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x06 \x01(\x04\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x04\x12\x18\n\x10tokens_delivered\x18\x08 \x01(\x04\x12\x1b\n\x13tokens_after_finish\x18\t \x01(\x04\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x11\n\tnum_plans\x18\x0b \x01(\x04\x12\x15\n\rworker_busy_s\x18\x0c \x01(\x01\x12\x11\n\tforward_s\x18\r \x01(\x01\x12\x17\n\x0fpostproc_busy_s\x18\x0e \x01(\x01\x12\x15\n\rsteady_busy_s\x18\x0f \x01(\x01\x12\x15\n\rsteady_idle_s\x18\x10 \x01(\x01\x12\x17\n\x0floaded_adapters\x18\x11 \x03(\t\x12\x15\n\radapter_loads\x18\x12 \x01(\x04\x32\x95\x01\n\x05\x41\x64min\x12\x42\n\x05Stats\x12\x1a.tandem.admin.StatsRequest\x1a\x1b.tandem.admin.StatsResponse\"\x00\x12H\n\x07Profile\x12\x1c.tandem.admin.ProfileRequest\x1a\x1d.tandem.admin.ProfileResponse\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,7 +38,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=233
   _globals['_STATSREQUEST']._serialized_end=247
   _globals['_STATSRESPONSE']._serialized_start=250
-  _globals['_STATSRESPONSE']._serialized_end=644
-  _globals['_ADMIN']._serialized_start=647
-  _globals['_ADMIN']._serialized_end=796
+  _globals['_STATSRESPONSE']._serialized_end=692
+  _globals['_ADMIN']._serialized_start=695
+  _globals['_ADMIN']._serialized_end=844
 # @@protoc_insertion_point(module_scope)

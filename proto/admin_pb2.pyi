@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -31,7 +33,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_hit_tokens", "prefix_query_tokens", "tokens_delivered", "tokens_after_finish", "uptime_s", "num_plans", "worker_busy_s", "forward_s", "postproc_busy_s", "steady_busy_s", "steady_idle_s")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "num_running", "num_waiting", "num_preemptions", "prefix_hit_tokens", "prefix_query_tokens", "tokens_delivered", "tokens_after_finish", "uptime_s", "num_plans", "worker_busy_s", "forward_s", "postproc_busy_s", "steady_busy_s", "steady_idle_s", "loaded_adapters", "adapter_loads")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +50,8 @@ class StatsResponse(_message.Message):
     POSTPROC_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     STEADY_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     STEADY_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_LOADS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     num_running: int
@@ -64,4 +68,6 @@ class StatsResponse(_message.Message):
     postproc_busy_s: float
     steady_busy_s: float
     steady_idle_s: float
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., tokens_delivered: _Optional[int] = ..., tokens_after_finish: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_plans: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., postproc_busy_s: _Optional[float] = ..., steady_busy_s: _Optional[float] = ..., steady_idle_s: _Optional[float] = ...) -> None: ...
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    adapter_loads: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., tokens_delivered: _Optional[int] = ..., tokens_after_finish: _Optional[int] = ..., uptime_s: _Optional[float] = ..., num_plans: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., postproc_busy_s: _Optional[float] = ..., steady_busy_s: _Optional[float] = ..., steady_idle_s: _Optional[float] = ..., loaded_adapters: _Optional[_Iterable[str]] = ..., adapter_loads: _Optional[int] = ...) -> None: ...

@@ -100,10 +100,24 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     step_timeout: float = 300.0  # a plan unfinished this long means a hung gpu worker
     metrics_port: int = 0
+    # The OpenAI-compatible HTTP API (`openai_api/`) beside gRPC, on the same host; 0: off.
+    http_port: int = 8000
+    # The `model` name HTTP clients use (empty: the model folder's name).
+    served_model_name: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
     log_level: str = "INFO"
+    # Guided decoding: compiled constraints on disk ("" = memory only), the longest one
+    # compile may take, and whether format=JSON (slow: seconds) compiles at start-up.
+    guided_cache_dir: str = ""
+    guided_compile_timeout: float = 30.0
+    guided_precompile_json: bool = True
+    # LoRA: adapter ids name folders under adapter_cache ("" = adapters off); the gpu worker
+    # holds up to max_loras of them at once, each of rank <= max_lora_rank.
+    adapter_cache: str = ""
+    max_loras: int = 8
+    max_lora_rank: int = 16
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -156,7 +170,7 @@ class ServerConfig:
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.
 _LIMITS: dict[str, tuple[float, float | None]] = {
-    "port": (0, 65535), "metrics_port": (0, 65535),
+    "port": (0, 65535), "metrics_port": (0, 65535), "http_port": (0, 65535),
     "num_scheduler_steps": (1, 1024), "max_num_seqs": (1, None),
     "max_num_batched_tokens": (1, None), "max_model_len": (0, None),
     "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
@@ -165,6 +179,8 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
+    "guided_compile_timeout": (0.1, 3600),
+    "max_loras": (1, 256), "max_lora_rank": (1, 512),
 }
 
 
@@ -176,6 +192,12 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         if value < low or (high is not None and value > high):
             bound = f">= {low}" if high is None else f"between {low} and {high}"
             out.append(f"--{name.replace('_', '-')} must be {bound} (got {value})")
+    ports = [("--port", cfg.port), ("--metrics-port", cfg.metrics_port),
+             ("--http-port", cfg.http_port)]
+    for i, (flag, port) in enumerate(ports):
+        for other, taken in ports[:i]:
+            if port and port == taken:
+                out.append(f"{flag} {port} must differ from {other} (0 turns it off)")
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")

@@ -262,7 +262,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self, model_id: _Optional[str] = ...) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model_kind", "max_sequence_length", "max_new_tokens")
+    __slots__ = ("model_kind", "max_sequence_length", "max_new_tokens", "loaded_adapters")
     class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         DECODER_ONLY: _ClassVar[ModelInfoResponse.ModelKind]
@@ -272,7 +272,9 @@ class ModelInfoResponse(_message.Message):
     MODEL_KIND_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     model_kind: ModelInfoResponse.ModelKind
     max_sequence_length: int
     max_new_tokens: int
-    def __init__(self, model_kind: _Optional[_Union[ModelInfoResponse.ModelKind, str]] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    loaded_adapters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_kind: _Optional[_Union[ModelInfoResponse.ModelKind, str]] = ..., max_sequence_length: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., loaded_adapters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -11,6 +11,8 @@ from enum import IntEnum
 
 import numpy as np
 
+from proto.adapter_messages import AdapterFailed, AdapterLoad
+
 
 class FinishReason(IntEnum):
     """Why a request ended; the numbers are the public `fmaas.StopReason` values."""
@@ -43,6 +45,9 @@ class SamplingParams:
     typical_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     repetition_penalty: float = 1.0  # 1 = off
+    # OpenAI's penalties over the output so far: logit -= frequency * count + presence * seen.
+    frequency_penalty: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0  # 0 = off
     seed: int = 0
     max_new_tokens: int = 16
     min_new_tokens: int = 0
@@ -115,6 +120,7 @@ class AddRequest:
     # The compiled constraint named by sampling.guided_id (every request carries its own, so
     # the scheduler can always (re)send it to the gpu worker).
     guided: GuidedTable | GuidedGrammar | None = None
+    adapter_id: str = ""  # a LoRA adapter the frontend validated ("": the base model)
 
 
 @dataclass
@@ -141,6 +147,9 @@ class RequestFailed:
     request_id: int
     reason: FinishReason
     message: str
+    # A gRPC status name when the request fails as an error (e.g. INVALID_ARGUMENT: its
+    # adapter could not be loaded) rather than ending with `reason`.
+    code: str = ""
 
 
 # ---------------------------------------------------------------- frontend -> postproc
@@ -177,6 +186,7 @@ class NewRequest:
     num_cached_tokens: int  # prefix-cache hit: KV already in the first blocks
     num_prefill_tokens: int  # how many history tokens to prefill in this plan (a chunk)
     resume: bool = False
+    lora_slot: int = 0  # the adapter slot its rows use (0: none; kept while preempted)
 
 
 @dataclass
@@ -203,6 +213,8 @@ class StepPlan:
     # use (each sent once, not per request), and ids it may forget (no request uses them).
     tables: list[GuidedTable | GuidedGrammar] = field(default_factory=list)
     drop_tables: list[str] = field(default_factory=list)
+    # LoRA adapters to load before this plan's forwards (into slots no running request uses).
+    adapters: list[AdapterLoad] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------- gpu worker -> postproc
@@ -401,6 +413,9 @@ class EngineStats:
     # Arrival to first scheduling of each request first scheduled since the previous report,
     # for the frontend's queue-time histogram (not part of the admin Stats answer).
     queue_times_s: list[float] = field(default_factory=list)
+    # LoRA: adapters resident in the gpu worker's slots (slot order) and loads since start.
+    loaded_adapters: list[str] = field(default_factory=list)
+    adapter_loads: int = 0
 
 
 @dataclass
@@ -480,4 +495,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     PlanEnding,
     GuidedTable,
     GuidedGrammar,
+    AdapterLoad,
+    AdapterFailed,
 )

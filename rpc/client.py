@@ -38,6 +38,12 @@ class GenerateOptions:
     token_logprobs: bool = False
     token_ranks: bool = False
     top_n_tokens: int = 0
+    # Guided decoding: at most one of these (the proto's oneof).
+    regex: str | None = None
+    json_schema: str | None = None  # the schema's JSON text
+    grammar: str | None = None  # GBNF (`root ::= ...`) or Lark
+    choices: list[str] | None = None
+    response_format: str | None = None  # "json" (any JSON object) or "text"
 
     def to_proto(self) -> pb.Parameters:
         p = pb.Parameters(method=pb.SAMPLE if self.sample else pb.GREEDY,
@@ -63,7 +69,25 @@ class GenerateOptions:
         if self.length_penalty is not None:
             p.decoding.length_penalty.start_index = self.length_penalty[0]
             p.decoding.length_penalty.decay_factor = self.length_penalty[1]
+        self._guided(p.decoding)
         return p
+
+    def _guided(self, d: pb.DecodingParameters) -> None:
+        given = [name for name in ("regex", "json_schema", "grammar", "choices",
+                                   "response_format") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one guided decoding option, got {', '.join(given)}")
+        if self.regex is not None:
+            d.regex = self.regex
+        elif self.json_schema is not None:
+            d.json_schema = self.json_schema
+        elif self.grammar is not None:
+            d.grammar = self.grammar
+        elif self.choices is not None:
+            d.choice.SetInParent()
+            d.choice.choices.extend(self.choices)
+        elif self.response_format is not None:
+            d.format = pb.DecodingParameters.ResponseFormat.Value(self.response_format.upper())
 
 
 def make_channel(target: str, tls_ca: str = "", tls_cert: str = "",
@@ -93,25 +117,34 @@ class TandemClient:
 
     def stream(self, text: str, opts: GenerateOptions | None = None,
                metadata: list[tuple[str, str]] | None = None,
-               timeout: float | None = None) -> Iterator[pb.GenerationResponse]:
+               timeout: float | None = None,
+               adapter_id: str = "") -> Iterator[pb.GenerationResponse]:
+        """One GenerateStream call; `adapter_id`: a LoRA adapter of the server's cache."""
         req = pb.SingleGenerationRequest(request=pb.GenerationRequest(text=text),
                                          params=(opts or GenerateOptions()).to_proto())
+        if adapter_id:
+            req.adapter_id = adapter_id
         return self.stub.GenerateStream(req, metadata=metadata, timeout=timeout)
 
     def generate(self, texts: list[str], opts: GenerateOptions | None = None,
                  timeout: float | None = None,
-                 metadata: list[tuple[str, str]] | None = None) -> list[pb.GenerationResponse]:
+                 metadata: list[tuple[str, str]] | None = None,
+                 adapter_id: str = "") -> list[pb.GenerationResponse]:
         """One batched Generate call; the responses come in the order of `texts`."""
         req = pb.BatchedGenerationRequest(
             requests=[pb.GenerationRequest(text=t) for t in texts],
             params=(opts or GenerateOptions()).to_proto())
+        if adapter_id:
+            req.adapter_id = adapter_id
         return list(self.stub.Generate(req, timeout=timeout, metadata=metadata).responses)
 
     def tokenize(self, texts: list[str], tokens: bool = True, offsets: bool = False,
-                 truncate: int = 0) -> list[pb.TokenizeResponse]:
+                 truncate: int = 0, adapter_id: str = "") -> list[pb.TokenizeResponse]:
         req = pb.BatchedTokenizeRequest(requests=[pb.TokenizeRequest(text=t) for t in texts],
                                         return_tokens=tokens, return_offsets=offsets,
                                         truncate_input_tokens=truncate)
+        if adapter_id:
+            req.adapter_id = adapter_id
         return list(self.stub.Tokenize(req).responses)
 
     def model_info(self) -> pb.ModelInfoResponse:

@@ -28,6 +28,8 @@ from proto.messages import (
     EngineStats,
     FinishReason,
     ForgetRequest,
+    GuidedGrammar,
+    GuidedTable,
     Heartbeat,
     OutputBatch,
     OutputDelta,
@@ -52,7 +54,7 @@ class EngineError(Exception):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
-        self.code = code  # "RESOURCE_EXHAUSTED" | "UNAVAILABLE" | "INTERNAL"
+        self.code = code  # "RESOURCE_EXHAUSTED" | "UNAVAILABLE" | "INVALID_ARGUMENT" | ...
 
 
 class ProfileBusy(Exception):
@@ -186,13 +188,17 @@ class EngineClient:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
                        name: str = "", request_id: int | None = None,
-                       arrived: float | None = None) -> AsyncIterator[OutputDelta]:
+                       arrived: float | None = None,
+                       guided: GuidedTable | GuidedGrammar | None = None,
+                       adapter_id: str = "") -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
         `name` (the client's correlation id) tags our log lines about the request.
         `request_id` (from `new_request_id`) when the caller tagged spans with it already;
         `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
+        `guided`: the compiled constraint `sampling.guided_id` names (travels with the request).
+        `adapter_id`: a LoRA adapter the caller validated ("": the base model).
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
@@ -204,7 +210,8 @@ class EngineClient:
         try:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
-            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started))
+            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started, guided,
+                                              adapter_id=adapter_id))
             last_at: float | None = None
             while True:
                 item = await self._next(stream, deadline)
@@ -216,6 +223,8 @@ class EngineClient:
                 if isinstance(item, RequestRejected):  # the postproc side still forgets it
                     metrics.REJECTED.inc()
                     raise EngineError("RESOURCE_EXHAUSTED", item.message)
+                if isinstance(item, RequestFailed) and item.code:  # e.g. its adapter's load
+                    raise EngineError(item.code, item.message)
                 if isinstance(item, RequestFailed):  # e.g. outgrew the KV cache: TOKEN_LIMIT
                     log.warning("[%s] request %d ended by the scheduler: %s", name or "-", rid,
                                 item.message)

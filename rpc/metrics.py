@@ -26,6 +26,12 @@ DEVICE_BUSY = Gauge("tandem_device_busy_ratio", "Gpu worker time inside plans / 
 WASTED = Gauge("tandem_tokens_after_finish", "Tokens computed after a request finished")
 QUEUE_TIME = Histogram("tandem_queue_time_seconds", "Arrival to first scheduling",
                        buckets=_QUEUE)
+LOADED_ADAPTERS = Gauge("tandem_lora_loaded_adapters",
+                        "LoRA adapters resident in the gpu worker's adapter slots")
+ADAPTER_LOADS = Gauge("tandem_lora_adapter_loads", "Adapter loads into slots since start "
+                      "(more than the adapters used: evictions made room)")
+ADAPTER_REQUESTS = Counter("tandem_lora_requests_total", "Requests per LoRA adapter",
+                           ["adapter"])
 POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
                      "Steps published by the gpu worker and not yet processed, the most over "
                      "the postproc workers' latest reports")
@@ -49,6 +55,8 @@ def on_stats(s: EngineStats) -> None:
     if s.uptime_s > 0:
         DEVICE_BUSY.set(min(1.0, s.worker_busy_s / s.uptime_s))
     WASTED.set(s.tokens_after_finish)
+    LOADED_ADAPTERS.set(len(s.loaded_adapters))
+    ADAPTER_LOADS.set(s.adapter_loads)
     for q in s.queue_times_s:
         QUEUE_TIME.observe(q)
 

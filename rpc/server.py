@@ -6,14 +6,12 @@ line about a request carries its `x-correlation-id` (or a frontend-made tag when
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, MutableMapping
-from dataclasses import asdict, dataclass
+from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any, cast
 
 import grpc
@@ -23,65 +21,31 @@ from proto import admin_pb2, admin_pb2_grpc
 from proto import generation_pb2 as pb
 from proto import generation_pb2_grpc as pb_grpc
 from proto.messages import FinishReason, OutputDelta
+from rpc.adapter_store import AdapterStore
 from rpc.engine_client import EngineClient, EngineError, ProfileBusy
+from rpc.frontend import THREAD_ENCODE_CHARS, Frontend, Prepared, RequestLog, request_log
 from rpc.validation import (
     Limits,
-    Request,
     UnsupportedError,
     ValidationError,
     check_prompt,
     check_unsupported,
     validate_params,
 )
-from tokenization.tokenizer import Tokenizer
-
-log = logging.getLogger("tandem.frontend")
 
 SERVICE_NAME = "fmaas.GenerationService"
 ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 
-# Longer texts are tokenized on a worker thread: a multi-megabyte prompt would otherwise stall
-# the event loop, and with it every other stream, for the whole encode.
-THREAD_ENCODE_CHARS = 64 << 10
 
-_anonymous = itertools.count(1)
-
-
-class RequestLog(logging.LoggerAdapter):
-    """Prefixes every line with the request's correlation id (also a record attribute)."""
-
-    def __init__(self, logger: logging.Logger, cid: str) -> None:
-        super().__init__(logger, {"correlation_id": cid})
-        self.cid = cid
-
-    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
-        assert self.extra is not None
-        kwargs.setdefault("extra", {}).update(self.extra)
-        return f"[{self.extra['correlation_id']}] {msg}", kwargs
-
-
-def _correlation_id(context: grpc.aio.ServicerContext) -> str:
+def _correlation_id(context: grpc.aio.ServicerContext) -> str | None:
     for key, value in context.invocation_metadata() or ():
         if key == "x-correlation-id" and value:
             return str(value)
-    # Without one, a tag of our own still tells concurrent requests apart in the log.
-    return f"anon-{next(_anonymous)}"
+    return None
 
 
 def _request_log(context: grpc.aio.ServicerContext) -> RequestLog:
-    return RequestLog(log, _correlation_id(context))
-
-
-@dataclass
-class _Prepared:
-    """One validated, tokenized prompt, ready to submit."""
-
-    req: Request
-    text: str
-    ids: list[int]
-    deadline: float | None  # time.monotonic(); the time limit counts from the RPC's arrival
-    rid: int  # the engine's request id, known before tokenizing so spans can name it
-    arrived: float  # time.monotonic() of the RPC's arrival
+    return request_log(_correlation_id(context))
 
 
 def _stop_reason(reason: FinishReason) -> pb.StopReason:
@@ -89,41 +53,45 @@ def _stop_reason(reason: FinishReason) -> pb.StopReason:
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
-    def __init__(self, engine: EngineClient, tok: Tokenizer) -> None:
-        self.engine = engine
-        self.tok = tok
-        self.limits: Limits | None = None  # known once the gpu worker reports in
-        self.accepting = True
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+        self.engine = frontend.engine
+        self.tok = frontend.tok
+        # None: no --adapter-cache, adapter ids are unsupported
+        self.adapters: AdapterStore | None = frontend.adapters
 
     async def _ready_limits(self, context: grpc.aio.ServicerContext) -> Limits:
-        if self.limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still starting")
-        if not self.accepting:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
-        assert self.limits is not None
-        return self.limits
+        try:
+            return self.frontend.ready_limits()
+        except EngineError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            raise  # abort raises; this only tells the type checker
 
     # ------------------------------------------------------------------ helpers
 
-    async def _encode(self, text: str, rid: int = -1) -> list[int]:
-        if len(text) > THREAD_ENCODE_CHARS:
-            # No span: on its thread it overlaps the event loop's spans, and a lane's spans
-            # must nest or be disjoint.
-            return await asyncio.to_thread(self.tok.encode, text)
-        with TRACER.span("tokenize", -1, rid):
-            return self.tok.encode(text)
-
-    async def _check_supported(self, request: Any, context: grpc.aio.ServicerContext,
-                               rlog: RequestLog) -> None:
+    async def _adapter_of(self, request: Any, context: grpc.aio.ServicerContext,
+                          rlog: RequestLog) -> str:
+        """The request's validated LoRA adapter ("" for none): `adapter_id`, else the older
+        name for the same lookup, `prefix_id`.  Without an adapter cache both are
+        UNIMPLEMENTED; an adapter we cannot serve is INVALID_ARGUMENT."""
         try:
-            check_unsupported(request)
+            if self.adapters is None:
+                check_unsupported(request)
+                return ""
+            for name in ("adapter_id", "prefix_id"):
+                if request.HasField(name) and getattr(request, name):
+                    return self.adapters.resolve(getattr(request, name), name).adapter_id
         except UnsupportedError as exc:
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+        except ValidationError as exc:
+            rlog.info("rejected: INVALID_ARGUMENT: %s", exc)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return ""
 
     async def _prepare(self, text: str, params: pb.Parameters,
                        context: grpc.aio.ServicerContext, field: str, arrived: float,
-                       rlog: RequestLog) -> _Prepared:
+                       rlog: RequestLog, adapter_id: str = "") -> Prepared:
         limits = await self._ready_limits(context)
         rid = self.engine.new_request_id()
         try:
@@ -132,7 +100,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 req = validate_params(params, limits)
                 if not text:  # the tokenizer would still give [BOS]
                     raise ValidationError(field, "must not be empty")
-            ids = await self._encode(text, rid)
+            ids = await self.frontend.encode(text, rid)
             with TRACER.span("validate", -1, rid):
                 if req.truncate_input_tokens and len(ids) > req.truncate_input_tokens:
                     ids = ids[-req.truncate_input_tokens:]  # TGIS keeps the end of the prompt
@@ -143,10 +111,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except UnsupportedError as exc:
             rlog.info("rejected: UNIMPLEMENTED: %s", exc)
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
-        deadline = arrived + req.time_limit if req.time_limit else None
-        return _Prepared(req, text, ids, deadline, rid, arrived)
+        return self.frontend.prepared(req, text, ids, rid, arrived, adapter_id)
 
-    def _input_details(self, p: _Prepared, first: OutputDelta | None,
+    def _input_details(self, p: Prepared, first: OutputDelta | None,
                        resp: pb.GenerationResponse) -> None:
         """input_token_count, and the input text / input tokens when asked.
 
@@ -193,9 +160,17 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             out.append(info)
         return out
 
-    def _deltas(self, p: _Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
-        return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=rlog.cid, request_id=p.rid, arrived=p.arrived)
+    async def _compile(self, prepared: list[Prepared], context: grpc.aio.ServicerContext,
+                       rlog: RequestLog) -> None:
+        """Compile the constraint the requests share, or abort naming the field."""
+        try:
+            await self.frontend.compile(prepared)
+        except EngineError as exc:
+            rlog.info("rejected: %s: %s", exc.code, exc)
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
+    def _deltas(self, p: Prepared, rlog: RequestLog) -> AsyncIterator[OutputDelta]:
+        return self.frontend.generate(p, rlog.cid)
 
     @staticmethod
     async def _abort_engine_error(context: grpc.aio.ServicerContext, rlog: RequestLog,
@@ -210,12 +185,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                              ) -> AsyncIterator[pb.GenerationResponse]:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         p = await self._prepare(request.request.text, request.params, context, "request.text",
-                                arrived, rlog)
-        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s", len(p.ids),
+                                arrived, rlog, adapter_id)
+        await self._compile([p], context, rlog)
+        rlog.info("stream: %d prompt tokens, max_new_tokens %d, %s%s", len(p.ids),
                   p.req.sampling.max_new_tokens,
-                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}")
+                  "greedy" if p.req.sampling.greedy else f"seed {p.req.sampling.seed}",
+                  f", adapter {adapter_id}" if adapter_id else "")
         generated = 0
         first = True
         reason = FinishReason.NOT_FINISHED
@@ -240,7 +217,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         rlog.info("stream done: %d tokens, %s, %.3f s", generated, reason.name,
                   time.monotonic() - arrived)
 
-    def _stream_response(self, p: _Prepared, d: OutputDelta,
+    def _stream_response(self, p: Prepared, d: OutputDelta,
                          generated: int) -> pb.GenerationResponse:
         resp = pb.GenerationResponse(generated_token_count=generated, text=d.text,
                                      stop_reason=_stop_reason(d.finish_reason),
@@ -250,7 +227,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             resp.seed = p.req.seed_returned
         return resp
 
-    async def _generate_one(self, p: _Prepared, rlog: RequestLog) -> pb.GenerationResponse:
+    async def _generate_one(self, p: Prepared, rlog: RequestLog) -> pb.GenerationResponse:
         resp = pb.GenerationResponse()
         parts: list[str] = []
         first = True
@@ -275,13 +252,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                        context: grpc.aio.ServicerContext) -> pb.BatchedGenerationResponse:
         arrived = time.monotonic()
         rlog = _request_log(context)
-        await self._check_supported(request, context, rlog)
+        adapter_id = await self._adapter_of(request, context, rlog)
         if not request.requests:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "requests: must not be empty")
         # Every input is validated before any is submitted, so a bad one wastes no work.
         prepared = [await self._prepare(r.text, request.params, context, f"requests[{i}].text",
-                                        arrived, rlog)
+                                        arrived, rlog, adapter_id)
                     for i, r in enumerate(request.requests)]
+        await self._compile(prepared, context, rlog)
         rlog.info("batch: %d requests, %d prompt tokens", len(prepared),
                   sum(len(p.ids) for p in prepared))
         tasks = [asyncio.ensure_future(self._generate_one(p, rlog)) for p in prepared]
@@ -303,7 +281,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.BatchedTokenizeRequest,
                        context: grpc.aio.ServicerContext) -> pb.BatchedTokenizeResponse:
-        await self._check_supported(request, context, _request_log(context))
+        # An adapter is validated like for generation; it tokenizes with the base model's
+        # tokenizer (as vLLM does), since adapters with new tokens are not served.
+        await self._adapter_of(request, context, _request_log(context))
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
             if len(r.text) > THREAD_ENCODE_CHARS:
@@ -325,9 +305,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def ModelInfo(self, request: pb.ModelInfoRequest,
                         context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
         limits = await self._ready_limits(context)
+        stats = self.engine.stats
         return pb.ModelInfoResponse(model_kind=pb.ModelInfoResponse.DECODER_ONLY,
                                     max_sequence_length=limits.max_model_len,
-                                    max_new_tokens=limits.max_new_tokens)
+                                    max_new_tokens=limits.max_new_tokens,
+                                    loaded_adapters=stats.loaded_adapters if stats else [])
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):

@@ -9,6 +9,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from guided.forms import FormError, parse_schema
+from guided.spec import GuidedSpec, SpecKind
 from proto import generation_pb2 as pb
 from proto.messages import OutputOptions, SamplingParams
 
@@ -17,6 +19,11 @@ MAX_STOP_SEQUENCE_BYTES = 240
 MAX_TOP_N_TOKENS = 10
 MAX_REPETITION_PENALTY = 2.0
 LENGTH_PENALTY_DECAY_RANGE = (1.0, 10.0)
+# A constraint's text (regex, schema, grammar, all choices together); compiling a long one
+# can take long, and the limit bounds what one request can make the compile worker do.
+MAX_GUIDED_BYTES = 64 << 10
+_GUIDED_KINDS = {"regex": SpecKind.REGEX, "json_schema": SpecKind.JSON_SCHEMA,
+                 "grammar": SpecKind.GRAMMAR}
 
 
 class ValidationError(ValueError):
@@ -54,6 +61,8 @@ class Request:
     input_logprobs: bool = False
     input_ranks: bool = False
     input_top_n: int = 0
+    # The output constraint (guided decoding), to be compiled before submitting; None: none.
+    guided: GuidedSpec | None = None
 
 
 def _finite(field: str, value: float) -> float:
@@ -75,10 +84,7 @@ def check_unsupported(request: pb.SingleGenerationRequest | pb.BatchedGeneration
 
 
 def validate_params(params: pb.Parameters, limits: Limits) -> Request:
-    guided = params.decoding.WhichOneof("guided")
-    if guided:
-        raise UnsupportedError(f"params.decoding.{guided}: guided decoding is not supported by "
-                               "this server")
+    guided = validate_guided(params.decoding)
     sampling = _sampling(params, limits)
     options = _options(params, limits)
     r = params.response
@@ -98,7 +104,41 @@ def validate_params(params: pb.Parameters, limits: Limits) -> Request:
         seed_returned=0 if sampling.greedy else sampling.seed,
         input_logprobs=prompt_detail and r.token_logprobs,
         input_ranks=prompt_detail and r.token_ranks,
-        input_top_n=r.top_n_tokens if prompt_detail else 0)
+        input_top_n=r.top_n_tokens if prompt_detail else 0, guided=guided)
+
+
+def validate_guided(decoding: pb.DecodingParameters) -> GuidedSpec | None:
+    """The `guided` oneof as a spec to compile; None for none or format=TEXT (plain text)."""
+    which = decoding.WhichOneof("guided")
+    if which is None:
+        return None
+    field = f"params.decoding.{which}"
+    if which == "format":
+        if decoding.format == pb.DecodingParameters.JSON:
+            return GuidedSpec(SpecKind.JSON_OBJECT, field=field)
+        return None
+    if which == "choice":
+        choices = tuple(decoding.choice.choices)
+        if len(choices) < 2:
+            raise ValidationError(f"{field}.choices",
+                                  f"at least 2 choices are needed, got {len(choices)}")
+        _check_size(f"{field}.choices", sum(len(c.encode("utf-8")) for c in choices))
+        return GuidedSpec(SpecKind.CHOICE, choices=choices, field=field)
+    text: str = getattr(decoding, which)
+    if not text:
+        raise ValidationError(field, "must not be empty")
+    _check_size(field, len(text.encode("utf-8")))
+    if which == "json_schema":
+        try:
+            parse_schema(text)
+        except FormError as e:
+            raise ValidationError(field, str(e)) from None
+    return GuidedSpec(_GUIDED_KINDS[which], value=text, field=field)
+
+
+def _check_size(field: str, size: int) -> None:
+    if size > MAX_GUIDED_BYTES:
+        raise ValidationError(field, f"must be at most {MAX_GUIDED_BYTES} UTF-8 bytes, got {size}")
 
 
 def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:

@@ -10,7 +10,8 @@ Every block is in exactly one of three places:
   ever shared, and nobody writes into a shared block (holders take it as computed).
 
 A block's hash is chained over its tokens and the previous block's hash, so the same
-tokens under a different prefix never match.
+tokens under a different prefix never match; a prompt run under a LoRA adapter starts its
+chain from a hash of the adapter's id, so its KV is never shared with another adapter's.
 """
 from __future__ import annotations
 
@@ -32,10 +33,22 @@ def hash_block(prev: BlockHash | None, tokens: np.ndarray) -> BlockHash:
     return digest.digest()
 
 
-def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int) -> list[BlockHash]:
-    """Chained hashes of the prompt's full blocks (a partial last block is never shared)."""
+def adapter_salt(adapter_id: str) -> BlockHash | None:
+    """Where the hash chain of a prompt run under `adapter_id` starts (None: the base model).
+
+    A digest like the chain's own links, so no adapter id can pose as a prefix of tokens.
+    """
+    if not adapter_id:
+        return None
+    return hashlib.blake2b(b"lora-adapter\0" + adapter_id.encode(), digest_size=16).digest()
+
+
+def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int,
+                        salt: BlockHash | None = None) -> list[BlockHash]:
+    """Chained hashes of the prompt's full blocks (a partial last block is never shared),
+    the chain started from `salt` (see `adapter_salt`)."""
     hashes: list[BlockHash] = []
-    prev: BlockHash | None = None
+    prev: BlockHash | None = salt
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
         prev = hash_block(prev, prompt_ids[start : start + block_size])
         hashes.append(prev)

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from proto.messages import (
+    AdapterFailed,
+    AdapterLoad,
     AddRequest,
     ContinueRequest,
     FinishReason,
+    GuidedKind,
     NewRequest,
     PlanEnding,
     PlanProcessed,
@@ -31,7 +34,7 @@ from proto.messages import (
     StepPlan,
     StopHit,
 )
-from scheduler.block_manager import prompt_block_hashes
+from scheduler.block_manager import adapter_salt, prompt_block_hashes
 from scheduler.requests import Request, RequestStatus
 from scheduler.state import (
     MAX_OUTSTANDING_ASYNC,
@@ -54,6 +57,7 @@ class _Draft:
     cont: list[ContinueRequest] = field(default_factory=list)
     preempt: list[int] = field(default_factory=list)
     chunks: dict[int, tuple[Request, int]] = field(default_factory=dict)  # id -> prefill tokens
+    loads: list[AdapterLoad] = field(default_factory=list)  # adapters new to the worker
 
     def schedule(self, req: Request, num_prefill: int) -> None:
         # A request whose prefill is done decodes in this plan too: one token of the budget.
@@ -82,13 +86,19 @@ class Scheduler(SchedulerState):
             self._num_rejected += 1
             return RequestRejected(msg.request_id, rejection)
         req = Request(msg.request_id, prompt_ids, msg.sampling, msg.arrival_time,
-                      self.params.max_model_len)
+                      self.params.max_model_len, adapter_id=msg.adapter_id)
         problem = self._unrunnable(req)
         if problem is not None:
             self._record_failure(req, problem)
             return None
-        if self.params.enable_prefix_caching:
-            req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size)
+        problem = self._constraints.problem(msg)
+        if problem is not None:  # the frontend's compiler made it: a bug, not an overload
+            self._record_failure(req, problem, FinishReason.ERROR)
+            return None
+        self._constraints.hold(msg)
+        if self.params.enable_prefix_caching:  # KV computed under an adapter is its own
+            req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size,
+                                                          adapter_salt(req.adapter_id))
         self._requests[req.request_id] = req
         self._waiting.append(req)
         self._waiting_tokens += req.prompt_len
@@ -115,6 +125,26 @@ class Scheduler(SchedulerState):
             if req is not None:  # else finished by counts, aborted, or reported again
                 self._finish(req, FinishReason(reason))
         self._retire_complete_plans()
+
+    def on_adapter_failed(self, msg: AdapterFailed) -> None:
+        """The worker could not load an adapter: the requests it names never ran, and every
+        request holding that slot for the adapter is doomed too (the worker fails them as it
+        meets them).  Each fails with INVALID_ARGUMENT, even one finished here by counts in
+        the meantime (the frontend still waits for it); the slot is freed, so a later
+        request retries the load."""
+        doomed = dict.fromkeys(msg.request_ids)
+        if self._lora.slot_of(msg.adapter_id) == msg.slot:
+            doomed.update(dict.fromkeys(req.request_id for req in self._requests.values()
+                                        if req.lora_slot and req.adapter_id == msg.adapter_id))
+        for rid in doomed:
+            req = self._requests.get(rid)
+            self._ledger.cut(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR)
+                self._num_failed += 1
+            self._failures.append(RequestFailed(rid, FinishReason.ERROR, msg.message,
+                                                "INVALID_ARGUMENT"))
+        self._lora.forget(msg.adapter_id, msg.slot)
 
     def on_plan_ending(self, msg: PlanEnding) -> None:
         progress = self._progress(msg.plan_id)
@@ -161,8 +191,12 @@ class Scheduler(SchedulerState):
         if not draft.preempt:  # blocks ran short for running requests: admit nobody now
             self._admit_waiting(draft)
         drop = self._take_pending_drops(draft.plan_id)
+        # Before _advance: requests that finish by counts inside this plan still need theirs.
+        tables, drop_tables = self._constraints.take()
         self._advance(draft)
-        return self._issue(draft, drop)
+        plan = self._issue(draft, drop)
+        plan.tables, plan.drop_tables = tables, drop_tables
+        return plan
 
     def _continue_decodes(self, draft: _Draft) -> None:
         for req in list(self._running):
@@ -211,6 +245,8 @@ class Scheduler(SchedulerState):
         """Start (or resume) the head of the queue; False when it has to wait."""
         if not self._fits_alone(req, self._positions_after(req, req.num_tokens - 1)):
             return True
+        if not req.lora_slot and not self._lora.can_take(req.adapter_id):
+            return False  # every adapter slot is held: wait like for KV blocks
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
         hits = [] if req.sampling.prompt_logprobs else self._blocks.lookup(
             self._cacheable_hashes(req))
@@ -224,6 +260,10 @@ class Scheduler(SchedulerState):
             return False
         self._blocks.take(hits)
         req.blocks = hits + self._blocks.allocate(num_new)
+        if req.adapter_id and not req.lora_slot:  # a preempted request kept its slot
+            req.lora_slot, load = self._lora.take(req.adapter_id)
+            if load is not None:
+                draft.loads.append(load)
         if not req.known_to_worker:
             self._queue_times.append(max(0.0, self.clock() - req.arrival_time))
         self._start_running(req, num_cached, len(hits))
@@ -256,6 +296,7 @@ class Scheduler(SchedulerState):
             drop=drop,
             preempt=draft.preempt,
             publish_per_step=self.params.async_mode,
+            adapters=draft.loads,
         )
 
     # ================================================================== planning helpers
@@ -333,7 +374,7 @@ class Scheduler(SchedulerState):
             return NewRequest(req.request_id, np.empty(0, dtype=np.int32), None,
                               list(req.blocks), num_cached, num_prefill, resume=True)
         return NewRequest(req.request_id, req.prompt_ids, req.sampling, list(req.blocks),
-                          num_cached, num_prefill)
+                          num_cached, num_prefill, lora_slot=req.lora_slot)
 
     # ================================================================== preemption
 
@@ -345,6 +386,8 @@ class Scheduler(SchedulerState):
         req.num_computed = 0
         req.num_registered_blocks = 0
         req.status = RequestStatus.PREEMPTED
+        if req.sampling.guided_kind != GuidedKind.NONE:  # the worker replays it on resume
+            self._constraints.stop(req.sampling.guided_id)
         req.num_preemptions += 1
         self._num_preemptions += 1
         self._waiting.appendleft(req)
@@ -374,6 +417,8 @@ class Scheduler(SchedulerState):
                     f"leaves no room to generate")
         if req.sampling.max_new_tokens < 1:
             return f"max_new_tokens={req.sampling.max_new_tokens} must be >= 1"
+        if req.adapter_id and params.max_loras < 1:
+            return f"adapter {req.adapter_id!r}: LoRA adapters are not enabled (max_loras=0)"
         positions = self._positions_after(req, req.prompt_len - 1)
         needed = self._blocks.blocks_for(positions)
         if needed > params.num_blocks:

@@ -20,6 +20,7 @@ from ipc.tracing import TRACER, on_profile_control, set_role
 from proto.config import ServerConfig
 from proto.messages import (
     AbortRequest,
+    AdapterFailed,
     AddRequest,
     EngineStats,
     Heartbeat,
@@ -44,7 +45,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         async_mode=cfg.async_postproc, num_postproc_workers=cfg.num_postproc_workers,
         enable_prefix_caching=cfg.enable_prefix_caching,
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
-        pace_plans=cfg.pace_plans)
+        pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
+        max_loras=cfg.max_loras if cfg.adapter_cache else 0)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:
@@ -187,7 +189,8 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         s.prefix_query_tokens, s.tokens_delivered, s.tokens_after_finish,
                         now - times.started, times.num_plans, times.worker_busy_s,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
-                        times.steady_idle_s, sched.take_queue_times())
+                        times.steady_idle_s, sched.take_queue_times(),
+                        list(s.loaded_adapters), s.adapter_loads)
     to_frontend.put(stats)
     return now, stats
 
@@ -207,6 +210,10 @@ def dispatch(sched: Scheduler, msg: object, to_frontend: Sender) -> None:
         sched.on_step_done(msg)
     elif isinstance(msg, StopHit):
         sched.on_stop_hit(msg)
+    elif isinstance(msg, AdapterFailed):
+        log.warning("plan %d: %s; failing %d requests", msg.plan_id, msg.message,
+                    len(msg.request_ids))
+        sched.on_adapter_failed(msg)
     elif isinstance(msg, PlanProcessed):
         sched.on_plan_processed(msg)
     else:

@@ -39,6 +39,8 @@ class Request:
     known_to_worker: bool = False  # the worker holds state for it until a plan drops it
     num_preemptions: int = 0
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    adapter_id: str = ""  # its LoRA adapter ("": the base model)
+    lora_slot: int = 0  # the adapter slot it holds from admission to finish (0: none)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len

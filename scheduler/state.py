@@ -12,8 +12,10 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from proto.messages import FinishReason, RequestFailed
+from proto.messages import FinishReason, GuidedKind, RequestFailed
 from scheduler.block_manager import BlockManager
+from scheduler.guided import WorkerConstraints
+from scheduler.lora_slots import LoraSlots
 from scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
@@ -38,6 +40,11 @@ class SchedulerParams:
     # Async mode: build plan n+1 only once plan n is ending (PlanEnding) or done, not as soon
     # as plan n is sent, so that requests arriving during plan n still make plan n+1.
     pace_plans: bool = False
+    # Guided decoding: the model's vocabulary (a table's token_class must cover it; 0: not
+    # checked) and how many constraints no running request uses the worker keeps for reuse.
+    vocab_size: int = 0
+    guided_kept: int = 32
+    max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,8 @@ class SchedulerStats:
     num_plans: int = 0
     num_rejected: int = 0
     num_failed: int = 0
+    loaded_adapters: tuple[str, ...] = ()  # resident in the worker's slots, slot order
+    adapter_loads: int = 0
 
 
 @dataclass
@@ -76,6 +85,7 @@ class SchedulerState:
         self.params = params
         self._blocks = BlockManager(params.num_blocks, params.block_size,
                                     params.enable_prefix_caching)
+        self._lora = LoraSlots(params.max_loras)
         self._requests: dict[int, Request] = {}  # waiting, preempted and running
         self._waiting: deque[Request] = deque()  # preempted ones at the front
         self._running: list[Request] = []  # oldest admission first; preempted newest first
@@ -85,6 +95,7 @@ class SchedulerState:
         self._next_plan_id = 0
         self._failures: list[RequestFailed] = []
         self._ledger = TokenLedger()
+        self._constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self._num_preemptions = 0
         self._num_rejected = 0
         self._num_failed = 0
@@ -105,12 +116,18 @@ class SchedulerState:
         req.num_computed = num_cached
         req.num_registered_blocks = num_hit_blocks
         self._ledger.open(req.request_id)
+        if _guided(req):
+            self._constraints.start(req.sampling.guided_id)
         if self.params.enable_prefix_caching:
             self._prefix_queries += 1
             self._prefix_query_tokens += req.num_tokens
             self._prefix_hit_blocks += num_hit_blocks
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if _guided(req):
+            if req.status is RequestStatus.RUNNING:
+                self._constraints.stop(req.sampling.guided_id)
+            self._constraints.release(req.sampling.guided_id)
         if req.status is RequestStatus.RUNNING:
             self._running.remove(req)
         else:
@@ -118,6 +135,9 @@ class SchedulerState:
             self._waiting_tokens -= req.prompt_len
         self._blocks.free(req.blocks)
         req.blocks = []
+        if req.lora_slot:
+            self._lora.give_back(req.adapter_id)
+            req.lora_slot = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
@@ -129,9 +149,10 @@ class SchedulerState:
         self._finish(req, FinishReason.TOKEN_LIMIT)
         self._record_failure(req, message)
 
-    def _record_failure(self, req: Request, message: str) -> None:
+    def _record_failure(self, req: Request, message: str,
+                        reason: FinishReason = FinishReason.TOKEN_LIMIT) -> None:
         self._num_failed += 1
-        self._failures.append(RequestFailed(req.request_id, FinishReason.TOKEN_LIMIT, message))
+        self._failures.append(RequestFailed(req.request_id, reason, message))
 
     def _take_pending_drops(self, plan_id: int) -> list[int]:
         drops, self._pending_drops = self._pending_drops, []
@@ -187,6 +208,8 @@ class SchedulerState:
             num_plans=self._next_plan_id,
             num_rejected=self._num_rejected,
             num_failed=self._num_failed,
+            loaded_adapters=tuple(self._lora.resident),
+            adapter_loads=self._lora.num_loads,
         )
 
     def check_invariants(self) -> None:
@@ -205,6 +228,10 @@ class SchedulerState:
                 f"block {block} is shared by {holders[block]} requests but is not a cached "
                 f"prefix block")
         assert self._blocks.num_free + len(holders) == self.params.num_blocks, "blocks leaked"
+        self._constraints.check_invariants(
+            Counter(r.sampling.guided_id for r in self._running if _guided(r)),
+            Counter(r.sampling.guided_id for r in self._requests.values() if _guided(r)))
+        self._check_adapters()
         limit = MAX_OUTSTANDING_ASYNC if self.params.async_mode else 1
         assert self._num_outstanding() <= limit, f"{self._num_outstanding()} plans outstanding"
 
@@ -219,6 +246,19 @@ class SchedulerState:
             assert not req.blocks and req.num_computed == 0, f"waiting {req.request_id} holds KV"
             assert req.known_to_worker == (req.status is RequestStatus.PREEMPTED)
 
+    def _check_adapters(self) -> None:
+        holders: Counter[str] = Counter()
+        for req in self._requests.values():
+            if req.lora_slot:
+                assert req.lora_slot == self._lora.slot_of(req.adapter_id), (
+                    f"request {req.request_id} holds slot {req.lora_slot}, its adapter "
+                    f"{req.adapter_id!r} is in slot {self._lora.slot_of(req.adapter_id)}")
+                holders[req.adapter_id] += 1
+            else:
+                assert not (req.adapter_id and req.known_to_worker), (
+                    f"request {req.request_id} reached the worker without its adapter slot")
+        self._lora.check_invariants(holders)
+
     def _check_running(self, req: Request) -> None:
         rid = req.request_id
         assert req.status is RequestStatus.RUNNING and req.known_to_worker
@@ -228,3 +268,7 @@ class SchedulerState:
             f"request {rid} has KV outside its blocks")
         assert req.num_tokens < req.max_tokens, f"request {rid} should have finished"
         assert req.num_registered_blocks <= len(req.blocks)
+
+
+def _guided(req: Request) -> bool:
+    return req.sampling.guided_kind != GuidedKind.NONE

@@ -22,6 +22,12 @@ ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host",
                                                                  "log_level", "fault")}
 
 
+def cache_root() -> str:
+    """Tandem's cache folder: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem (~/.cache)."""
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem")
+
+
 def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
     p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
                    help=help)
@@ -97,7 +103,30 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-timeout", type=float, default=d.step_timeout,
                    help="a plan unfinished after this many seconds means a hung gpu worker: "
                         "its stack is logged and the server exits non-zero (0: off)")
+    p.add_argument("--guided-cache-dir", default=os.path.join(cache_root(), "guided"),
+                   help="compiled guided-decoding constraints are kept here across restarts "
+                        "('' = in memory only; default: <cache folder>/guided)")
+    p.add_argument("--guided-compile-timeout", type=float, default=d.guided_compile_timeout,
+                   help="seconds one constraint may take to compile; a longer one is stopped "
+                        "and its request gets INVALID_ARGUMENT")
+    _bool_flag(p, "guided-precompile-json", d.guided_precompile_json,
+               "compile format=JSON (any JSON object, seconds to compile) in the background "
+               "once the server is ready, unless the cache has it")
     p.add_argument("--metrics-port", type=int, default=d.metrics_port)
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health, /metrics) on --host; 0: off")
+    p.add_argument("--served-model-name", default=d.served_model_name,
+                   help="the model name HTTP clients send (default: the model folder's name)")
+    p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
+                   help="LoRA adapters: a request's adapter_id names the PEFT adapter folder "
+                        "DIR/<adapter_id> (default: adapters off)")
+    p.add_argument("--max-loras", type=int, default=d.max_loras,
+                   help="adapters the gpu worker holds at once (least recently used ones "
+                        "no running request uses make room)")
+    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
+                   help="the largest adapter rank served (the device cost per token grows "
+                        "with it)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
@@ -163,6 +192,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     names = {f.name for f in dataclasses.fields(ServerConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["enable_prefix_caching"] = args.prefix_caching
+    if values.get("adapter_cache"):  # every process reads it, from its own working folder
+        values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
     try:
         cfg = ServerConfig(**values)
     except ValueError as e:  # before any model is built
@@ -274,7 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("serve", help="start the gRPC server and all its processes")
+    p = sub.add_parser("serve", help="start the gRPC and HTTP servers and all their processes")
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 
@@ -341,6 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("ab", help="sync/async x K table, each arm on a fresh server")
     bench_ab.add_arguments(p)
     p.set_defaults(func=bench_ab.main)
+
+    from bench import lora as bench_lora
+
+    p = bench.add_parser("lora", help="TPOT and throughput with LoRA adapters vs the base model")
+    bench_lora.add_arguments(p)
+    p.set_defaults(func=bench_lora.main)
 
     from bench import report as bench_report
 

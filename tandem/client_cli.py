@@ -50,6 +50,18 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", action="store_true")
     p.add_argument("--ranks", action="store_true")
     p.add_argument("--top-n-tokens", type=int, default=0)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--regex", default=None, help="guided: the output matches this regex")
+    g.add_argument("--json-schema", default=None, metavar="JSON",
+                   help="guided: the output is JSON valid for this schema (text, or @FILE)")
+    g.add_argument("--grammar", default=None,
+                   help="guided: GBNF (root ::= ...) or Lark grammar (text, or @FILE)")
+    g.add_argument("--choice", action="append", default=None, dest="choices",
+                   help="guided: the output is exactly one of these (repeat, 2 or more)")
+    g.add_argument("--response-format", choices=["json", "text"], default=None,
+                   help="guided: json = one JSON object of any content")
+    p.add_argument("--adapter-id", default="",
+                   help="a LoRA adapter of the server's --adapter-cache (default: the base model)")
     p.add_argument("--correlation-id", default="")
     p.add_argument("--json", action="store_true", help="one JSON object per response message")
     p.add_argument("--no-stream", action="store_true", help="use the batched Generate RPC")
@@ -67,7 +79,18 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         include_stop_sequence=args.include_stop_sequence, time_limit_millis=args.time_limit_ms,
         truncate_input_tokens=args.truncate_input_tokens, input_text=args.input_text,
         generated_tokens=args.generated_tokens, input_tokens=args.input_tokens,
-        token_logprobs=args.logprobs, token_ranks=args.ranks, top_n_tokens=args.top_n_tokens)
+        token_logprobs=args.logprobs, token_ranks=args.ranks, top_n_tokens=args.top_n_tokens,
+        regex=args.regex, json_schema=_text_or_file(args.json_schema),
+        grammar=_text_or_file(args.grammar), choices=args.choices,
+        response_format=args.response_format)
+
+
+def _text_or_file(value: str | None) -> str | None:
+    """curl's convention: @path reads the file."""
+    if value is not None and value.startswith("@"):
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    return value
 
 
 def _dump(msg: object) -> None:
@@ -80,7 +103,8 @@ def generate_main(args: argparse.Namespace) -> int:
     meta = [("x-correlation-id", args.correlation_id)] if args.correlation_id else None
     try:
         if args.no_stream or len(args.prompt) > 1:
-            for resp in client.generate(args.prompt, opts, metadata=meta):
+            for resp in client.generate(args.prompt, opts, metadata=meta,
+                                        adapter_id=args.adapter_id):
                 if args.json:
                     _dump(resp)
                 else:
@@ -90,7 +114,8 @@ def generate_main(args: argparse.Namespace) -> int:
             return 0
         t0 = time.monotonic()
         last = None
-        for resp in client.stream(args.prompt[0], opts, metadata=meta):
+        for resp in client.stream(args.prompt[0], opts, metadata=meta,
+                                  adapter_id=args.adapter_id):
             if args.json:
                 _dump(resp)
             else:

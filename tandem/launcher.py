@@ -1,7 +1,8 @@
 """`tandem serve`: the frontend process, which starts and watches every other process.
 
 Start-up: make a private run folder for the ipc sockets, start the scheduler, the gpu
-worker and N postproc workers as separate OS processes, serve gRPC, and turn readiness on
+worker and N postproc workers as separate OS processes, serve gRPC and (`--http-port`) the
+OpenAI-compatible HTTP API on the same event loop and engine client, and turn readiness on
 once every process has reported in and a warm-up request has gone through.
 
 Supervision (DESIGN.md section 5): one thread per child waits for its exit, so a death is
@@ -12,7 +13,8 @@ The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the 
 then has the worker dump its stacks to the log and treats it as dead.  Either way: health
 NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
 stopped, exit code 1.
-SIGTERM/SIGINT: NOT_SERVING at once, new requests get UNAVAILABLE, in-flight ones finish
+SIGTERM/SIGINT: NOT_SERVING (HTTP /health 503) at once, new requests get UNAVAILABLE (HTTP
+503), in-flight ones finish
 up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
 children, sockets, run folder and shm segments are removed.
 """
@@ -29,43 +31,35 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2
 
+from guided.service import GuidedCompiler
 from ipc import faults
 from ipc.channels import AsyncReceiver
 from ipc.peers import frontend_watch
 from ipc.process import StartupError, pin, split_cpus
-from proto import generation_pb2 as pb
-from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
+from rpc import guided
 from rpc.engine_client import EngineClient
+from rpc.frontend import Frontend
 from rpc.metrics import serve_metrics
-from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
+from rpc.server import SERVICE_NAME
 from rpc.validation import Limits
-from tandem.preflight import check_model, check_ports, load_tokenizer
+from tandem.grpc_server import add_services, bound_grpc_server, set_health
+from tandem.preflight import (
+    adapter_store,
+    bound_socket,
+    check_model,
+    check_ports,
+    load_tokenizer,
+)
 from tandem.tp_node import free_local_addr
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
-
-GRPC_OPTIONS = [
-    # A port another server holds is an error, not a port shared with it.
-    ("grpc.so_reuseport", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-    # Long streams stay up: answer client keepalive pings, send our own every 60 s.
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-]
 
 # After a failure: how long children get for SIGTERM before SIGKILL.  Small, so the whole
 # exit (detection, failing streams, gRPC stop, children) stays within a few seconds.
@@ -118,6 +112,7 @@ class Launcher:
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
+        self._precompile: asyncio.Task[None] | None = None  # format=JSON, after readiness
 
     # ------------------------------------------------------------------ children
 
@@ -228,37 +223,37 @@ class Launcher:
             raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
                                f"on node 0; start this host's ranks with `tandem run-role "
                                f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
-        check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+        config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+        adapters = adapter_store(self.cfg, config)
         tok = load_tokenizer(self.cfg.model)
         check_ports(self.cfg)
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        self._bind(server)
+        server = bound_grpc_server(self.cfg)
+        http_sock = bound_socket("--http-port", self.cfg.host, self.cfg.http_port) \
+            if self.cfg.http_port else None
         engine = EngineClient(self.cfg)
         engine.start()
+        frontend = Frontend(engine, tok, adapters)
         reports: AsyncReceiver[object] | None = (
             AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
             if self.cfg.addresses.supervisor else None)
         self.start_children()
-        health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
-            health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
-             ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-        servicer = GenerationServicer(engine, tok)
-        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
-        add_admin_service(server, engine)
+        health_servicer = add_services(server, frontend)
         await server.start()
+        http = None
+        if http_sock is not None:
+            from openai_api.server import create_http_server
+
+            http = create_http_server(self.cfg, frontend, http_sock)
+            await http.start()
         serve_metrics(self.cfg.metrics_port)
-        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
-        await _set_health(health_servicer, SERVICE_NAME,
+        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
+        await set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         watching = asyncio.create_task(self._read_reports(reports)) if reports else None
         peers = asyncio.create_task(self._watch_peers(engine)) if self.cfg.standalone else None
-        starting = asyncio.create_task(
-            self._become_ready(engine, tok, servicer, health_servicer))
+        starting = asyncio.create_task(self._become_ready(frontend, health_servicer))
         failed = asyncio.ensure_future(self._failure)
         stopping = asyncio.create_task(self._stop.wait())
         try:
@@ -276,21 +271,28 @@ class Launcher:
             if self.startup_error is not None:  # the caller prints it; nothing was served
                 self.exit_code = 2
             elif failed.done():
-                await self._fail_everything(engine, health_servicer, failed.result())
+                await self._fail_everything(frontend, health_servicer, failed.result())
             elif stopping.done():
-                await self._drain(engine, servicer, health_servicer)
+                await self._drain(frontend, health_servicer)
         finally:
             for task in (watching, starting, stopping, peers):
                 if task is not None:
                     task.cancel()
             if starting.done() and not starting.cancelled():
                 starting.exception()  # seen (a warm-up cut short by a failure): no GC warning
-            await _set_health(health_servicer, SERVICE_NAME,
+            await set_health(health_servicer, SERVICE_NAME,
                               health_pb2.HealthCheckResponse.NOT_SERVING)
-            await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+            frontend.serving = False
+            if http is not None:
+                await http.stop()
             # Cancels whatever is still open after the grace, so stop never waits for long
             # streams.
             await server.stop(grace=GRPC_STOP_GRACE)
+            if self._precompile is not None:
+                self._precompile.cancel()
+            if frontend.guided is not None:
+                await frontend.guided.close()  # its compile worker too
             engine.close()
             if reports is not None:
                 reports.close()
@@ -311,28 +313,6 @@ class Launcher:
         finally:
             watch.close()
 
-    def _bind(self, server: grpc.aio.Server) -> None:
-        target = f"{self.cfg.host}:{self.cfg.port}"
-        if self.cfg.tls_cert:
-            with open(self.cfg.tls_key, "rb") as f:
-                key = f.read()
-            with open(self.cfg.tls_cert, "rb") as f:
-                cert = f.read()
-            ca = None
-            if self.cfg.tls_client_ca:
-                with open(self.cfg.tls_client_ca, "rb") as f:
-                    ca = f.read()
-            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                                require_client_auth=ca is not None)
-            add_port = partial(server.add_secure_port, target, creds)
-        else:
-            add_port = partial(server.add_insecure_port, target)
-        try:
-            add_port()
-        except RuntimeError as exc:  # check_ports passed, so someone took it since
-            raise StartupError(f"--port {self.cfg.port}: cannot listen on {target} ({exc})"
-                               ) from None
-
     def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
         assert engine.limits is not None
         return Limits(max_model_len=engine.limits.max_model_len,
@@ -342,13 +322,21 @@ class Launcher:
                       eos_token_ids=tuple(tok.eos_token_ids),
                       include_stop_sequence=self.cfg.include_stop_sequence)
 
-    async def _become_ready(self, engine: EngineClient, tok: Tokenizer,
-                            servicer: GenerationServicer, health_servicer: object) -> None:
+    async def _become_ready(self, frontend: Frontend, health_servicer: object) -> None:
+        engine, tok = frontend.engine, frontend.tok
         await engine.ready.wait()
-        servicer.limits = self._limits(engine, tok)
+        assert engine.limits is not None
+        # The vocabulary's fingerprint names compiled constraints: before any request.
+        frontend.guided = await asyncio.to_thread(
+            GuidedCompiler.for_tokenizer, tok, guided.settings(self.cfg, engine.limits.vocab_size))
+        frontend.limits = self._limits(engine, tok)
         await self._warm_up(engine, tok)
-        await _set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        log.info("serving %s on %s:%d", self.cfg.model, self.cfg.host, self.cfg.port)
+        await set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        frontend.serving = True
+        http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
+        log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
+        if self.cfg.guided_precompile_json:  # after readiness, on the frontend's cores
+            self._precompile = asyncio.create_task(frontend.guided.precompile_json())
 
     async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
         """One short greedy request through every process before readiness turns on."""
@@ -393,29 +381,31 @@ class Launcher:
         self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
-    async def _fail_everything(self, engine: EngineClient, health_servicer: object,
+    async def _fail_everything(self, frontend: Frontend, health_servicer: object,
                                message: str) -> None:
+        engine = frontend.engine
         self.exit_code = 1
-        await _set_health(health_servicer, SERVICE_NAME,
+        frontend.serving = False
+        await set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)
-        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
         log.error("%s; failing %d open requests and exiting", message, engine.num_in_flight)
         engine.fail_all(f"{message}; the server is shutting down")
         await _flush(engine)
 
-    async def _drain(self, engine: EngineClient, servicer: GenerationServicer,
-                     health_servicer: object) -> None:
-        await _set_health(health_servicer, SERVICE_NAME,
+    async def _drain(self, frontend: Frontend, health_servicer: object) -> None:
+        engine = frontend.engine
+        await set_health(health_servicer, SERVICE_NAME,
                           health_pb2.HealthCheckResponse.NOT_SERVING)
-        await _set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-        servicer.accepting = False
+        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
+        frontend.accepting = False
         timeout = self.cfg.shutdown_timeout
         deadline = time.monotonic() + timeout
         log.info("draining %d in-flight requests (up to %g s)", engine.num_in_flight, timeout)
         assert self._failure is not None
         while engine.num_in_flight and time.monotonic() < deadline:
             if self._failure.done():  # a child died while we drained
-                await self._fail_everything(engine, health_servicer, self._failure.result())
+                await self._fail_everything(frontend, health_servicer, self._failure.result())
                 return
             await asyncio.sleep(0.05)
         if engine.num_in_flight:
@@ -454,12 +444,6 @@ async def _flush(engine: EngineClient) -> None:
     while engine.num_in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.05)
-
-
-async def _set_health(servicer: object, service: str, status: int) -> None:
-    result = servicer.set(service, status)  # type: ignore[attr-defined]
-    if asyncio.iscoroutine(result):
-        await result
 
 
 def serve(cfg: ServerConfig) -> int:

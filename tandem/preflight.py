@@ -14,8 +14,10 @@ import os
 import socket
 from typing import Any
 
+from adapters.peft import ModelShapes
 from ipc.process import StartupError
 from proto.config import ServerConfig
+from rpc.adapter_store import AdapterStore
 from tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
@@ -55,6 +57,19 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     return config
 
 
+def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | None:
+    """The frontend's adapter validator, sized from the model's config (None: adapters off)."""
+    if not cfg.adapter_cache:
+        return None
+    if not os.path.isdir(cfg.adapter_cache):
+        raise StartupError(f"--adapter-cache {cfg.adapter_cache!r} is not a folder; expected "
+                           "the folder holding one PEFT adapter folder per adapter id")
+    from gpu_worker.models.config import ModelArgs
+
+    shapes = ModelShapes.of(ModelArgs.from_hf_config(config))
+    return AdapterStore(cfg.adapter_cache, shapes, cfg.max_lora_rank)
+
+
 def load_tokenizer(model: str) -> Tokenizer:
     try:
         return Tokenizer.from_dir(model)
@@ -64,22 +79,29 @@ def load_tokenizer(model: str) -> Tokenizer:
 
 def check_port(flag: str, host: str, port: int) -> None:
     """Fail now when `host:port` cannot be listened on (taken, or not an address of ours)."""
-    if port == 0:
-        return
+    if port:
+        bound_socket(flag, host, port).close()
+
+
+def bound_socket(flag: str, host: str, port: int) -> socket.socket:
+    """A socket bound to `host:port`, or the one-line StartupError naming `flag`."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as exc:
         raise StartupError(f"--host {host!r}: cannot resolve it ({exc.strerror})") from None
-    with socket.socket(family, kind, proto) as sock:
-        # As servers bind: a port in TIME_WAIT after a restart is free.
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as exc:
-            raise StartupError(f"{flag} {port}: cannot listen on {host}:{port} "
-                               f"({exc.strerror}); choose a free port") from None
+    sock = socket.socket(family, kind, proto)
+    # As servers bind: a port in TIME_WAIT after a restart is free.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port} "
+                           f"({exc.strerror}); choose a free port") from None
+    return sock
 
 
 def check_ports(cfg: ServerConfig) -> None:
-    for flag, port in (("--port", cfg.port), ("--metrics-port", cfg.metrics_port)):
+    for flag, port in (("--port", cfg.port), ("--metrics-port", cfg.metrics_port),
+                       ("--http-port", cfg.http_port)):
         check_port(flag, cfg.host, port)

@@ -35,3 +35,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Servers the tests start (many at once, beside other users of this host) leave the HTTP API
+# off unless a test asks for it with --http-port: they would all want port 8000.
+os.environ.setdefault("TANDEM_HTTP_PORT", "0")

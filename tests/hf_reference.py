@@ -5,13 +5,19 @@ import pathlib
 from collections.abc import Sequence
 
 
-def hf_greedy(model_dir: str | pathlib.Path, jobs: Sequence[tuple[str, int]]) -> list[str]:
-    """Exactly n new tokens per (text, n) (EOS suppressed like min_new_tokens = n), decoded."""
+def hf_greedy(model_dir: str | pathlib.Path, jobs: Sequence[tuple[str, int]],
+              adapter: str | pathlib.Path | None = None) -> list[str]:
+    """Exactly n new tokens per (text, n) (EOS suppressed like min_new_tokens = n), decoded;
+    through `peft.PeftModel.from_pretrained(model, adapter)` when an adapter folder is given."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     out = []
     for text, n in jobs:
         ids = tok(text, return_tensors="pt").input_ids

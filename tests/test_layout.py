@@ -4,7 +4,8 @@ Each top-level package holds one kind of thing, and imports only the kinds below
 
     proto                 wire formats                      third-party only
     ipc                   transport and process runtime     proto
-    tokenization, guided  shared text and constraint code   proto, ipc, each other
+    tokenization, guided, shared text, constraint and       proto, ipc, each other
+    adapters              adapter-format code
     scheduler, gpu_worker, postproc_worker                  the above; never each other
     rpc, openai_api       the frontend's services           the above but no process package
     bench                 benchmarks                        anything
@@ -28,7 +29,7 @@ MAX_LINES = 500
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 PROCESSES = {"scheduler", "gpu_worker", "postproc_worker"}
-SHARED = {"tokenization", "guided"}
+SHARED = {"tokenization", "guided", "adapters"}
 FRONTEND = {"rpc", "openai_api"}
 OURS = {"proto", "ipc", *SHARED, *PROCESSES, *FRONTEND, "bench", "tandem"}
 ALLOWED: dict[str, set[str]] = {

@@ -111,6 +111,7 @@ class Tokenizer:
         eos_token: str | None,
         eos_token_ids: Sequence[int],
         clean_up_tokenization_spaces: bool,
+        special_tokens_map: dict[str, str] | None = None,
     ) -> None:
         self._raw = raw
         self.word_cache: bool = _keep_word_cache_only_for_words(raw)
@@ -127,6 +128,9 @@ class Tokenizer:
         if self.eos_token is None and self.eos_token_ids:
             self.eos_token = raw.id_to_token(self.eos_token_ids[0])
         self.clean_up_tokenization_spaces: bool = clean_up_tokenization_spaces
+        # The named special tokens (bos_token, eos_token, ...) as HF's `special_tokens_map`,
+        # which chat templates see as variables.
+        self.special_tokens_map: dict[str, str] = dict(special_tokens_map or {})
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -185,6 +189,7 @@ class Tokenizer:
             eos_token=eos,
             eos_token_ids=eos_ids,
             clean_up_tokenization_spaces=clean_up,
+            special_tokens_map={k: v for k, v in named.items() if k in NAMED_SPECIAL_TOKENS},
         )
 
     # ---- encode / decode -----------------------------------------------------------------
@@ -194,9 +199,11 @@ class Tokenizer:
         """The configured `tokenizers.Tokenizer` (shared; do not mutate)."""
         return self._raw
 
-    def encode(self, text: str) -> list[int]:
-        """As `AutoTokenizer(text)["input_ids"]` (special tokens per the post-processor)."""
-        return self._raw.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As `AutoTokenizer(text)["input_ids"]` (special tokens per the post-processor);
+        without them as `apply_chat_template` encodes a rendered chat (its template writes
+        BOS itself)."""
+        return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and (start, end) character offsets into `text`, as return_offsets_mapping."""

@@ -14,7 +14,7 @@ float32 then cast, RoPE cos/sin computed in float32 then cast to the model dtype
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +36,9 @@ from gpu_worker.models.layers import (
     rms_norm,
     rope_inv_freq,
 )
+
+if TYPE_CHECKING:
+    from gpu_worker.lora import LoraContext
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
@@ -95,12 +98,16 @@ class DecoderLayer(nn.Module):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         plan: AttentionPlan,
+        lora: LoraContext | None = None,
     ) -> torch.Tensor:
         t = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = rms_norm(x, self.input_norm, self.eps)
         pk = self.packed
+        n = self.layer_idx
         qkv = linear(h, self.qkv_weight, self.qkv_bias, pk.get("qkv_weight"))
+        if lora is not None:  # each row's own adapter delta (see gpu_worker.lora)
+            qkv = lora.add(n, "qkv", h, qkv)
         qkv = qkv.view(t, hq + 2 * hkv, d)
         qk = qkv[:, : hq + hkv]
         if self.qk_norm_weight is not None:
@@ -117,14 +124,18 @@ class DecoderLayer(nn.Module):
             plan=plan,
             sliding_window=self.sliding_window,
         )
-        o = linear(attn.reshape(t, hq * d), self.o_weight, self.o_bias, pk.get("o_weight"))
-        x = x + self.reduce(o)
+        a = attn.reshape(t, hq * d)
+        o = linear(a, self.o_weight, self.o_bias, pk.get("o_weight"))
+        # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
+        x = x + self.reduce(o if lora is None else lora.add(n, "o", a, o))
         h = rms_norm(x, self.post_norm, self.eps)
         gu = linear(h, self.gate_up_weight, self.gate_up_bias, pk.get("gate_up_weight"))
+        if lora is not None:
+            gu = lora.add(n, "gate_up", h, gu)
         i = self.intermediate_size
         act = self.act(gu[:, :i]) * gu[:, i:]
-        return x + self.reduce(linear(act, self.down_weight, self.down_bias,
-                                      pk.get("down_weight")))
+        down = linear(act, self.down_weight, self.down_bias, pk.get("down_weight"))
+        return x + self.reduce(down if lora is None else lora.add(n, "down", act, down))
 
 
 class CausalLM(nn.Module):
@@ -173,14 +184,17 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora: LoraContext | None = None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden]."""
+        """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden].
+
+        `lora`: the rows' adapters (None: the base model for every row)."""
         plan = prepare_attention(meta, kv_caches[0], self._windows, self.allow_flash)
         cos, sin = self.rope_cos_sin(positions)
         x = self.embed(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.
-            x = layer.forward(x, cos, sin, kv_cache, meta, plan)
+            x = layer.forward(x, cos, sin, kv_cache, meta, plan, lora)
         return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def _embed_whole(self, input_ids: torch.Tensor) -> torch.Tensor:

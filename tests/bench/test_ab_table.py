@@ -1,7 +1,8 @@
 """`bench ab`'s arms and table, without servers."""
 from __future__ import annotations
 
-from bench.ab import Arm, engine_arms, table
+from bench.ab import Arm, engine_arms
+from bench.ab_tables import http_ratios, peer_ratios, table
 
 
 def test_unpaced_arms_only_where_a_plan_has_several_steps() -> None:
@@ -23,3 +24,22 @@ def test_ratios_are_to_sync_k1_or_else_the_first_sync_arm() -> None:
     text = table({"sync K=8": row(8.0, 200.0), "async K=8": row(6.0, 300.0)})
     assert "TPOT vs sync K=8" in text and "| 0.75× | 1.50× |" in text
     assert "nan" not in table({"async K=8": row(6.0, 300.0)})
+
+
+def test_http_arms_for_the_ratio_and_for_transformers_serve() -> None:
+    assert [a.name for a in engine_arms("1,8", unpaced=False, http=True)][-2:] == [
+        "async K=1 HTTP", "async K=8 HTTP"]
+    # transformers serve is compared through the same HTTP client: the largest K over HTTP.
+    arms = engine_arms("1,8", unpaced=False, peers=("transformers-serve",))
+    assert arms[-1] == Arm(8, True, http=True) and arms[-1].name == "async K=8 HTTP"
+    assert not any(a.http for a in engine_arms("1,8", unpaced=False, peers=("hf-generate",)))
+
+
+def test_http_and_peer_ratios() -> None:
+    results = {"async K=8": row(5.0, 200.0), "async K=8 HTTP": row(5.5, 190.0),
+               "transformers serve": row(50.0, 20.0), "hf generate()": row(10.0, 100.0)}
+    assert http_ratios(results) == ("async K=8 HTTP: output throughput = 0.950× gRPC's, "
+                                    "mean TPOT = 1.100× gRPC's")
+    assert peer_ratios(results) == ("async K=8 HTTP output throughput = 9.50× transformers "
+                                    "serve's; async K=8 output throughput = 2.00× "
+                                    "hf generate()'s")

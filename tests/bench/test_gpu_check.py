@@ -29,6 +29,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert rc == 0, stages
     assert {n: s["status"] for n, s in stages.items()} == {
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
+        "features": "skipped",
         "experiment": "passed", "profile": "passed", "step": "passed"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
@@ -47,5 +48,5 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
     rc, results = gpu_check(tmp_path / "out", "--cpu", "--budget-s", "1")
     assert rc == 0
     skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
-    assert {"gpu tests", "parity", "experiment", "step"} <= set(skipped)
+    assert {"gpu tests", "parity", "features", "experiment", "step"} <= set(skipped)
     assert all("budget" in why for n, why in skipped.items() if n != "profile")

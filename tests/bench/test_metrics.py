@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import time
@@ -319,6 +320,21 @@ def test_tandem_request_fixes_length_and_loads_postprocessing() -> None:
     assert req.params.sampling.temperature == pytest.approx(0.7)
     greedy = TandemBackend(BackendOptions()).request(BenchItem(0, "x", 1, 4))
     assert greedy.params.method == 0 and not greedy.params.response.generated_tokens
+
+
+def test_adapters_spread_over_requests_and_only_tandem_names_them() -> None:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    c = config_from_args(p.parse_args(["--adapters", "a, b/c,", "--model", "/m"]))
+    assert c.adapters == ["a", "b/c"]
+    backend = TandemBackend(c.backend_options())
+    ids = [backend.request(BenchItem(i, "x", 1, 4)).adapter_id for i in range(4)]
+    assert ids == ["a", "b/c", "a", "b/c"]
+    assert not TandemBackend(BackendOptions()).request(BenchItem(0, "x", 1, 4)).HasField(
+        "adapter_id")
+    hf = dataclasses.replace(c, backend="hf-generate")
+    with pytest.raises(ValueError, match="--adapters: the hf-generate backend"):
+        asyncio.run(run_benchmark(hf, items=[BenchItem(0, "x", 1, 4)]))
 
 
 def test_transformers_serve_body_uses_only_accepted_fields() -> None:

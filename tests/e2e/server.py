@@ -1,7 +1,10 @@
 """Start `tandem serve` as a real subprocess for end-to-end tests, and check it leaves nothing."""
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +35,14 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+@functools.cache
+def guided_cache_dir() -> str:
+    """One guided-compile cache for the test session's servers, never the user's."""
+    path = tempfile.mkdtemp(prefix="tandem-test-guided-")
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -41,10 +52,17 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None,
+                 http: bool = False) -> None:
         self.port = free_port()
+        # The OpenAI-compatible API on a port of its own when asked (tests/conftest.py turns
+        # it off by default: many servers run at once). Servers compile format=JSON at
+        # start-up only in the tests that ask for it.
+        self.http_port = free_port() if http else 0
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
-               "--port", str(self.port), "--log-level", "WARNING", *flags]
+               "--port", str(self.port), "--http-port", str(self.http_port),
+               "--log-level", "WARNING", "--guided-cache-dir", guided_cache_dir(),
+               "--no-guided-precompile-json", *flags]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
@@ -63,9 +81,15 @@ class Server:
             time.sleep(0.2)
         raise TimeoutError("server did not become ready")
 
+    def note_children(self) -> None:
+        """Add processes started since wait_ready() (the guided compile worker starts on the
+        first constraint) to those leftovers() checks."""
+        self.children |= tree_pids(self.proc.pid)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         self.client.close()
         if self.proc.poll() is None:
+            self.note_children()
             self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout)
@@ -105,9 +129,9 @@ class Server:
         return out
 
 
-def running(model: str, *flags: str) -> Iterator[Server]:
+def running(model: str, *flags: str, http: bool = False) -> Iterator[Server]:
     """A module fixture's server: SERVING for the tests, then stopped with exit code 0."""
-    server = Server(model, *flags).wait_ready()
+    server = Server(model, *flags, http=http).wait_ready()
     try:
         yield server
     finally:

@@ -11,12 +11,16 @@ import os
 import pathlib
 import re
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from tests.e2e.server import Server, Stream, alive
+from guided.worker import TITLE
+from rpc.client import GenerateOptions
+from tests.e2e.server import Server, Stream, alive, cmdline, tree_pids
 
 pytestmark = pytest.mark.slow
 
@@ -98,18 +102,43 @@ def test_child_death_fails_streams_and_server_exits(tiny_model_dir: pathlib.Path
     assert_clean(server)
 
 
+def _ignore_rpc_error(call: Callable[[], object]) -> None:
+    try:
+        call()
+    except grpc.RpcError:
+        pass
+
+
+def wait_for_compile_worker(server: Server, timeout: float = 30.0) -> bool:
+    """Until the worker has started (it takes this title once it is ready to compile)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(cmdline(p)[:1] == [TITLE] for p in tree_pids(server.proc.pid)):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_launcher_sigkill_takes_children_run_dir_and_shm(tiny_model_dir: pathlib.Path) -> None:
     server = Server(str(tiny_model_dir), *FLAGS).wait_ready()
     try:
         assert server.role_pids().keys() >= {"scheduler", "gpu-worker", "postproc 0"}
         streams = open_streams(server, 2)
+        # The guided compile worker, caught in a compile of many seconds (any JSON object).
+        compiling = threading.Thread(target=lambda: _ignore_rpc_error(
+            lambda: server.client.generate(["x"], GenerateOptions(response_format="json"))),
+            daemon=True)
+        compiling.start()
+        assert wait_for_compile_worker(server), "no compile worker within 30 s"
+        time.sleep(0.5)
+        server.note_children()
         server.proc.kill()
         server.proc.wait()
         deadline = time.monotonic() + EXIT_WITHIN
         while any(alive(p) for p in server.children) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [p for p in server.children if alive(p)] == []
-        assert server.leftovers() == []  # run folder (sockets) and shm segment too
+        assert_clean(server)  # run folder (sockets), shm segment and compile worker too
         for s in streams:
             assert s.join(10) and s.code == grpc.StatusCode.UNAVAILABLE
     finally:

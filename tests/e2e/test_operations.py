@@ -61,7 +61,7 @@ def tls_client(server: Server, certs: pathlib.Path, mutual: bool = False) -> Tan
 def start(model: pathlib.Path, certs: pathlib.Path, *flags: str,
           mutual: bool = False) -> Server:
     server = Server(str(model), "--tls-cert", str(certs / "server.pem"),
-                    "--tls-key", str(certs / "server.key"), *flags)
+                    "--tls-key", str(certs / "server.key"), *flags, http=True)
     server.client.close()  # the helper's plaintext client cannot talk to it
     server.client = tls_client(server, certs, mutual)
     return server.wait_ready()
@@ -92,6 +92,30 @@ def test_tls_only_answers_tls(server: Server, certs: pathlib.Path) -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         plain.close()
+
+
+def https_get(server: Server, certs: pathlib.Path, path: str, client_cert: bool = False,
+              plain: bool = False) -> int:
+    """Status of GET path on the HTTP API, over TLS against our CA (or plain HTTP)."""
+    import ssl
+
+    import httpx2 as httpx
+
+    ctx = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+    if client_cert:
+        ctx.load_cert_chain(str(certs / "client.pem"), str(certs / "client.key"))
+    scheme = "http" if plain else "https"
+    return httpx.get(f"{scheme}://127.0.0.1:{server.http_port}{path}", verify=ctx,
+                     timeout=10).status_code
+
+
+def test_the_http_api_uses_the_same_tls(server: Server, certs: pathlib.Path) -> None:
+    import httpx2 as httpx
+
+    assert https_get(server, certs, "/health") == 200
+    assert https_get(server, certs, "/v1/models") == 200
+    with pytest.raises(httpx.TransportError):
+        https_get(server, certs, "/health", plain=True)
 
 
 def test_health_command_exit_codes(server: Server, certs: pathlib.Path) -> None:
@@ -150,6 +174,10 @@ def test_mutual_tls(tiny_model_dir: pathlib.Path, certs: pathlib.Path) -> None:
         assert cli("health", *conn).returncode == 1
         assert cli("health", *conn, "--tls-cert", str(certs / "client.pem"),
                    "--tls-key", str(certs / "client.key")).returncode == 0
+        # HTTP asks for the client certificate too.
+        assert https_get(server, certs, "/health", client_cert=True) == 200
+        with pytest.raises(Exception):  # noqa: B017 - the handshake fails, however httpx says it
+            https_get(server, certs, "/health")
     finally:
         assert server.stop() == 0
 

@@ -1,5 +1,6 @@
 """Bad requests over a real server: INVALID_ARGUMENT naming the field (or UNIMPLEMENTED), and
-a stream already in flight finishes with the same text as when it runs alone."""
+a stream already in flight finishes with the same text as when it runs alone. Guided-decoding
+constraints that do not compile are bad requests too."""
 from __future__ import annotations
 
 import math
@@ -12,7 +13,7 @@ import pytest
 
 from proto import generation_pb2 as pb
 from rpc.client import GenerateOptions
-from tests.e2e.server import Server, running
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 
@@ -24,8 +25,16 @@ LONG = "word " * 200  # ~200 tokens: over the max model length
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
-    yield from running(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
-                          "--max-new-tokens", str(MAX_NEW_TOKENS))
+    srv = Server(str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN),
+                 "--max-new-tokens", str(MAX_NEW_TOKENS)).wait_ready()
+    try:
+        # The guided compile worker starts on the first constraint: not while a test's
+        # stream is timed against the bad requests.
+        list(srv.client.stream(PROMPT, opts(max_new_tokens=2, regex="[0-9]+"), timeout=120))
+        yield srv
+    finally:
+        assert srv.stop() == 0
+    assert srv.leftovers() == []  # the compile worker went with the server
 
 
 def opts(**kw: object) -> GenerateOptions:
@@ -70,6 +79,20 @@ INVALID = [
      "params.decoding.length_penalty.decay_factor", "[1, 10]"),
     ("length_penalty decay 11", PROMPT, opts(length_penalty=(2, 11.0)),
      "params.decoding.length_penalty.decay_factor", "[1, 10]"),
+    ("malformed regex", PROMPT, opts(regex="[0-9"), "params.decoding.regex",
+     "unclosed character class"),
+    ("look-around regex", PROMPT, opts(regex="(?=a)b"), "params.decoding.regex",
+     "look-around"),
+    ("schema not JSON", PROMPT, opts(json_schema='{"type": '), "params.decoding.json_schema",
+     "not valid JSON"),
+    ("unsupported schema", PROMPT, opts(json_schema='{"type": "string", "format": "nope"}'),
+     "params.decoding.json_schema", "unsupported JSON schema"),
+    ("grammar syntax error", PROMPT, opts(grammar='root ::= "a" [b'),
+     "params.decoding.grammar", "does not parse"),
+    ("grammar with an undefined rule", PROMPT, opts(grammar="start: value"),
+     "params.decoding.grammar", 'unknown name: "value"'),
+    ("one choice", PROMPT, opts(choices=["only"]), "params.decoding.choice.choices",
+     "at least 2 choices"),
 ]
 
 
@@ -152,11 +175,7 @@ def test_generate_names_the_bad_prompt_and_runs_none(server: Server) -> None:
 def test_unsupported_features_are_unimplemented(server: Server) -> None:
     stub = server.client.stub
     text = pb.GenerationRequest(text=PROMPT)
-    guided = pb.Parameters()
-    guided.decoding.json_schema = '{"type": "object"}'
     calls = {
-        "params.decoding.json_schema": lambda: list(stub.GenerateStream(
-            pb.SingleGenerationRequest(request=text, params=guided))),
         "prefix_id": lambda: list(stub.GenerateStream(
             pb.SingleGenerationRequest(request=text, prefix_id="my-prompt-tuning"))),
         "adapter_id": lambda: stub.Generate(
@@ -175,3 +194,18 @@ def test_unsupported_features_are_unimplemented(server: Server) -> None:
     resp = stub.Generate(pb.BatchedGenerationRequest(
         requests=[text], prefix_id="", params=opts(max_new_tokens=2).to_proto()))
     assert resp.responses[0].generated_token_count == 2
+
+
+def test_valid_constraints_are_accepted_over_both_rpcs(server: Server) -> None:
+    """The constraint is compiled and travels with the request (whether the output obeys it
+    is the gpu worker's part, tested there); format=TEXT is no constraint at all."""
+    last = run_stream(server, PROMPT, opts(max_new_tokens=8, json_schema=(
+        '{"type": "object", "properties": {"n": {"type": "integer"}}}')))[-1]
+    assert last.stop_reason in (pb.EOS_TOKEN, pb.MAX_TOKENS)
+    responses = server.client.generate([PROMPT, "Colours:"], opts(
+        max_new_tokens=4, choices=["red", "green", "blue"]))
+    assert [r.stop_reason in (pb.EOS_TOKEN, pb.MAX_TOKENS) for r in responses] == [True, True]
+    plain = server.client.generate([PROMPT], opts(max_new_tokens=6, min_new_tokens=6))
+    text = server.client.generate([PROMPT], opts(max_new_tokens=6, min_new_tokens=6,
+                                                 response_format="text"))
+    assert text[0].text == plain[0].text and text[0].generated_token_count == 6

@@ -19,8 +19,11 @@ import numpy as np
 from gpu_worker.publisher import TokenPublisher
 from gpu_worker.runner import ModelRunner
 from proto.messages import (
+    AdapterLoad,
     ContinueRequest,
     FinishReason,
+    GuidedGrammar,
+    GuidedTable,
     NewRequest,
     PromptDetail,
     SamplingParams,
@@ -44,6 +47,7 @@ class Tracked:
     finish: FinishReason = FinishReason.NOT_FINISHED
     paused: bool = False  # preempted and not resumed yet
     gone: bool = False  # dropped from the worker (finished or aborted)
+    lora_slot: int = 0  # its adapter slot (0: the base model)
 
     @property
     def history(self) -> list[int]:
@@ -70,16 +74,19 @@ class Driver:
         self._new: list[tuple[int, bool, int]] = []  # (id, resume, cached tokens)
         self._drop: list[int] = []
         self._preempt: list[int] = []
+        self._tables: list[GuidedTable | GuidedGrammar] = []
+        self._drop_tables: list[str] = []
+        self._loads: list[AdapterLoad] = []
         self.done: list[StepDone] = []
 
     # -- deltas for the next plan
 
     def add(self, rid: int, prompt: list[int], sampling: SamplingParams | None = None,
             chunk: int | None = None, shared: list[int] | None = None,
-            cached: int = 0) -> None:
+            cached: int = 0, lora_slot: int = 0) -> None:
         """A new request; `shared` blocks (another request's) hold its first `cached` tokens."""
         sampling = sampling or SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID])
-        t = Tracked(list(prompt), sampling, computed=cached)
+        t = Tracked(list(prompt), sampling, computed=cached, lora_slot=lora_slot)
         for b in shared or []:
             self.refs[b] += 1
             t.blocks.append(b)
@@ -92,6 +99,10 @@ class Driver:
         t.paused = False
         t.chunk = len(t.history) - 1 if chunk is None else chunk
         self._new.append((rid, True, 0))
+
+    def load(self, slot: int, adapter_id: str) -> None:
+        """Load an adapter (a folder under the runner's adapter cache) in the next plan."""
+        self._loads.append(AdapterLoad(slot, adapter_id))
 
     def prefill(self, rid: int, chunk: int) -> None:
         self.reqs[rid].chunk = chunk
@@ -107,6 +118,13 @@ class Driver:
         self._release(t)
         t.gone = True
         self._drop.append(rid)
+
+    def send_table(self, table: GuidedTable | GuidedGrammar) -> None:
+        """A guided constraint for the next plan (the scheduler sends each once)."""
+        self._tables.append(table)
+
+    def drop_table(self, table_id: str) -> None:
+        self._drop_tables.append(table_id)
 
     def _release(self, t: Tracked) -> None:
         for b in t.blocks:
@@ -136,7 +154,8 @@ class Driver:
             if t.finish and not t.gone:
                 self.drop(rid)
         plan = StepPlan(self.plan_id, k, drop=self._drop, preempt=self._preempt,
-                        publish_per_step=per_step)
+                        publish_per_step=per_step, tables=self._tables,
+                        drop_tables=self._drop_tables, adapters=self._loads)
         fresh = {rid for rid, _, _ in self._new}
         for rid, resume, cached in self._new:
             t = self.reqs[rid]
@@ -144,14 +163,16 @@ class Driver:
             del grown
             plan.new.append(NewRequest(
                 rid, np.zeros(0, np.int32) if resume else np.array(t.prompt, np.int32),
-                None if resume else t.sampling, list(t.blocks), cached, t.chunk, resume))
+                None if resume else t.sampling, list(t.blocks), cached, t.chunk, resume,
+                t.lora_slot))
         for rid, t in self.reqs.items():
             if rid in fresh or t.paused or t.gone:
                 continue
             grown = self._grow(t, k)
             if grown or t.chunk:
                 plan.cont.append(ContinueRequest(rid, grown, t.chunk))
-        self._new, self._drop, self._preempt = [], [], []
+        self._new, self._drop, self._preempt, self._loads = [], [], [], []
+        self._tables, self._drop_tables = [], []
         first = len(self.messages)
         done = self.runner.execute(plan, self.pub, ending, lead_s)
         self._check_and_record(plan, self.messages[first:], done)
@@ -186,6 +207,10 @@ class Driver:
         for rid, reason in finished.items():
             assert reported[rid] == reason
             self.reqs[rid].finish = reason
+        for rid, reason in reported.items():  # never ran: its adapter failed to load
+            if reason == FinishReason.ERROR:
+                assert rid not in got
+                self.reqs[rid].finish = FinishReason.ERROR
         for rid, t in self.reqs.items():  # what the worker computed in this plan
             if t.gone:
                 continue

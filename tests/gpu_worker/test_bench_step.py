@@ -73,3 +73,28 @@ def test_bench_step_trace_reports_span_costs(llama: str, tmp_path: Path,
     # Costs only exist; the machine is shared, so no figure is asserted.
     assert row["off_ms"] > 0 and row["on_ms"] > 0 and row["span_on_ns"] > 0
     assert not TRACER.enabled  # the process's tracer is left off
+
+
+def test_bench_step_guided_compares_each_kind_to_unguided(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import json
+
+    from bench import step as bench_step
+    from tests.gpu_worker.guided_utils import guided_checkpoint
+
+    model = guided_checkpoint(tmp_path)  # has a tokenizer: the tables need one
+    parser = argparse.ArgumentParser()
+    bench_step.add_arguments(parser)
+    out = tmp_path / "guided.json"
+    args = parser.parse_args(["--guided", "--model", model, "--batch-sizes", "4", "--steps",
+                              "4", "--num-scheduler-steps", "2", "--prompt-len", "10",
+                              "--repeats", "1", "--json", str(out)])
+    assert bench_step.main(args) == 0
+    assert "| grammar |" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = {r["arm"]: r for r in report["rows"]}
+    assert list(rows) == ["unguided", "regex", "choice", "json", "grammar"]
+    assert rows["unguided"]["guided_rows"] == 0 and rows["unguided"]["ratio"] == 1.0
+    assert all(rows[k]["guided_rows"] == 2 and rows[k]["ms"] > 0 for k in list(rows)[1:])
+    assert "states x" in rows["json"]["detail"]

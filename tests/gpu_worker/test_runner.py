@@ -229,6 +229,7 @@ def test_k_step_loop_never_reads_the_device(llama: str) -> None:
     d.run(4)
     d.add(1, p[1], sampled(1))  # top-p / top-k
     d.add(2, p[2], SamplingParams(repetition_penalty=1.3, min_new_tokens=3,
+                                  frequency_penalty=0.5, presence_penalty=0.2,
                                   max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID]))
     d.add(3, p[3], sampled(2, logprobs=True, top_n=4, top_k=0, min_p=0.05))
     d.run(4)

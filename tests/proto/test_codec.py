@@ -7,7 +7,12 @@ import pytest
 
 from proto import codec
 from proto.messages import (
+    AdapterFailed,
+    AdapterLoad,
     FinishReason,
+    GuidedGrammar,
+    GuidedKind,
+    GuidedTable,
     NewRequest,
     OutputBatch,
     OutputDelta,
@@ -26,6 +31,31 @@ def test_step_plan_round_trip_with_nested_dataclasses() -> None:
     assert isinstance(out, StepPlan) and out.plan_id == 3 and out.drop == [9]
     assert out.new[0].sampling == plan.new[0].sampling
     np.testing.assert_array_equal(out.new[0].prompt_ids, plan.new[0].prompt_ids)
+
+
+def test_step_plan_carries_guided_constraints() -> None:
+    table = GuidedTable("t", np.arange(600, dtype=np.int32).reshape(20, 30) - 1,
+                        np.arange(512, dtype=np.int32) % 30, initial_state=2)
+    sampling = SamplingParams(guided_kind=GuidedKind.TABLE, guided_id="t")
+    plan = StepPlan(1, 8, new=[NewRequest(7, np.arange(3, dtype=np.int32), sampling, [1], 0, 2)],
+                    tables=[table, GuidedGrammar("g", 'start: "x"')], drop_tables=["old"])
+    out = codec.decode([bytes(f) for f in codec.encode(plan)])
+    got, grammar = out.tables
+    assert isinstance(got, GuidedTable) and got.table_id == "t" and got.initial_state == 2
+    np.testing.assert_array_equal(got.next_state, table.next_state)
+    np.testing.assert_array_equal(got.token_class, table.token_class)
+    assert grammar == GuidedGrammar("g", 'start: "x"') and out.drop_tables == ["old"]
+    assert out.new[0].sampling.guided_kind is GuidedKind.TABLE
+
+
+def test_lora_deltas_round_trip() -> None:
+    plan = StepPlan(4, 8, new=[NewRequest(7, np.arange(3, dtype=np.int32), SamplingParams(),
+                                          [1], 0, 2, lora_slot=2)],
+                    adapters=[AdapterLoad(2, "team/sql")])
+    out = codec.decode(codec.encode(plan))
+    assert out.adapters == [AdapterLoad(2, "team/sql")] and out.new[0].lora_slot == 2
+    failed = AdapterFailed(4, "team/sql", 2, "adapter 'team/sql': truncated", [7, 8])
+    assert codec.decode(codec.encode(failed)) == failed
 
 
 def test_large_arrays_travel_as_their_own_frame() -> None:

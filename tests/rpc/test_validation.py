@@ -6,8 +6,10 @@ from collections.abc import Callable
 
 import pytest
 
+from guided.spec import GuidedSpec, SpecKind
 from proto import generation_pb2 as pb
 from rpc.validation import (
+    MAX_GUIDED_BYTES,
     Limits,
     UnsupportedError,
     ValidationError,
@@ -45,6 +47,13 @@ def _length_penalty(decay: float) -> Callable[[pb.Parameters], None]:
     def edit(p: pb.Parameters) -> None:
         p.decoding.length_penalty.start_index = 2
         p.decoding.length_penalty.decay_factor = decay
+    return edit
+
+
+def _choices(*choices: str) -> Callable[[pb.Parameters], None]:
+    def edit(p: pb.Parameters) -> None:
+        p.decoding.choice.SetInParent()  # selects the oneof even with no choices
+        p.decoding.choice.choices.extend(choices)
     return edit
 
 
@@ -86,6 +95,19 @@ BAD = [
     (_length_penalty(0.5), "params.decoding.length_penalty.decay_factor", "[1, 10]"),
     (_length_penalty(11.0), "params.decoding.length_penalty.decay_factor", "[1, 10]"),
     (_length_penalty(math.nan), "params.decoding.length_penalty.decay_factor", "finite"),
+    (_set("decoding.regex", ""), "params.decoding.regex", "must not be empty"),
+    (_set("decoding.regex", "x" * (MAX_GUIDED_BYTES + 1)), "params.decoding.regex",
+     f"at most {MAX_GUIDED_BYTES} UTF-8 bytes, got {MAX_GUIDED_BYTES + 1}"),
+    (_set("decoding.grammar", ""), "params.decoding.grammar", "must not be empty"),
+    (_set("decoding.json_schema", '{"type": '), "params.decoding.json_schema",
+     "not valid JSON: Expecting value"),
+    (_set("decoding.json_schema", "[1]"), "params.decoding.json_schema",
+     "must be a JSON object, got list"),
+    (_choices("only one"), "params.decoding.choice.choices",
+     "at least 2 choices are needed, got 1"),
+    (_choices(), "params.decoding.choice.choices", "at least 2 choices are needed, got 0"),
+    (_choices("é" * (MAX_GUIDED_BYTES // 4), "é" * (MAX_GUIDED_BYTES // 4) + "!"),
+     "params.decoding.choice.choices", f"got {MAX_GUIDED_BYTES + 1}"),
 ]
 
 
@@ -199,13 +221,30 @@ def test_input_tokens_without_detail_need_no_prompt_logprobs() -> None:
     assert req.input_tokens and not req.sampling.prompt_logprobs
 
 
-def test_guided_decoding_is_unimplemented() -> None:
-    for edit in (_set("decoding.regex", "a+"), _set("decoding.json_schema", "{}"),
-                 _set("decoding.grammar", "root ::= x"),
-                 _set("decoding.format", pb.DecodingParameters.JSON),
-                 lambda p: p.decoding.choice.choices.extend(["a", "b"])):
-        with pytest.raises(UnsupportedError, match="guided decoding is not supported"):
-            validate_params(params(edit), LIMITS)
+@pytest.mark.parametrize("edit, kind, value, choices, field", [
+    (_set("decoding.regex", "[0-9]+"), SpecKind.REGEX, "[0-9]+", (), "params.decoding.regex"),
+    (_set("decoding.json_schema", '{"type": "integer"}'), SpecKind.JSON_SCHEMA,
+     '{"type": "integer"}', (), "params.decoding.json_schema"),
+    (_set("decoding.grammar", 'root ::= "a"'), SpecKind.GRAMMAR, 'root ::= "a"', (),
+     "params.decoding.grammar"),
+    (_set("decoding.format", pb.DecodingParameters.JSON), SpecKind.JSON_OBJECT, "", (),
+     "params.decoding.format"),
+    (_choices("red", "", "red"), SpecKind.CHOICE, "", ("red", "", "red"),
+     "params.decoding.choice"),
+])
+def test_guided_forms_become_specs_naming_their_field(
+        edit: Callable[[pb.Parameters], None], kind: SpecKind, value: str,
+        choices: tuple[str, ...], field: str) -> None:
+    req = validate_params(params(edit), LIMITS)
+    assert req.guided == GuidedSpec(kind, value=value, choices=choices, field=field)
+    assert req.sampling.guided_id == ""  # named once compiled
+
+
+def test_no_guided_and_format_text_are_unconstrained() -> None:
+    assert validate_params(params(), LIMITS).guided is None
+    text = _set("decoding.format", pb.DecodingParameters.TEXT)
+    assert params(text).decoding.WhichOneof("guided") == "format"
+    assert validate_params(params(text), LIMITS).guided is None
 
 
 @pytest.mark.parametrize("request_type", [pb.SingleGenerationRequest,

@@ -4,7 +4,10 @@ The fake worker follows the gpu worker's rules exactly (persistent per-request s
 decode steps for every decoding request, its own finishes at EOS / max_new_tokens /
 max_model_len) and checks what it is told: no prefill past len - 1, no block it does not own,
 never fewer blocks than its next writes need, and the KV it reads is the KV that was written
-for exactly that prefix (every cache slot holds a hash chained over the tokens before it).
+for exactly that prefix (every cache slot holds a hash chained over the tokens before it,
+started from the request's LoRA adapter: KV computed under another adapter reads as stale).
+With adapters it keeps the slot table the plans' loads build, and checks that a request runs
+with its own adapter in its slot and that a load never replaces an adapter a request holds.
 """
 from __future__ import annotations
 
@@ -14,7 +17,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto.messages import FinishReason, PlanProcessed, StepDone, StepPlan, StopHit
+from proto.messages import (
+    FinishReason,
+    GuidedKind,
+    GuidedTable,
+    PlanProcessed,
+    StepDone,
+    StepPlan,
+    StopHit,
+)
 from scheduler.core import SchedulerParams
 
 VOCAB = 50
@@ -26,8 +37,8 @@ def kv_value(prev: int, token: int) -> int:
     return (prev * 1_000_003 + token + 1) % MOD
 
 
-def kv_values_of(tokens: list[int]) -> list[int]:
-    values, prev = [], 0
+def kv_values_of(tokens: list[int], adapter: str = "") -> list[int]:
+    values, prev = [], sum(map(ord, adapter)) * 7919 % MOD
     for token in tokens:
         prev = kv_value(prev, token)
         values.append(prev)
@@ -44,9 +55,12 @@ class WorkerRequest:
     prompt_len: int
     max_new: int
     table: list[int] = field(default_factory=list)
+    guided_id: str = ""  # the constraint it decodes under ("" = none)
     num_computed: int = 0
     chunk: int = 0
     finish: FinishReason = FinishReason.NOT_FINISHED
+    adapter: str = ""
+    lora_slot: int = 0
 
     @property
     def finished(self) -> bool:
@@ -71,6 +85,10 @@ class FakeWorker:
         self.finished_in: dict[int, int] = {}  # request id -> plan in which the worker ended it
         self.count_drop_due: dict[int, int] = {}  # request id -> plan that must drop it
         self.produced_total = 0
+        self.tables: set[str] = set()  # guided constraints held, as the plans said
+        self.tables_sent = 0
+        self.adapter_of: dict[int, str] = {}  # request id -> its adapter (the simulation's)
+        self.slots: dict[int, str] = {}  # adapter slot -> adapter loaded there
 
     def run(self, plan: StepPlan) -> tuple[StepDone, list[list[Row]]]:
         for rid, due in list(self.count_drop_due.items()):
@@ -102,6 +120,13 @@ class FakeWorker:
         for rid in plan.preempt:
             req = self.reqs[rid]
             req.table, req.num_computed, req.chunk = [], 0, 0
+        self._apply_constraints(plan)
+        for load in plan.adapters:
+            assert 1 <= load.slot <= self.params.max_loras, f"slot {load.slot}"
+            users = [rid for rid, r in self.reqs.items() if r.lora_slot == load.slot
+                     and not r.finished]
+            assert not users, f"slot {load.slot} reloaded under requests {users}"
+            self.slots[load.slot] = load.adapter_id
         named: list[int] = []
         for new in plan.new:
             if new.resume:
@@ -111,9 +136,16 @@ class FakeWorker:
                 assert new.request_id not in self.reqs, f"{new.request_id} added twice"
                 assert new.sampling is not None
                 prompt = [int(t) for t in new.prompt_ids]
-                req = WorkerRequest(prompt, kv_values_of(prompt), len(prompt),
-                                    new.sampling.max_new_tokens)
+                adapter = self.adapter_of.get(new.request_id, "")
+                req = WorkerRequest(prompt, kv_values_of(prompt, adapter), len(prompt),
+                                    new.sampling.max_new_tokens, adapter=adapter,
+                                    lora_slot=new.lora_slot)
+                assert (new.lora_slot > 0) == bool(adapter), "adapter slot missing or stray"
+                if new.sampling.guided_kind != GuidedKind.NONE:
+                    req.guided_id = new.sampling.guided_id
                 self.reqs[new.request_id] = req
+            assert not req.guided_id or req.guided_id in self.tables, (
+                f"request {new.request_id} starts without its constraint {req.guided_id}")
             req.table = list(new.block_ids)
             req.num_computed = new.num_cached_tokens
             req.chunk = new.num_prefill_tokens
@@ -130,6 +162,16 @@ class FakeWorker:
                 f"plan {plan.plan_id}")
         return again
 
+    def _apply_constraints(self, plan: StepPlan) -> None:
+        for gid in plan.drop_tables:
+            assert gid in self.tables, f"plan {plan.plan_id} drops {gid}, which it lacks"
+            self.tables.remove(gid)
+        for item in plan.tables:
+            gid = item.table_id if isinstance(item, GuidedTable) else item.grammar_id
+            assert gid not in self.tables, f"plan {plan.plan_id} resends {gid}"
+            self.tables.add(gid)
+            self.tables_sent += 1
+
     def _check_before_forwards(self) -> None:
         bs = self.params.block_size
         holders: dict[int, list[tuple[WorkerRequest, int]]] = defaultdict(list)
@@ -141,6 +183,9 @@ class FakeWorker:
         for req in self.reqs.values():
             if req.finished:
                 continue  # masked: writes nothing, and its blocks may already be reused
+            if req.adapter:
+                assert self.slots.get(req.lora_slot) == req.adapter, (
+                    f"runs with {self.slots.get(req.lora_slot)!r}, not its {req.adapter!r}")
             assert len(set(req.table)) == len(req.table), "a block twice in one table"
             assert req.num_computed + req.chunk <= len(req.history) - 1 or req.chunk == 0, (
                 f"prefill past len - 1: computed {req.num_computed} + chunk {req.chunk}, "
@@ -192,6 +237,8 @@ class FakeWorker:
             for rid, req in self.reqs.items():
                 if not req.decoding:
                     continue
+                assert not req.guided_id or req.guided_id in self.tables, (
+                    f"request {rid} decodes without its constraint {req.guided_id}")
                 self._write(req, req.num_computed)
                 token = self.rng.randrange(VOCAB)
                 req.history.append(token)

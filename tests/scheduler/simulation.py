@@ -12,6 +12,9 @@ import numpy as np
 from proto.messages import (
     AddRequest,
     FinishReason,
+    GuidedGrammar,
+    GuidedKind,
+    GuidedTable,
     PlanEnding,
     PlanProcessed,
     SamplingParams,
@@ -21,6 +24,21 @@ from proto.messages import (
 )
 from scheduler.core import Scheduler, SchedulerParams
 from tests.scheduler.fake_workers import VOCAB, FakePostproc, FakeWorker, PostprocState, Row
+
+# Guided constraints the simulated requests share (ids as the compiler would name them).
+TABLES = [GuidedTable(f"table-{i}", np.array([[1, -1], [-1, 2], [-1, 2]], dtype=np.int32),
+                      np.array([0] * (VOCAB - 1) + [1], dtype=np.int32)) for i in range(5)]
+GRAMMARS = [GuidedGrammar(f"grammar-{i}", 'start: "x"+') for i in range(2)]
+
+
+def guided_request(rng: random.Random, sampling: SamplingParams) -> GuidedTable | GuidedGrammar:
+    """Make `sampling` guided by one of a few shared constraints; return the constraint."""
+    item: GuidedTable | GuidedGrammar = rng.choice([*TABLES, *GRAMMARS])
+    if isinstance(item, GuidedTable):
+        sampling.guided_kind, sampling.guided_id = GuidedKind.TABLE, item.table_id
+    else:
+        sampling.guided_kind, sampling.guided_id = GuidedKind.GRAMMAR, item.grammar_id
+    return item
 
 
 @dataclass
@@ -33,11 +51,16 @@ class Simulation:
     p_abort: float = 0.01
     shared_prefixes: bool = True
     max_plans: int = 20_000
+    p_guided: float = 0.4
+    adapters: int = 0  # distinct LoRA adapters the requests spread over (most use one)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
         self.sched = Scheduler(self.params)
         self.worker = FakeWorker(self.params, random.Random(self.seed + 1), self.p_eos)
+        self.guided_rng = random.Random(self.seed + 99)  # apart: the workload stays the same
+        self.guided_of: dict[int, str] = {}  # request id -> its constraint's id
+        self.paused: set[int] = set()  # preempted at the worker, not resumed yet
         n = self.params.num_postproc_workers
         self.postprocs = [FakePostproc(i, random.Random(self.seed + 2 + i), self.p_stop)
                           for i in range(n)]
@@ -75,6 +98,12 @@ class Simulation:
                 prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
             sampling = SamplingParams(max_new_tokens=rng.randint(1, 30))
             msg = AddRequest(1000 + rid, np.array(prompt, dtype=np.int32), sampling, float(rid))
+            if self.guided_rng.random() < self.p_guided:
+                msg.guided = guided_request(self.guided_rng, sampling)
+                self.guided_of[msg.request_id] = sampling.guided_id
+            if self.adapters and rng.random() < 0.8:
+                msg.adapter_id = f"lora-{rng.randrange(self.adapters)}"
+                self.worker.adapter_of[msg.request_id] = msg.adapter_id
             out.append((msg, rng.random() < 0.3))
         return out
 
@@ -121,7 +150,20 @@ class Simulation:
             self.known.add(new.request_id)
         for cont in plan.cont:
             assert cont.request_id in self.known and cont.request_id not in self.informed
+        self.check_constraints_bounded(plan)
         self.worker_inbox.append(plan)
+
+    def check_constraints_bounded(self, plan: StepPlan) -> None:
+        """Running requests' constraints are held; besides those of the requests the worker
+        runs in this plan, it keeps at most `guided_kept`."""
+        self.paused = (self.paused | set(plan.preempt)) - {n.request_id for n in plan.new}
+        held = set(self.sched._constraints.held)
+        running = {r.sampling.guided_id for r in self.sched._running
+                   if r.sampling.guided_kind != GuidedKind.NONE}
+        assert running <= held, f"running requests' constraints {running - held} not held"
+        at_worker = {self.guided_of[rid] for rid in self.known - self.paused
+                     if rid in self.guided_of}
+        assert len(held - at_worker) <= self.params.guided_kept, "too many unused constraints"
 
     def inform(self, rid: int) -> None:
         if rid in self.informed:
@@ -263,6 +305,10 @@ class Simulation:
         assert stats.num_free_blocks == self.params.num_blocks, "blocks leaked"
         assert not self.worker.reqs, f"worker still holds {list(self.worker.reqs)}"
         assert not self.known and not self.must_drop and not self.worker.count_drop_due
+        assert self.worker.tables == set(sched._constraints.held), "worker and scheduler differ"
+        assert len(self.worker.tables) <= self.params.guided_kept
+        if self.p_guided > 0:
+            assert self.worker.tables_sent > len(self.worker.tables), "constraints were sent"
         produced = self.worker.produced_total
         assert stats.tokens_delivered + stats.tokens_after_finish == produced
         expected = sum(min(n, self.limits.get(rid, n)) for rid, n in self.seen_produced.items())
@@ -281,6 +327,7 @@ class Simulation:
 def small_cache(num_steps: int, async_mode: bool, **overrides: object) -> SchedulerParams:
     values: dict[str, object] = dict(
         num_blocks=24, block_size=4, num_steps=num_steps, max_model_len=48, max_num_seqs=8,
-        max_num_batched_tokens=24, async_mode=async_mode, num_postproc_workers=2)
+        max_num_batched_tokens=24, async_mode=async_mode, num_postproc_workers=2,
+        guided_kept=2)  # fewer than the constraints the requests use: some are resent
     values.update(overrides)
     return SchedulerParams(**values)  # type: ignore[arg-type]

@@ -58,3 +58,16 @@ def test_random_workload_tight_budget() -> None:
     # A token budget barely above the batch size: prefills crawl along in tiny chunks.
     params = small_cache(2, False, max_num_seqs=4, max_num_batched_tokens=5, num_blocks=40)
     Simulation(params, seed=3, num_requests=60).run()
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_random_workload_with_more_adapters_than_slots(async_mode: bool) -> None:
+    # The fake worker checks every request runs with its own adapter in its slot, that no
+    # load replaces an adapter a request holds, and (salted KV) no prefix is shared across
+    # adapters.
+    params = small_cache(4, async_mode, max_loras=2, num_blocks=60)
+    sim = Simulation(params, seed=21 + async_mode, adapters=5, num_requests=120).run()
+    stats = sim.sched.stats
+    assert stats.adapter_loads > 5, "5 adapters through 2 slots: evictions and reloads"
+    assert stats.prefix_hit_tokens > 0
+    assert len(stats.loaded_adapters) == 2

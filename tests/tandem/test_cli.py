@@ -32,6 +32,31 @@ def test_environment_sets_flag_defaults(monkeypatch: pytest.MonkeyPatch, name: s
     assert getattr(serve_config([]), field) == want
 
 
+def test_guided_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TANDEM_CACHE_DIR", "/cache")
+    d = serve_config([])
+    assert (d.guided_cache_dir, d.guided_compile_timeout, d.guided_precompile_json) == (
+        "/cache/guided", 30.0, True)
+    monkeypatch.delenv("TANDEM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", "/xdg")
+    assert serve_config([]).guided_cache_dir == "/xdg/tandem/guided"
+    c = serve_config(["--guided-cache-dir", "", "--guided-compile-timeout", "5",
+                      "--no-guided-precompile-json"])
+    assert (c.guided_cache_dir, c.guided_compile_timeout, c.guided_precompile_json) == (
+        "", 5.0, False)
+
+
+def test_adapter_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]) -> None:
+    d = serve_config([])
+    assert (d.adapter_cache, d.max_loras, d.max_lora_rank) == ("", 8, 16)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TANDEM_ADAPTER_CACHE", "adapters")
+    c = serve_config(["--max-loras", "2", "--max-lora-rank", "64"])
+    # Made absolute: every process reads it, the gpu worker perhaps from elsewhere.
+    assert c.adapter_cache == os.path.join(str(tmp_path), "adapters")
+    assert (c.max_loras, c.max_lora_rank) == (2, 64)
+
+
 def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_ONEDNN", "0")
     assert serve_config(["--onednn"]).onednn is True
@@ -43,6 +68,12 @@ def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     (["--plan-lead-ms", "-1"], "--plan-lead-ms must be >= 0 (got -1.0)"),
     (["--num-postproc-workers", "0"], "--num-postproc-workers must be between 1 and 64"),
     (["--max-new-tokens", "8"], "--default-max-new-tokens (20) must not exceed --max-new-tokens"),
+    (["--http-port", "70000"], "--http-port must be between 0 and 65535 (got 70000)"),
+    (["--port", "9000", "--http-port", "9000"], "--http-port 9000 must differ from --port"),
+    (["--metrics-port", "9100", "--http-port", "9100"],
+     "--http-port 9100 must differ from --metrics-port"),
+    (["--guided-compile-timeout", "0"], "--guided-compile-timeout must be between 0.1 and 3600"),
+    (["--max-loras", "0"], "--max-loras must be between 1 and 256 (got 0)"),
 ])
 def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
@@ -66,3 +97,27 @@ def test_default_model_is_built_without_loading_torch_into_the_frontend(tmp_path
                          timeout=300, check=True).stdout.split()
     assert out == [str(tmp_path / "tiny-llama-default"), "False", "False"]
     assert (tmp_path / "tiny-llama-default" / "model.safetensors").exists()
+
+
+def test_http_api_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_HTTP_PORT", raising=False)  # tests/conftest.py sets it to 0
+    d = serve_config([])
+    assert (d.http_port, d.served_model_name) == (8000, "")
+    c = serve_config(["--http-port", "0", "--served-model-name", "tiny"])
+    assert (c.http_port, c.served_model_name) == (0, "tiny")
+    monkeypatch.setenv("TANDEM_HTTP_PORT", "8080")
+    assert serve_config([]).http_port == 8080
+
+
+def test_the_frontend_stays_torch_free() -> None:
+    """Everything the frontend process imports, the HTTP API included, runs without torch
+    (seconds of start-up and hundreds of MB of memory it would never use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tandem.launcher, openai_api.server, openai_api.app, "
+            "openai_api.serving, openai_api.chat_template, uvicorn, fastapi; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.strip()
+    assert out == "[]"

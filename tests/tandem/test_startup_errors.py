@@ -57,6 +57,13 @@ def test_unsupported_architecture(tmp_path: pathlib.Path, tiny_model_dir: pathli
     assert proc.stderr.strip() == line
 
 
+def test_adapter_cache_that_is_not_a_folder(tmp_path: pathlib.Path,
+                                            tiny_model_dir: pathlib.Path) -> None:
+    proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()),
+                 "--adapter-cache", str(tmp_path / "nowhere"))
+    assert_one_line_error(proc, "--adapter-cache", "nowhere", "is not a folder")
+
+
 def test_port_in_use(tiny_model_dir: pathlib.Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -64,6 +71,17 @@ def test_port_in_use(tiny_model_dir: pathlib.Path) -> None:
         port = holder.getsockname()[1]
         proc = serve("--model", str(tiny_model_dir), "--port", str(port))
     line = assert_one_line_error(proc, f"--port {port}", "in use")
+    assert proc.stderr.strip() == line
+
+
+def test_http_port_in_use(tiny_model_dir: pathlib.Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()),
+                     "--http-port", str(port))
+    line = assert_one_line_error(proc, f"--http-port {port}", "in use")
     assert proc.stderr.strip() == line
 
 

@@ -1,0 +1,157 @@
+"""`tandem bench lora`: what serving LoRA adapters costs next to the base model alone.
+
+One server (K=8 async by default) with an adapter cache of `--adapters` synthetic adapters
+(rank `--rank`, every linear layer), and the same seeded workload run in three arms,
+alternately, `--repeats` times each: the base model alone, every request on one adapter,
+and requests spread over every adapter (request i on adapter i mod n, as `bench serve
+--adapters` does).  It prints median TPOT, ITL and output throughput per arm, and ratios to
+the base arm taken within each repeat (then the median), and writes the figures as JSON.
+
+The adapters are written here with numpy and safetensors in PEFT's layout (random weights,
+alpha = rank): their speed does not depend on the values, and no torch or peft is needed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from adapters.peft import MODULES, ModelShapes
+from bench.ab import Arm, Workload, arm_server, beside_frontend, median_result
+from bench.serve import BenchConfig
+
+COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
+           ("output_throughput", "out tok/s")]
+
+
+def write_adapter(folder: str, shapes: ModelShapes, rank: int, seed: int) -> None:
+    """A PEFT LoRA adapter of `rank` on every linear layer, random weights."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for layer in range(shapes.num_layers):
+        for module, parent in MODULES.items():
+            out_features, in_features = shapes.linears[module]
+            key = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, in_features)) /
+                                               np.sqrt(in_features)).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((out_features, rank)) *
+                                               0.02).astype(np.float32)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+              "target_modules": list(MODULES), "bias": "none"}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def model_shapes(model: str) -> ModelShapes:
+    from gpu_worker.models.config import ModelArgs
+
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        return ModelShapes.of(ModelArgs.from_hf_config(json.load(f)))
+
+
+def paired_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> float:
+    """Median over repeats of arm / base within the same repeat: the arms of one repeat run
+    back to back, so a slow drift of a shared machine cancels out."""
+    pairs = zip(runs[name], runs["base model"], strict=True)
+    return statistics.median(r[key] / b[key] for r, b in pairs)
+
+
+def table(runs: dict[str, list[dict[str, Any]]]) -> str:
+    results = {name: median_result(rs) for name, rs in runs.items()}
+    head = "| arm | " + " | ".join(c for _, c in COLUMNS) + \
+        " | TPOT vs base | throughput vs base |"
+    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    for name, r in results.items():
+        cells = [f"{r[k]:.2f}" for k, _ in COLUMNS]
+        cells += [f"{paired_ratio(runs, name, 'mean_tpot_ms'):.2f}×",
+                  f"{paired_ratio(runs, name, 'output_throughput'):.2f}×"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("TANDEM_MODEL", ""),
+                   help="model folder (default: the embedded tiny model)")
+    p.add_argument("--adapters", type=int, default=4, help="adapters the requests spread over")
+    p.add_argument("--rank", type=int, default=16, help="every adapter's rank")
+    p.add_argument("--steps", type=int, default=8, help="K of the server")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="runs per arm, interleaved")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra flag for the server (repeatable)")
+    p.add_argument("--output-json", default="bench_lora.json")
+    p.add_argument("--step", action="store_true",
+                   help="instead of serving: decode ms/step in one process, arms alternating "
+                        "(bench/lora_step.py), batch --max-concurrency")
+
+
+def step_main(args: argparse.Namespace, model: str) -> int:
+    from bench.lora_step import step_table
+
+    ids = [f"bench-{i}" for i in range(args.adapters)]
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as cache:
+        shapes = model_shapes(model)
+        for i, adapter_id in enumerate(ids):
+            write_adapter(os.path.join(cache, adapter_id), shapes, args.rank, seed=i)
+        print(step_table(model, cache, ids, args.rank, batch=args.max_concurrency,
+                         prompt_len=args.input_len, k=args.steps, repeats=args.repeats))
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    model = args.model
+    if not model:
+        from gpu_worker.tiny_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    if args.step:
+        return step_main(args, model)
+    bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, max_concurrency=args.max_concurrency,
+                        seed=args.seed, warmup=4, model=model)
+    work = Workload.build(bench)
+    ids = [f"bench-{i}" for i in range(args.adapters)]
+    arms = {"base model": [], "1 adapter": ids[:1], f"{args.adapters} adapters": ids}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as cache:
+        shapes = model_shapes(model)
+        for i, adapter_id in enumerate(ids):
+            write_adapter(os.path.join(cache, adapter_id), shapes, args.rank, seed=i)
+        extra = ["--adapter-cache", cache, "--max-loras", str(max(args.adapters, 1)),
+                 "--max-lora-rank", str(args.rank), *args.server_arg]
+        with arm_server(model, Arm(args.steps, True), extra) as (proc, _client, port, _):
+            with beside_frontend(proc.pid):
+                for rep in range(args.repeats):
+                    order = list(arms.items())
+                    for name, adapters in order if rep % 2 == 0 else order[::-1]:
+                        r = work.run(port=port, model=model, adapters=adapters)
+                        if r["completed"] != args.num_prompts:
+                            errors = [e for e in r.get("errors", []) if e]
+                            raise SystemExit(f"tandem bench lora: {name}: "
+                                             f"{args.num_prompts - r['completed']} requests "
+                                             f"failed: {errors[:1]}")
+                        runs.setdefault(name, []).append(r)
+                        print(f"[bench lora] {rep + 1}/{args.repeats} {name}: TPOT "
+                              f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
+                              file=sys.stderr, flush=True)
+    print(table(runs))
+    results = {name: median_result(rs) for name, rs in runs.items()}
+    keep = [k for k, _ in COLUMNS] + ["completed", "median_tpot_ms", "p99_tpot_ms", "repeats"]
+    with open(args.output_json, "w") as f:
+        json.dump({n: {k: r.get(k) for k in keep} for n, r in results.items()}, f, indent=2)
+    print(f"wrote {args.output_json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,170 @@
+"""The FastAPI application: routes, OpenAI-shaped errors, the request body limit.
+
+    GET  /v1/models, /v1/models/{model}   the served model (and its max_model_len)
+    POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
+    POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
+    GET  /health                          200 when serving; 503 while starting or draining
+    GET  /metrics                         the frontend's Prometheus registry (every process)
+
+Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
+vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from openai_api.errors import ApiError
+from openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from openai_api.serving import Serving
+
+log = logging.getLogger("tandem.http")
+
+MAX_BODY_BYTES = 64 << 20  # as the gRPC server's max_receive_message_length
+# Names pydantic puts in an error's location for the members of a union type.
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+class BodyLimit:
+    """413 for a request body over `limit` bytes, declared or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(send)
+            return
+        seen = 0
+
+        async def counting() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise ApiError(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counting, send)
+
+    async def _too_large(self, send: Send) -> None:
+        response = error_response(ApiError(413, f"request body over {self.limit} bytes"))
+        await response({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def error_response(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """("body", "messages", 0, "content", "str") -> "messages[0].content"."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and not ("[" in part or part.lower() in _UNION_TAGS
+                                            or "-" in part):
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "invalid request body", None, "invalid_parameter")
+    first = errors[0]
+    kind = first.get("type", "")
+    if kind == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first.get('msg', '')}", None,
+                        "invalid_json")
+    param = _param(tuple(first.get("loc", ())))
+    if kind == "extra_forbidden":
+        message = f"{param}: unknown parameter; this server does not support it"
+    elif kind == "missing" and not param:
+        message = "the request needs a JSON body"
+    elif not param:
+        message = "the body must be a JSON object"
+    else:
+        message = f"{param}: {first.get('msg', 'invalid value')}" if param else \
+            first.get("msg", "invalid request")
+    return ApiError(400, message, param or None, "invalid_parameter")
+
+
+def build_app(serving: Serving) -> FastAPI:
+    frontend = serving.frontend
+    started = int(time.time())
+    app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ApiError(exc.status_code, message))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                       None, "internal_error"))
+
+    def model_card(name: str) -> dict[str, Any]:
+        card: dict[str, Any] = {"id": name, "object": "model", "created": started,
+                                "owned_by": "tandem"}
+        if frontend.limits is not None:
+            card["max_model_len"] = frontend.limits.max_model_len
+        return card
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(serving.model_names[0])]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        return model_card(serving.check_model(model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await serving.create(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest) -> Response:
+        return await serving.create(request, body)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if frontend.serving and frontend.accepting:
+            return JSONResponse({"status": "ok"})
+        why = "server is shutting down" if not frontend.accepting else "server is starting"
+        return error_response(ApiError(503, why, None, "service_unavailable"))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimit)
+    return app

@@ -1,0 +1,96 @@
+"""uvicorn serving the app on the frontend's own event loop, beside gRPC.
+
+The launcher binds the socket (a port in use is a one-line start-up error, not uvicorn's
+`sys.exit`) and owns the signals: uvicorn's handlers stay off, so SIGTERM drains HTTP and
+gRPC the same way (readiness 503, new requests 503, in-flight ones finish), and `stop()`
+then closes the listener and waits for the connections to finish.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import ssl
+from collections.abc import Iterator
+
+import jinja2
+import uvicorn
+from fastapi import FastAPI
+
+from openai_api.app import build_app
+from openai_api.chat_template import ChatTemplate
+from openai_api.serving import Serving
+from proto.config import ServerConfig
+from rpc.frontend import Frontend
+
+log = logging.getLogger("tandem.http")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # the launcher's handlers drain every API
+
+
+class HTTPServer:
+    def __init__(self, app: FastAPI, sock: socket.socket, cfg: ServerConfig,
+                 grace: int = 1) -> None:
+        tls = dict(ssl_certfile=cfg.tls_cert or None, ssl_keyfile=cfg.tls_key or None)
+        if cfg.tls_client_ca:
+            tls.update(ssl_ca_certs=cfg.tls_client_ca)
+        config = uvicorn.Config(
+            app, log_config=None, access_log=False, lifespan="off", server_header=False,
+            timeout_graceful_shutdown=grace, timeout_keep_alive=30,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if cfg.tls_client_ca else ssl.CERT_NONE,
+            **tls)  # type: ignore[arg-type]
+        self._server = _Server(config)
+        # uvicorn says "Started/Finished server process" at INFO under the name uvicorn.error;
+        # the launcher's own lines say when we serve and stop.
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
+        self._sock = sock
+        self._task: asyncio.Task[None] | None = None
+        self.scheme = "https" if cfg.tls_cert else "http"
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        while not self._server.started:
+            if self._task.done():  # a bad certificate, say: its exception says why
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        """Stop listening, let open responses finish for the grace period, then close."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(self._task, timeout=10.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            self._server.force_exit = True
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - logged: we are exiting anyway
+            log.warning("HTTP server stopped with %s", exc)
+
+
+def served_names(cfg: ServerConfig) -> tuple[str, ...]:
+    """The name /v1/models lists first (--served-model-name, else the folder's name), and the
+    --model path as given, which clients may send too."""
+    folder = os.path.basename(os.path.normpath(cfg.model)) or cfg.model
+    return tuple(dict.fromkeys([cfg.served_model_name or folder, cfg.model]))
+
+
+def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket
+                       ) -> HTTPServer:
+    """The OpenAI-compatible API on `sock`, with the model folder's chat template."""
+    try:
+        template = ChatTemplate.load(cfg.model, frontend.tok)
+    except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
+        log.warning("the chat template of %s does not compile (%s): chat completions are "
+                    "off", cfg.model, exc)
+        template = None
+    if template is None:
+        log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
+    app = build_app(Serving(frontend, served_names(cfg), template))
+    return HTTPServer(app, sock, cfg)

@@ -1,0 +1,359 @@
+"""Completions and chat completions on `rpc.frontend.Frontend`: validate, build the prompts,
+submit one engine request per choice, answer JSON or server-sent events.
+
+Errors come as HTTP statuses whenever they can: nothing is sent until every choice has its
+first delta, so a rejection (admission control: 429; starting, draining: 503) is a status,
+not a broken stream. A client that goes away cancels its engine requests (their KV blocks
+come back): a stream through starlette's disconnect watch, a JSON answer through our own.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from openai_api import params as P
+from openai_api.chat_template import ChatTemplate, TemplateError
+from openai_api.errors import ApiError
+from openai_api.logprobs import TokenPieces
+from openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
+from proto.messages import OutputDelta
+from rpc.engine_client import EngineError
+from rpc.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
+from rpc.validation import Limits, ValidationError
+
+T = TypeVar("T")
+Shape = CompletionShape | ChatShape
+_END = object()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Prompt:
+    text: str  # what echo repeats
+    ids: list[int]
+    field: str  # the parameter that gave it, for errors
+
+
+class ClientGone(Exception):
+    pass
+
+
+class Deltas:
+    """Every choice's deltas as (choice index, delta), in arrival order; an EngineError of any
+    choice raises. One choice is read directly; several through one task each."""
+
+    def __init__(self, gens: list[AsyncIterator[OutputDelta]]) -> None:
+        self._gens = gens
+        # Bounded: a client reading slower than tokens come makes the pumps wait, and the
+        # engine client then folds the deltas of each choice (as it does for one choice).
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue(4 * len(gens))
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready: list[tuple[int, OutputDelta]] = []
+        self._open = len(gens)
+
+    async def _pump(self, i: int, gen: AsyncIterator[OutputDelta]) -> None:
+        try:
+            async for d in gen:
+                await self._queue.put((i, d))
+            await self._queue.put((i, _END))
+        except EngineError as exc:
+            await self._queue.put((i, exc))
+
+    async def start(self) -> None:
+        """Wait for every choice's first delta: errors come before the response starts."""
+        if len(self._gens) == 1:
+            try:
+                self._ready.append((0, await self._gens[0].__anext__()))
+            except StopAsyncIteration:  # cannot happen (a request ends with a delta); be safe
+                pass
+            return
+        self._tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(self._gens)]
+        started: set[int] = set()
+        while len(started) < len(self._gens):
+            item = await self._take()
+            if item is not None:
+                started.add(item[0])
+                self._ready.append(item)
+
+    async def _take(self) -> tuple[int, OutputDelta] | None:
+        i, item = await self._queue.get()
+        if isinstance(item, EngineError):
+            raise item
+        if item is _END:
+            self._open -= 1
+            return None
+        return i, item
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, OutputDelta]]:
+        ready, self._ready = self._ready, []
+        for item in ready:
+            yield item
+        if len(self._gens) == 1:
+            async for d in self._gens[0]:
+                yield 0, d
+            return
+        while self._open:
+            got = await self._take()
+            if got is not None:
+                yield got
+
+    async def aclose(self) -> None:
+        """Cancel what still runs: each engine request's generator aborts it."""
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        elif self._gens:
+            await self._gens[0].aclose()  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T:
+    """`work`, cancelled (and ClientGone raised) when the client goes away first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+class Serving:
+    """The two endpoints' logic; `app` binds it to routes."""
+
+    def __init__(self, frontend: Frontend, model_names: tuple[str, ...],
+                 chat_template: ChatTemplate | None) -> None:
+        self.frontend = frontend
+        self.model_names = model_names  # the first is the one /v1/models lists
+        self.chat_template = chat_template
+        self.pieces = TokenPieces(frontend.tok)
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.model_names:
+            return self.model_names[0]
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                            f"`{self.model_names[0]}`", "model", "model_not_found")
+
+    # ------------------------------------------------------------------ prompts
+
+    async def completion_prompts(self, body: CompletionRequest, limits: Limits) -> list[Prompt]:
+        prompt = body.prompt
+        raw: list[tuple[str | list[int], str]]
+        if isinstance(prompt, str):
+            raw = [(prompt, "prompt")]
+        elif prompt and all(isinstance(x, int) for x in prompt):
+            raw = [(list(prompt), "prompt")]  # type: ignore[arg-type]
+        else:
+            raw = [(x, f"prompt[{i}]") for i, x in enumerate(prompt)]  # type: ignore[misc]
+        if not raw:
+            raise ValidationError("prompt", "must not be empty")
+        out = []
+        for value, field in raw:
+            if isinstance(value, str):
+                if not value:  # the tokenizer would still give [BOS]
+                    raise ValidationError(field, "must not be empty")
+                out.append(Prompt(value, await self.frontend.encode(value), field))
+                continue
+            for j, t in enumerate(value):
+                if not 0 <= t < limits.vocab_size:
+                    raise ValidationError(f"{field}[{j}]", f"token id must be in [0, "
+                                                           f"{limits.vocab_size}), got {t}")
+            out.append(Prompt(self.frontend.tok.decode(value), list(value), field))
+        return out
+
+    async def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+        if self.chat_template is None:
+            raise ValidationError("messages", "this model has no chat template (no "
+                                              "chat_template.jinja or tokenizer_config.json "
+                                              "chat_template); use /v1/completions")
+        messages = [_message(i, m.model_dump(exclude_none=True))
+                    for i, m in enumerate(body.messages)]
+        template = self.chat_template
+
+        def render() -> str:
+            try:
+                return template.render(
+                    messages, add_generation_prompt=body.add_generation_prompt,
+                    continue_final_message=body.continue_final_message,
+                    kwargs=body.chat_template_kwargs)
+            except TemplateError as exc:
+                raise ValidationError("messages", str(exc)) from None
+
+        size = sum(len(str(m.get("content", ""))) for m in messages)
+        text = await asyncio.to_thread(render) if size > THREAD_ENCODE_CHARS else render()
+        return Prompt(text, await self.frontend.encode(text, add_special_tokens=False),
+                      "messages")
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def create(self, request: HTTPRequest, body: CommonRequest) -> Response:
+        arrived = time.monotonic()
+        rlog = request_log(request.headers.get("x-correlation-id")
+                           or request.headers.get("x-request-id"))
+        chat = isinstance(body, ChatCompletionRequest)
+        model = self.check_model(body.model)
+        try:
+            limits = self.frontend.ready_limits()
+            params = P.validate(body, limits)
+            P.route_guided(params.req, params.guided)
+            if isinstance(body, ChatCompletionRequest):
+                prompts = [await self.chat_prompt(body)]
+            else:
+                assert isinstance(body, CompletionRequest)
+                prompts = await self.completion_prompts(body, limits)
+            choices = self._choices(params, prompts, limits, arrived,
+                                    echo=isinstance(body, CompletionRequest) and body.echo)
+        except ValidationError as exc:
+            rlog.info("rejected: 400: %s", exc)
+            raise ApiError.bad_parameter(exc) from None
+        except EngineError as exc:
+            raise ApiError.from_engine(exc) from None
+        try:  # the constraint the choices share, compiled once off the event loop
+            await self.frontend.compile([c.p for c in choices])
+        except EngineError as exc:
+            rlog.info("rejected: %s: %s", exc.code, exc)
+            raise ApiError.from_engine(exc, params.guided.field if params.guided else None
+                                       ) from None
+        opts = body.stream_options
+        reply = Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                      created=int(time.time()), model=model,
+                      include_usage=bool(body.stream and opts and opts.include_usage),
+                      continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
+                      return_token_ids=body.return_token_ids)
+        shape: Shape = ChatShape(reply, self.pieces) if chat else CompletionShape(reply,
+                                                                                  self.pieces)
+        rlog.info("%s%s: %d choices, %d prompt tokens, max_tokens %d%s",
+                  "chat" if chat else "completion", " stream" if body.stream else "",
+                  len(choices), sum(len(p.ids) for p in prompts),
+                  choices[0].p.req.sampling.max_new_tokens,
+                  f", user {body.user!r}" if body.user else "")
+        deltas = Deltas([self.frontend.generate(c.p, rlog.cid) for c in choices])
+        prompt_tokens = sum(len(p.ids) for p in prompts)
+        try:
+            await unless_disconnected(request, deltas.start())
+        except ClientGone:
+            await deltas.aclose()
+            rlog.info("client went away before the first token")
+            return Response(status_code=499)
+        except EngineError as exc:
+            await deltas.aclose()
+            rlog.warning("failed: %s: %s", exc.code, exc)
+            raise ApiError.from_engine(exc) from None
+        if body.stream:
+            return StreamingResponse(
+                self._sse(deltas, choices, shape, prompt_tokens, rlog, arrived),
+                media_type="text/event-stream", headers=SSE_HEADERS)
+        try:
+            await unless_disconnected(request, self._collect(deltas, choices, shape))
+        except ClientGone:
+            rlog.info("client went away; request cancelled")
+            return Response(status_code=499)
+        except EngineError as exc:
+            rlog.warning("failed: %s: %s", exc.code, exc)
+            raise ApiError.from_engine(exc) from None
+        finally:
+            await deltas.aclose()
+        self._log_done(rlog, choices, arrived)
+        use = usage(prompt_tokens, sum(c.generated for c in choices))
+        return JSONResponse(shape.response(choices, use))
+
+    def _choices(self, params: P.Params, prompts: list[Prompt], limits: Limits,
+                 arrived: float, echo: bool) -> list[Choice]:
+        out: list[Choice] = []
+        eos = frozenset(limits.eos_token_ids)
+        for i, prompt in enumerate(prompts):
+            req = P.for_prompt(params, len(prompt.ids), limits, prompt.field)
+            for j in range(params.n):
+                sampling = replace(req.sampling, seed=P.choice_seed(params, j))
+                p = self.frontend.prepared(replace(req, sampling=sampling), prompt.text,
+                                           prompt.ids, self.frontend.engine.new_request_id(),
+                                           arrived)
+                out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos))
+        return out
+
+    @staticmethod
+    async def _collect(deltas: Deltas, choices: list[Choice], shape: Shape) -> None:
+        async for i, d in deltas:
+            shape.add(choices[i], d)
+
+    async def _sse(self, deltas: Deltas, choices: list[Choice], shape: Shape,
+                   prompt_tokens: int, rlog: RequestLog, arrived: float
+                   ) -> AsyncIterator[bytes]:
+        reply = shape.reply
+        per_prompt = {c.prompt_index: len(c.p.ids) for c in choices}
+        try:
+            async for i, d in deltas:
+                c = choices[i]
+                chunks = shape.chunks(c, d)
+                if not chunks:
+                    continue
+                for chunk in chunks:
+                    if reply.continuous_usage:
+                        chunk["usage"] = usage(per_prompt[c.prompt_index], c.generated)
+                    elif reply.include_usage:
+                        chunk["usage"] = None
+                yield b"".join(b"data: " + _json(chunk) + b"\n\n"
+                               for chunk in chunks)
+            if reply.include_usage:
+                last = {"id": reply.id, "object": chunks_object(shape),
+                        "created": reply.created, "model": reply.model, "choices": [],
+                        "usage": usage(prompt_tokens, sum(c.generated for c in choices))}
+                yield b"data: " + _json(last) + b"\n\n"
+            self._log_done(rlog, choices, arrived)
+        except EngineError as exc:  # after the response started: an error event, then done
+            rlog.warning("failed: %s: %s", exc.code, exc)
+            yield b"data: " + _json(ApiError.from_engine(exc).body()) + b"\n\n"
+        except asyncio.CancelledError:
+            rlog.info("stream cancelled by the client after %d tokens",
+                      sum(c.generated for c in choices))
+            raise
+        finally:
+            await deltas.aclose()
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _log_done(rlog: RequestLog, choices: list[Choice], arrived: float) -> None:
+        rlog.info("done: %d tokens, %s, %.3f s", sum(c.generated for c in choices),
+                  " ".join(c.finish.name for c in choices), time.monotonic() - arrived)
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def chunks_object(shape: Shape) -> str:
+    return shape.chunk_object if isinstance(shape, ChatShape) else shape.object
+
+
+def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
+    """A message as templates read it: list content joined to text (vLLM's "string" form)."""
+    content = m.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValidationError(f"messages[{i}].content[{j}]",
+                                      f"only text parts are supported, got type {kind!r}")
+            texts.append(part["text"])
+        m = {**m, "content": "\n".join(texts)}
+    return m

@@ -1,0 +1,206 @@
+"""LoRA adapters end to end: a concurrent mix of adapters (and none) equals PEFT's generate(),
+bad adapters get INVALID_ARGUMENT while the rest go on, and more adapters than slots in
+flight all complete.
+
+One server with an adapter cache at K=8 async (the defaults), and one at K=1 sync with only
+two adapter slots for three adapters plus the base model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+
+from rpc.client import GenerateOptions
+from tests.e2e.server import Server, running
+from tests.hf_reference import hf_greedy
+from tests.lora_utils import ADAPTERS, make_adapter
+
+pytestmark = pytest.mark.slow
+
+N = 12  # tokens per request (one value: a batched Generate call has one max_new_tokens)
+PROMPTS = [("Once upon a time", N), ("The quick brown fox jumps over", N), ("1, 2, 3, 4,", N)]
+# Longer than a KV block: the prefix cache would share it across adapters if it could.
+SHARED = ("The tiny model reads this sentence twice, once with each adapter, and the cache "
+          "must keep the two apart", 8)
+VARIANTS: list[str | None] = [None, *ADAPTERS]
+
+
+@pytest.fixture(scope="module")
+def cache(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+          ) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("adapter-cache")
+    for name, kw in ADAPTERS.items():
+        make_adapter(tiny_model_dir, root / "team" / name, **kw)
+    make_adapter(tiny_model_dir, root / "big", r=32, lora_alpha=32, target_modules=["q_proj"])
+    (root / "prompt-tuning").mkdir()
+    (root / "prompt-tuning" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "PROMPT_TUNING", "num_virtual_tokens": 8}))
+    shutil.copytree(root / "team" / "attn", root / "fragile")
+    return root
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir: pathlib.Path, cache: pathlib.Path) -> dict[str | None, list[str]]:
+    """Per variant: PEFT's text for each of PROMPTS, then for SHARED."""
+    out = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards on a shared box: more threads only wait
+    try:
+        for name in VARIANTS:
+            out[name] = hf_greedy(tiny_model_dir, [*PROMPTS, SHARED],
+                                  cache / "team" / name if name else None)
+    finally:
+        torch.set_num_threads(threads)
+    for name in ADAPTERS:  # an adapter that changes nothing would make parity blind
+        assert out[name] != out[None], name
+    return out
+
+
+def adapter_id(name: str | None) -> str:
+    return f"team/{name}" if name else ""
+
+
+def stream(server: Server, text: str, n: int, name: str | None) -> str:
+    opts = GenerateOptions(max_new_tokens=n, min_new_tokens=n)
+    return "".join(r.text for r in server.client.stream(text, opts, adapter_id=adapter_id(name)))
+
+
+def batch(server: Server, name: str | None) -> list[str]:
+    opts = GenerateOptions(max_new_tokens=N, min_new_tokens=N)
+    resps = server.client.generate([t for t, _ in PROMPTS], opts, adapter_id=adapter_id(name))
+    return [r.text for r in resps]
+
+
+Texts = dict[str | None, list[str]]  # variant (None: no adapter) -> texts
+
+
+def run_mix(server: Server) -> tuple[dict[tuple[str | None, int], str], Texts]:
+    """Every variant x prompt as concurrent streams, and one batched Generate per variant."""
+    jobs = [(name, i) for name in VARIANTS for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(jobs) + len(VARIANTS)) as pool:
+        streams = {job: pool.submit(stream, server, *PROMPTS[job[1]], job[0]) for job in jobs}
+        batches = {name: pool.submit(batch, server, name) for name in VARIANTS}
+        return ({k: f.result() for k, f in streams.items()},
+                {k: f.result() for k, f in batches.items()})
+
+
+def check_mix(server: Server, expected: dict[str | None, list[str]]) -> None:
+    streams, batches = run_mix(server)
+    for (name, i), text in streams.items():
+        assert text == expected[name][i], f"stream {PROMPTS[i][0]!r} with {name or 'no adapter'}"
+    for name, texts in batches.items():
+        assert texts == expected[name][: len(PROMPTS)], f"Generate with {name or 'base'}"
+
+
+# ------------------------------------------------------------------ K=8 async, 8 slots
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: pathlib.Path, cache: pathlib.Path) -> Iterator[Server]:
+    yield from running(str(tiny_model_dir), "--adapter-cache", str(cache))
+
+
+def test_concurrent_adapters_equal_peft(server: Server,
+                                        expected: dict[str | None, list[str]]) -> None:
+    check_mix(server, expected)
+    # The same long prompt, run first without an adapter and then with one: its cached KV
+    # must not be reused across adapters.
+    for name in (None, "attn", "mlp"):
+        assert stream(server, *SHARED, name) == expected[name][len(PROMPTS)], name
+    info = server.client.model_info()
+    assert {f"team/{n}" for n in ADAPTERS} <= set(info.loaded_adapters)
+    assert set(server.client.stats().loaded_adapters) == set(info.loaded_adapters)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ("missing", "adapter 'missing': not found in the adapter cache"),
+    ("../team/attn", "ids may only hold"),
+    ("/etc", "relative to the adapter cache"),
+    ("prompt-tuning", "peft_type is 'PROMPT_TUNING'; only LORA adapters are supported"),
+    ("big", "rank 32, above this server's --max-lora-rank 16"),
+])
+def test_bad_adapters_are_invalid_while_others_complete(server: Server, bad: str, reason: str,
+                                                        expected: dict[str | None, list[str]]
+                                                        ) -> None:
+    with ThreadPoolExecutor(1) as pool:
+        text, n = PROMPTS[0]
+        running_one = pool.submit(stream, server, text, n, "all")
+        calls = {
+            "GenerateStream": lambda: list(server.client.stream(text, adapter_id=bad)),
+            "Generate": lambda: server.client.generate([text], adapter_id=bad),
+            "Tokenize": lambda: server.client.tokenize([text], adapter_id=bad),
+        }
+        for rpc, call in calls.items():
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, rpc
+            assert "adapter_id" in err.value.details() and reason in err.value.details(), rpc
+        assert running_one.result() == expected["all"][0]
+
+
+def test_prefix_id_is_the_older_name_and_tokenize_uses_the_base_tokenizer(
+        server: Server, expected: dict[str | None, list[str]]) -> None:
+    from proto import generation_pb2 as pb
+
+    text, n = PROMPTS[1]
+    req = pb.SingleGenerationRequest(
+        request=pb.GenerationRequest(text=text), prefix_id="team/mlp",
+        params=GenerateOptions(max_new_tokens=n, min_new_tokens=n).to_proto())
+    assert "".join(r.text for r in server.client.stub.GenerateStream(req)) == \
+        expected["mlp"][1]
+    plain = server.client.tokenize([text], offsets=True)
+    adapted = server.client.tokenize([text], offsets=True, adapter_id="team/attn")
+    assert adapted == plain
+
+
+def test_a_load_the_worker_cannot_do_is_invalid_too(server: Server, cache: pathlib.Path,
+                                                    expected: dict[str | None, list[str]]
+                                                    ) -> None:
+    """The frontend validated the folder; then its header broke (same size and mtime, so the
+    frontend's answer stands): the gpu worker's load fails and only that request fails."""
+    server.client.tokenize(["x"], adapter_id="fragile")  # validated and cached
+    path = cache / "fragile" / "adapter_model.safetensors"
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[8:16] = b"{broken!"
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    text, n = PROMPTS[2]
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(stream, server, text, n, "attn")
+        with pytest.raises(grpc.RpcError) as err:
+            list(server.client.stream(text, GenerateOptions(max_new_tokens=4),
+                                      adapter_id="fragile"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "adapter 'fragile'" in err.value.details()
+        assert "adapter_model.safetensors" in err.value.details()
+        assert other.result() == expected["attn"][2]
+    deadline = time.monotonic() + 5  # the frontend's view lags the scheduler's by 0.2 s
+    while "fragile" in server.client.model_info().loaded_adapters:
+        assert time.monotonic() < deadline, "a slot whose load failed is still reported"
+        time.sleep(0.1)
+
+
+# ------------------------------------------------------------------ K=1 sync, 2 slots
+
+
+def test_more_adapters_than_slots_all_complete_k1_sync(tiny_model_dir: pathlib.Path,
+                                                       cache: pathlib.Path,
+                                                       expected: dict[str | None, list[str]]
+                                                       ) -> None:
+    for server in running(str(tiny_model_dir), "--adapter-cache", str(cache),
+                          "--max-loras", "2", "--num-scheduler-steps", "1",
+                          "--no-async-postproc"):
+        check_mix(server, expected)
+        stats = server.client.stats()
+        assert len(stats.loaded_adapters) == 2
+        assert stats.adapter_loads >= len(ADAPTERS)  # three adapters through two slots
