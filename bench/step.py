@@ -47,6 +47,15 @@ if TYPE_CHECKING:
     from bench.tp_ranks import RankGroup
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where and how both sides run: float32 on the CPU by default (the parity setting)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    load_format: str = "auto"  # "dummy": random weights of the config's shape (no checkpoint)
+
+
 @dataclass
 class Row:
     batch: int
@@ -75,7 +84,7 @@ class Ours:
     gpu worker processes (`bench.tp_ranks`), each with `threads` torch threads."""
 
     def __init__(self, model: str, max_batch: int, positions: int, k: int, tp: int = 1,
-                 threads: int = 0) -> None:
+                 threads: int = 0, where: Placement = Placement()) -> None:
         from gpu_worker.publisher import TokenPublisher
         from gpu_worker.runner import ModelRunner
 
@@ -92,7 +101,8 @@ class Ours:
             self.group = RankGroup(model, tp, threads, **sizes)
             self.runner = self.group.runner
         else:
-            self.runner = ModelRunner(model, device="cpu", dtype="float32", **sizes)
+            self.runner = ModelRunner(model, device=where.device, dtype=where.dtype,
+                                      load_format=where.load_format, **sizes)
         self.publisher = TokenPublisher(lambda msg: None, self.runner.device)
         self.k = k
         self.plan_id = 0
@@ -137,12 +147,20 @@ class Ours:
 
 
 class HF:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, where: Placement = Placement()) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.generation.streamers import BaseStreamer
 
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+        dtype = getattr(torch, where.dtype)
+        self.device = torch.device(where.device)
+        if where.load_format == "dummy":  # random weights made on the device, like ours
+            with self.device:
+                self.model = AutoModelForCausalLM.from_config(
+                    AutoConfig.from_pretrained(model), dtype=dtype).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
+            self.model.to(self.device)
 
         class Stamps(BaseStreamer):
             def __init__(self) -> None:
@@ -160,7 +178,7 @@ class HF:
         """Milliseconds per step over each `window` consecutive steps after the first token."""
         import torch
 
-        ids = torch.from_numpy(prompts.astype(np.int64))
+        ids = torch.from_numpy(prompts.astype(np.int64)).to(self.device)
         stamps = self._stamps()
         with torch.inference_mode():
             self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -172,9 +190,9 @@ class HF:
 
 
 def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
-            repeats: int, with_hf: bool) -> list[Row]:
-    ours = Ours(model, max(batches), prompt_len + steps + k, k)
-    hf = HF(model) if with_hf else None
+            repeats: int, with_hf: bool, where: Placement = Placement()) -> list[Row]:
+    ours = Ours(model, max(batches), prompt_len + steps + k, k, where=where)
+    hf = HF(model, where) if with_hf else None
     vocab = ours.runner.vocab_size
     rows = []
     try:
@@ -367,6 +385,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs per side and batch size")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights of the config's shape on both sides")
     p.add_argument("--json", default="", help="also write the figures to this file")
     p.add_argument("--trace", action="store_true",
                    help="measure span recording instead: tracer off vs on, and one span's cost")
@@ -411,7 +433,8 @@ def main(args: argparse.Namespace) -> int:
                                  args.tensor_parallel_size, threads)
         else:
             rows = measure(model, batches, args.prompt_len, args.steps,
-                           args.num_scheduler_steps, args.repeats, not args.no_hf)
+                           args.num_scheduler_steps, args.repeats, not args.no_hf,
+                           Placement(args.device, args.dtype, args.load_format))
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -427,6 +450,7 @@ def main(args: argparse.Namespace) -> int:
         figures = [dict(asdict(r), ratio=r.ratio) for r in rows]
     if args.json:
         report = {"model": args.model or f"tiny-{args.preset}", "threads": torch.get_num_threads(),
+                  "device": args.device, "dtype": args.dtype, "load_format": args.load_format,
                   "prompt_len": args.prompt_len, "decode_steps": args.steps,
                   "num_scheduler_steps": args.num_scheduler_steps, "rows": figures}
         with open(args.json, "w") as f:

@@ -63,7 +63,8 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
                            max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                            cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
                            flash_attn=cfg.flash_attn, tp=tp, adapter_cache=cfg.adapter_cache,
-                           max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank)
+                           max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
+                           load_format=cfg.load_format)
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
 

@@ -62,13 +62,15 @@ class ModelRunner:
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
                  flash_attn: bool = True, tp: TensorParallel | None = None,
-                 adapter_cache: str = "", max_loras: int = 0, max_lora_rank: int = 16) -> None:
+                 adapter_cache: str = "", max_loras: int = 0, max_lora_rank: int = 16,
+                 load_format: str = "auto") -> None:
         self.device = tp.device if tp is not None else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
         # Under tensor parallelism (`tp`), this rank's shard, joined to the others' shards.
         self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn,
-                                shard=tp.shard if tp is not None else None)
+                                shard=tp.shard if tp is not None else None,
+                                load_format=load_format)
         if tp is not None:
             tp.install(self.model)
         cfg = self.model.config

@@ -81,6 +81,10 @@ class ServerConfig:
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched from Python)
     onednn: bool = True  # CPU float32: linear layers through oneDNN with pre-packed weights
     flash_attn: bool = True  # CUDA 16-bit: flash_attn where it can page the cache, else SDPA
+    # "auto": the checkpoint's safetensors; "dummy": random weights made on the device, for
+    # benchmarks of a model's shape without its checkpoint (the folder needs config.json and
+    # the tokenizer only).
+    load_format: str = "auto"
     # On a CPU device, cores kept for the frontend, scheduler and postproc workers; the gpu
     # worker is pinned to the rest, so the "device" is never preempted by Python work.
     # -1: 1 when the host has ≥ 2 cores and no CUDA device; 0: no pinning.

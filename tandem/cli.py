@@ -77,6 +77,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                "CUDA: launch every decode step from Python, no CUDA graphs")
     _bool_flag(p, "onednn", d.onednn,
                "CPU float32: linear layers through oneDNN with pre-packed weights")
+    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
+                   help="dummy: random weights of the model's shape, made on the device "
+                        "(benchmarks without a checkpoint)")
     _bool_flag(p, "flash-attn", d.flash_attn,
                "CUDA 16-bit: flash_attn where it can serve the KV cache (else SDPA)")
     p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import zlib
 
 import torch
 
@@ -34,9 +35,27 @@ def load_model_args(model_dir: str) -> ModelArgs:
     return ModelArgs.from_hf_config(read_json(cfg_path), gen)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """A random weight made on the device, seeded by its name (`--load-format dummy`).
+
+    For benchmarks of real model shapes without their checkpoints (vLLM's `dummy` format):
+    norms are ones and matrices N(0, 0.02), so activations stay in range and the decode
+    costs what the real model's does; the tokens it picks are meaningless. Every rank of a
+    tensor-parallel group makes the same whole tensor and keeps its part.
+    """
+    if "norm" in name:
+        return torch.ones(shape, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=gen, device=device, dtype=dtype).mul_(0.02)
+
+
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                onednn: bool = True, flash_attn: bool = True,
-               shard: Shard | None = None) -> CausalLM:
+               shard: Shard | None = None, load_format: str = "auto") -> CausalLM:
     """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
@@ -49,15 +68,45 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     `shard`: tensor parallelism; the model holds (and reads from the files) only this rank's
     part of each tensor (`gpu_worker.models.sharding`), and its `config` is the rank's shape.
     The collectives that join the shards are installed by `gpu_worker.parallel`.
+
+    `load_format`: "dummy" reads no file but config.json (`dummy_weight`).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unsupported load format {load_format!r}; supported: {LOAD_FORMATS}")
     device = torch.device(device)
     args = load_model_args(model_dir)
     shard = shard or Shard()
     # The checkpoint has the whole model's shapes; this rank's modules have its own.
     expected = CausalLM(args).expected_weights()
     model = CausalLM(local_args(args, shard))
+    if load_format == "dummy":
+        model.load_weights(lambda name: _dummy_part(name, expected[name], args, shard, dtype,
+                                                    device))
+    else:
+        _load_checkpoint(model, model_dir, expected, shard, dtype, device)
+    if onednn:
+        model.pack_weights()
+    model.allow_flash = flash_attn
+    model.eval()
+    return model
+
+
+def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard,
+                dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    part = checkpoint_part(name, args, shard)
+    if part.zeros:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    whole = dummy_weight(name, shape, dtype, device)
+    if part.dim is None:
+        return whole
+    return whole.narrow(part.dim, part.start, part.stop - part.start).contiguous()
+
+
+def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[int, ...]],
+                     shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
+    args = load_model_args(model_dir)
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
         missing = [n for n in expected if n not in present]
@@ -85,8 +134,3 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
             return ckpt.get_part(name, dtype, part.dim, part.start, part.stop)
 
         model.load_weights(get)
-    if onednn:
-        model.pack_weights()
-    model.allow_flash = flash_attn
-    model.eval()
-    return model

@@ -1,0 +1,52 @@
+"""`scripts/gpu-check` proves itself on the CPU: the whole flow, shortened, and the budget."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
+SCRIPT = ROOT / "scripts" / "gpu-check"
+
+
+def gpu_check(out: pathlib.Path, *flags: str) -> tuple[int, dict]:
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *flags],
+                          cwd=out.parent, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": ""})
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "report.md").exists(), proc.stderr[-2000:]
+    return proc.returncode, results
+
+
+@pytest.mark.slow
+def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
+    rc, results = gpu_check(tmp_path / "out", "--quick")
+    stages = results["stages"]
+    assert rc == 0, stages
+    assert {n: s["status"] for n, s in stages.items()} == {
+        "environment": "passed", "gpu tests": "skipped", "parity": "passed",
+        "features": "skipped",
+        "experiment": "passed", "profile": "passed", "step": "passed"}
+    assert stages["parity"]["figures"]["float32"]["exact"] == 1
+    arms = stages["experiment"]["figures"]
+    for arm in ("sync K=1", "sync K=8", "async K=8"):
+        assert arms[arm]["completed"] == arms["num_prompts"]
+        assert arms[arm]["mean_tpot_ms"] > 0 and arms[arm]["forward_ms_per_plan"] > 0
+    assert stages["profile"]["figures"]["plans"] >= 3
+    assert os.path.exists(stages["profile"]["figures"]["torch_trace"])
+    step = stages["step"]["figures"]
+    assert step["rows"][0]["batch"] == 1 and step["bandwidth_bound_ms"] > 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| async K=8 |" in report and "TPOT vs sync K=1" in report
+
+
+def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.Path) -> None:
+    rc, results = gpu_check(tmp_path / "out", "--cpu", "--budget-s", "1")
+    assert rc == 0
+    skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
+    assert {"gpu tests", "parity", "features", "experiment", "step"} <= set(skipped)
+    assert all("budget" in why for n, why in skipped.items() if n != "profile")
