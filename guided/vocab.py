@@ -19,9 +19,9 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
+from tokenization.byte_level import gpt2_byte_decoder
 from tokenization.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
@@ -29,21 +29,6 @@ _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 class UnsupportedTokenizer(ValueError):
     """Guided decoding cannot map this tokenizer's tokens to bytes."""
-
-
-@cache
-def gpt2_byte_decoder() -> dict[str, int]:
-    """GPT-2's `bytes_to_unicode` table, inverted: printable stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(printable)
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def _decoder_types(node: Any) -> list[str]:

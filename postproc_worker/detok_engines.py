@@ -11,27 +11,14 @@ import codecs
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from tokenization.byte_level import gpt2_byte_decoder
 from tokenization.tokenizer import Tokenizer, clean_up_tokenization
 
 _REPLACEMENT = "\ufffd"
 _SKIP = object()  # marks an id whose token decode drops (skipped special or unknown id)
 
 
-def _byte_level_char_to_byte() -> dict[str, int]:
-    # GPT-2's reversible byte <-> printable-char table, as the ByteLevel decoder uses it.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_CHAR_TO_BYTE = _byte_level_char_to_byte()
+_CHAR_TO_BYTE = gpt2_byte_decoder()
 
 
 class Engine(Protocol):

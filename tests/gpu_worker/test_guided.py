@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -42,14 +41,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 JSON = json_schema_regex(SCHEMA)
 WORDS = "[a-z ]{3,30}"
 DIGITS = "[0-9 ]{2,300}"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,11 @@ are checked by accepting the output with a fresh matcher and, for JSON, by parsi
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import llguidance
 import pytest
-import torch
 
 from gpu_worker.sync_guard import forbid_host_sync
 from proto.messages import FinishReason, GuidedGrammar
@@ -39,14 +37,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "ok"], "additionalProperties": False}
 JSON = "start: %json " + json.dumps(
     {**SCHEMA, "x-guidance": {"whitespace_flexible": False}})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

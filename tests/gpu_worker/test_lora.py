@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,6 @@ from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
 from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
 
 NEW = 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +20,6 @@ from tests.gpu_worker.model_utils import (
     random_prompts,
 )
 from tests.gpu_worker.runner_driver import Driver, make_runner
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ TokenBatches and StepDone against each other.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from proto.messages import FinishReason, SamplingParams, TokenBatch
@@ -24,15 +22,6 @@ from tests.gpu_worker.runner_driver import (
     make_runner,
     sampled,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny forwards: on a shared 2-core box intra-op threads only add barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

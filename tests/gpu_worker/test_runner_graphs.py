@@ -4,7 +4,6 @@ on a GPU, both through `Driver` and against HF generate.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +14,6 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, hf_greedy, make_runner, sampled
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny forwards: on a shared 2-core box intra-op threads only add barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

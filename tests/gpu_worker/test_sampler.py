@@ -1,8 +1,6 @@
 """The batched sampler against Hugging Face's logits processors, and greedy decoding."""
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import Tensor
@@ -19,16 +17,6 @@ from tests.gpu_worker.sampler_utils import (
     seen_mask,
     threshold_strategy,  # noqa: F401  (a fixture; tests name it in usefixtures)
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    # The tensors here are tiny; on a shared 2-core box intra-op threads only add barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 # ---------------------------------------------------------------- processors vs HF
 

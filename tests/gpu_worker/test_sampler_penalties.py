@@ -3,8 +3,6 @@ against HF generate() with the same formula as a logits processor, across plans 
 preemption (the per-row counts are rebuilt from the kept history)."""
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -96,14 +94,6 @@ class OpenAIPenalties(LogitsProcessor):
         out = input_ids[:, self.prompt_len:]
         counts.scatter_add_(1, out, torch.ones_like(out, dtype=scores.dtype))
         return scores - self.frequency * counts - self.presence * (counts > 0).float()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,6 @@ from tests.gpu_worker.sampler_utils import (
     threshold_strategy,  # noqa: F401  (a fixture; tests name it in usefixtures)
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Any:
-    # The tensors here are tiny; on a shared 2-core box intra-op threads only add barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # ---------------------------------------------------------------- seeding
 
 
