@@ -103,6 +103,10 @@ def validate_params(params: pb.Parameters, limits: Limits) -> Request:
 
 def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
     s = params.sampling
+    if params.method not in pb.DecodingMethod.values():
+        # proto3 enums are open: a newer client's method must not quietly run as greedy.
+        raise ValidationError("params.method", f"unknown decoding method {params.method}; "
+                              "must be GREEDY (0) or SAMPLE (1)")
     sampled = params.method == pb.SAMPLE
     temperature = 1.0
     if s.HasField("temperature"):

@@ -41,13 +41,13 @@ from ipc.channels import AsyncReceiver
 from ipc.peers import frontend_watch
 from ipc.process import StartupError, pin, split_cpus
 from proto import generation_pb2 as pb
-from proto import generation_pb2_grpc as pb_grpc
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
 from rpc.engine_client import EngineClient
 from rpc.metrics import serve_metrics
 from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add_admin_service
 from rpc.validation import Limits
+from rpc.wire import add_generation_service
 from tandem.preflight import check_model, check_ports, load_tokenizer
 from tokenization.tokenizer import Tokenizer
 
@@ -236,7 +236,7 @@ class Launcher:
             (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
              ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
         servicer = GenerationServicer(engine, tok)
-        pb_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+        add_generation_service(servicer, server)
         add_admin_service(server, engine)
         await server.start()
         serve_metrics(self.cfg.metrics_port)

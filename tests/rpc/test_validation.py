@@ -86,6 +86,9 @@ BAD = [
     (_length_penalty(0.5), "params.decoding.length_penalty.decay_factor", "[1, 10]"),
     (_length_penalty(11.0), "params.decoding.length_penalty.decay_factor", "[1, 10]"),
     (_length_penalty(math.nan), "params.decoding.length_penalty.decay_factor", "finite"),
+    # proto3 enums are open: a number the schema does not name must not run as greedy.
+    (_set("method", 7), "params.method", "GREEDY (0) or SAMPLE (1)"),
+    (_set("method", -1), "params.method", "unknown decoding method -1"),
 ]
 
 
