@@ -60,6 +60,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
+    p.add_argument("--max-stream-buffer-bytes", type=int, default=d.max_stream_buffer_bytes,
+                   help="output held for a client that stopped reading before its request is "
+                        "cancelled with RESOURCE_EXHAUSTED (0: no limit)")
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help="the largest max_new_tokens a request may ask for")
@@ -307,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_soak.add_arguments(p)
     p.set_defaults(func=bench_soak.main)
+
+    p = bench.add_parser("robustness",
+                         help="overload, stalled and vanishing clients, role restarts")
+    from bench import robustness as bench_robustness
+
+    bench_robustness.add_arguments(p)
+    p.set_defaults(func=bench_robustness.main)
 
     from bench import ab as bench_ab
 
