@@ -336,8 +336,62 @@ def run_vanish(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _restart_one(roles: Any, client: Any, role: str) -> dict[str, Any]:
+    """Kill `role` (SIGKILL) and time the set's way back; the frontend must stay unless it
+    is the one killed."""
+    from bench.roles import wait_health, wait_serving_anew
+
+    frontend = roles.procs["frontend"]
+    t0 = time.monotonic()
+    roles.kill(role)
+    if role == "frontend":  # nobody to say NOT_SERVING: its port is closed
+        detected = float("nan")
+    else:
+        detected = wait_health(client, False, 60, frontend)
+    wait_serving_anew(roles.target, 600)
+    back = time.monotonic() - t0
+    texts = [m.text for m in client.stream("After the restart", detailed(8))]
+    return {"role": role, "not_serving_after_s": detected, "serving_again_after_s": back,
+            "frontend_kept": roles.procs["frontend"] is frontend,
+            "roles_restarted": sorted({e.role for e in roles.exits_since(t0)}),
+            "serves": len(texts) > 1}
+
+
+def run_restart(args: argparse.Namespace) -> dict[str, Any]:
+    """The compose roles (bench.roles), each role killed in turn."""
+    import tempfile
+
+    from bench.roles import RoleSet, wait_health
+    from rpc.client import TandemClient
+
+    model = args.model
+    if not model:
+        from gpu_worker.tiny_model import ensure_default_model
+
+        model = str(ensure_default_model(in_subprocess=True))
+    roles = RoleSet(model, tempfile.mkdtemp(prefix="tandem-roles-"))
+    roles.start_all()
+    roles.restart_policy()
+    client = TandemClient(roles.target)
+    results = []
+    try:
+        wait_health(client, True, 600, roles.procs["frontend"])
+        for role in ("scheduler", "gpu-worker", "postproc-0", "frontend"):
+            r = _restart_one(roles, client, role)
+            results.append(r)
+            print(f"restart: {role} killed → frontend NOT_SERVING after "
+                  f"{r['not_serving_after_s']:.2f} s, SERVING again after "
+                  f"{r['serving_again_after_s']:.2f} s (frontend kept: {r['frontend_kept']}; "
+                  f"restarted: {', '.join(r['roles_restarted'])})")
+    finally:
+        client.close()
+        roles.stop()
+    return {"kills": results}
+
+
 PARTS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "overload": run_overload, "stalled": run_stalled, "vanish": run_vanish,
+    "restart": run_restart,
 }
 
 

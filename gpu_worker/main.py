@@ -67,10 +67,12 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         runner = build_runner(cfg)
         tokens.wait_ready()
         publisher = TokenPublisher(tokens.put, runner.device)
-        to_scheduler.put(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
-                                     runner.vocab_size))
-        log.info("ready (pid %d)", os.getpid())
+        ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                            runner.vocab_size)
         peers = role_watch(cfg, "gpu-worker")
+        if peers is None:  # under the launcher; on our own, once in the frontend's set
+            to_scheduler.put(ready)
+            log.info("ready (pid %d)", os.getpid())
         to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
         torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
@@ -83,8 +85,10 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
             if msg is None:
                 continue
             if isinstance(msg, Heartbeat):
-                if peers is not None:
-                    peers.seen(msg)
+                if peers is not None and peers.seen(msg):
+                    to_scheduler.put(ready)
+                    log.info("ready (pid %d), in the set of epoch %x", os.getpid(),
+                             peers.epoch)
                 continue
             if isinstance(msg, Shutdown):
                 log.info("shutting down: %s", msg.reason)

@@ -168,8 +168,8 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
     try:
         import zmq
 
+        from ipc.channels import stamped
         from ipc.shm_ring import RingReaderDied, RingWriterDied
-        from proto import codec
 
         startup = isinstance(exc, StartupError)
         error = str(exc) if startup else f"{type(exc).__name__}: {exc}"[:300]
@@ -183,7 +183,7 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
         sock.setsockopt(zmq.LINGER, 500)
         sock.connect(cfg.addresses.supervisor)
         if sock.poll(500, zmq.POLLOUT):
-            sock.send_multipart(codec.encode(msg))
+            sock.send_multipart(stamped(msg))
         sock.close()
         ctx.term()
     except Exception as err:  # the original exception is what matters

@@ -65,6 +65,7 @@ class _Stream:
     buf: StreamBuffer
     started: float
     name: str = ""  # the client's correlation id, for the log
+    orphaned: bool = False  # the set of roles it was sent to is gone: nothing to abort
 
 
 @dataclass
@@ -173,6 +174,17 @@ class EngineClient:
         for stream in self._streams.values():
             stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
 
+    def reset(self, message: str) -> None:
+        """The roles behind us were replaced (`ipc.peers`): every open stream ends with
+        UNAVAILABLE, and readiness waits for the new set's handshake."""
+        for stream in self._streams.values():
+            stream.orphaned = True
+            stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
+        self.limits = None
+        self._ready_postproc.clear()
+        self.ready.clear()
+        self.stats = None
+
     def new_request_id(self) -> int:
         return next(self._ids)
 
@@ -223,7 +235,8 @@ class EngineClient:
                     return
         finally:
             del self._streams[rid]
-            if not ended_by_engine and not stream.buf.overflowed:  # else aborted already
+            # An overflow aborted it already; an orphan's roles are gone.
+            if not (ended_by_engine or stream.buf.overflowed or stream.orphaned):
                 self.abort(rid)
 
     async def _next(self, stream: _Stream, deadline: float | None) -> object | None:

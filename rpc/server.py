@@ -93,11 +93,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.engine = engine
         self.tok = tok
         self.limits: Limits | None = None  # known once the gpu worker reports in
+        self.unready = "server is still starting"  # why, while `limits` is None
         self.accepting = True
 
     async def _ready_limits(self, context: grpc.aio.ServicerContext) -> Limits:
         if self.limits is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is still starting")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.unready)
         if not self.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         assert self.limits is not None

@@ -174,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
+    from ipc.peers import PeerLost
     from ipc.process import StartupError, init_child, report_failure
 
     if args.config_file:  # started by the launcher
@@ -205,6 +206,9 @@ def cmd_run_role(args: argparse.Namespace) -> int:
             run_postproc(cfg, args.index)
     except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
         return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    except PeerLost as exc:  # on its own: its set is gone; the orchestrator restarts it fresh
+        logging.getLogger("tandem").error("%s", exc)
+        return 1
     except StartupError as exc:  # the user's to fix: one line, the traceback only at debug
         # The launcher stops every child now; its SIGTERM must not turn this quiet exit
         # into a SystemExit traceback from whatever atexit hook is running.

@@ -11,7 +11,8 @@ exception says so first (`ProcessFailed`, with the error), ahead of the exits it
 The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the launcher
 then has the worker dump its stacks to the log and treats it as dead.  Either way: health
 NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
-stopped, exit code 1.
+stopped, exit code 1.  A frontend of roles started on their own (`run-role frontend`)
+replaces their set instead and keeps serving (tandem/standalone.py).
 SIGTERM/SIGINT: NOT_SERVING at once, new requests get UNAVAILABLE, in-flight ones finish
 up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
 children, sockets, run folder and shm segments are removed.
@@ -38,7 +39,6 @@ from grpc_reflection.v1alpha import reflection
 
 from ipc import faults
 from ipc.channels import AsyncReceiver
-from ipc.peers import frontend_watch
 from ipc.process import StartupError, pin, split_cpus
 from proto import generation_pb2 as pb
 from proto.config import Addresses, ServerConfig
@@ -49,6 +49,7 @@ from rpc.server import ADMIN_SERVICE_NAME, SERVICE_NAME, GenerationServicer, add
 from rpc.validation import Limits
 from rpc.wire import add_generation_service
 from tandem.preflight import check_model, check_ports, load_tokenizer
+from tandem.standalone import SetKeeper
 from tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
@@ -115,6 +116,7 @@ class Launcher:
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
+        self.keeper: SetKeeper | None = None  # roles on their own: the set they serve as
 
     # ------------------------------------------------------------------ children
 
@@ -246,9 +248,16 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         watching = asyncio.create_task(self._read_reports(reports)) if reports else None
-        peers = asyncio.create_task(self._watch_peers(engine)) if self.cfg.standalone else None
-        starting = asyncio.create_task(
-            self._become_ready(engine, tok, servicer, health_servicer))
+        become_ready = partial(self._become_ready, engine, tok, servicer, health_servicer)
+        peers = None
+        starting: asyncio.Task[Any]
+        if self.cfg.standalone:  # roles on their own: keep a set serving (tandem/standalone.py)
+            self.keeper = SetKeeper(self.cfg, engine, servicer,
+                                    partial(_set_health, health_servicer), become_ready)
+            peers = asyncio.create_task(self.keeper.run())
+            starting = asyncio.create_task(self.keeper.served.wait())
+        else:
+            starting = asyncio.create_task(become_ready())
         failed = asyncio.ensure_future(self._failure)
         stopping = asyncio.create_task(self._stop.wait())
         try:
@@ -287,19 +296,13 @@ class Launcher:
             self.cleanup(STOP_TIMEOUT_FAILED if self.exit_code else STOP_TIMEOUT_CLEAN)
         return self.exit_code
 
-    async def _watch_peers(self, engine: EngineClient) -> None:
-        """Roles on their own have no parent watching them: a silent one is a dead one."""
-        watch = frontend_watch(self.cfg)
-        engine.on_heartbeat = watch.seen
-        try:
-            while True:
-                lost = watch.lost()
-                if lost:
-                    self._fail(lost)
-                    return
-                await asyncio.sleep(0.25)
-        finally:
-            watch.close()
+    def _lose(self, message: str) -> None:
+        """A process failed: under the launcher the server ends; roles on their own replace
+        their set and the frontend stays (tandem/standalone.py)."""
+        if self.keeper is not None:
+            self.keeper.break_set(message)
+        else:
+            self._fail(message)
 
     def _bind(self, server: grpc.aio.Server) -> None:
         target = f"{self.cfg.host}:{self.cfg.port}"
@@ -365,9 +368,9 @@ class Launcher:
                 elif msg.peer_died and self._loop is not None:
                     # The dead peer's own exit names the cause; this report can outrun it.
                     log.warning("%s", text)
-                    self._loop.call_later(CLEAN_EXIT_GRACE, self._fail, text)
+                    self._loop.call_later(CLEAN_EXIT_GRACE, self._lose, text)
                 else:
-                    self._fail(text)
+                    self._lose(text)
             else:
                 log.error("unexpected supervision message %s", type(msg).__name__)
 
@@ -379,7 +382,7 @@ class Launcher:
                   msg.seconds, self.cfg.step_timeout)
         if child is not None and _dump_stacks(child):
             await asyncio.sleep(STACK_DUMP_WAIT)
-        self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
+        self._lose(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
     async def _fail_everything(self, engine: EngineClient, health_servicer: object,
