@@ -117,6 +117,7 @@ class Launcher:
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
         self.keeper: SetKeeper | None = None  # roles on their own: the set they serve as
+        self._consequences: set[str] = set()  # children that said a peer's death ended them
 
     # ------------------------------------------------------------------ children
 
@@ -154,25 +155,29 @@ class Launcher:
     def _child_exited(self, child: Child) -> None:
         if self._stopping:
             return
+        rc = child.proc.returncode
         # Status 2 is a start-up mistake, which the user sees in one line of its own.
-        log.log(logging.DEBUG if child.proc.returncode == 2 else logging.WARNING, "%s",
-                child.describe_exit())
-        # 0: a clean exit nobody asked for; 2: a start-up mistake, whose one-line report
-        # (ProcessFailed) may still be on its way.
-        if child.proc.returncode in (0, 2) and self._loop is not None:
-            # A clean exit nobody asked for is usually a consequence: postproc workers leave
-            # when the gpu worker closes the ring on its way out, and the worker takes a
-            # moment longer to exit (its `ProcessFailed` usually arrives first anyway).
+        log.log(logging.DEBUG if rc == 2 else logging.WARNING, "%s", child.describe_exit())
+        # A signal (SIGKILL, a crash) is a cause: blame at once.  An exit status is often a
+        # consequence: postproc workers leave when the gpu worker dies or closes the ring,
+        # and under load a consequence can be reaped before its cause (each child's waiter
+        # thread runs when the scheduler lets it), so the cause gets a moment to be seen.
+        # A child dying of an exception says why first (`ProcessFailed`), which fails at once.
+        if rc is not None and rc >= 0 and self._loop is not None:
             self._loop.call_later(CLEAN_EXIT_GRACE, self._blame)
             return
         self._blame()
 
     def _blame(self) -> None:
-        """Fail with the first child that crashed, else the first that exited at all."""
+        """Fail with the child that caused it: killed by a signal, else crashed without
+        saying a peer's death made it, else crashed, else exited at all; the first of them."""
         dead = [c for c in self.children if c.exited_at is not None]
         crashed = [c for c in dead if c.proc.returncode != 0]
-        if dead:
-            self._fail(min(crashed or dead, key=lambda c: c.exited_at or 0.0).describe_exit())
+        killed = [c for c in crashed if (c.proc.returncode or 0) < 0]
+        causes = [c for c in crashed if c.role not in self._consequences]
+        pick = killed or causes or crashed or dead
+        if pick:
+            self._fail(min(pick, key=lambda c: c.exited_at or 0.0).describe_exit())
 
     def _fail(self, message: str) -> None:
         if self._failure is not None and not self._failure.done():
@@ -366,6 +371,7 @@ class Launcher:
                 elif self._stopping or (self._failure is not None and self._failure.done()):
                     log.warning("%s", text)  # a consequence of the first failure, most likely
                 elif msg.peer_died and self._loop is not None:
+                    self._consequences.add(msg.role)
                     # The dead peer's own exit names the cause; this report can outrun it.
                     log.warning("%s", text)
                     self._loop.call_later(CLEAN_EXIT_GRACE, self._lose, text)
