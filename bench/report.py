@@ -37,7 +37,7 @@ class Context:
     models: dict[str, str]  # preset -> checkpoint folder
     repeats: int
     soak_minutes: float
-    fuzz_examples: int = 2000
+    fuzz_examples: int = 5000
 
     @property
     def img(self) -> str:
@@ -354,7 +354,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "robustness": ("Robustness (`make fuzz`, `tandem bench robustness`)", robustness),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }
-# On request: the soak (10+ minutes) and robustness (fuzzing and restarts, ~10 minutes).
+# On request: the soak (10+ minutes) and robustness (fuzzing and restarts, ~15 minutes).
 DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("soak", "robustness")]
 
 
@@ -376,7 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"also: soak, robustness)")
     p.add_argument("--repeats", type=int, default=3, help="runs per A/B arm (medians)")
     p.add_argument("--soak-minutes", type=float, default=10.0)
-    p.add_argument("--fuzz-examples", type=int, default=2000,
+    p.add_argument("--fuzz-examples", type=int, default=5000,
                    help="requests of the robustness section's fuzz run")
 
 
