@@ -80,7 +80,7 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
         paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when a plan ends
         while True:
             if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             msg = inbox.get(timeout=HEARTBEAT_INTERVAL if peers else 1.0)
             if msg is None:
                 continue

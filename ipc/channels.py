@@ -18,6 +18,7 @@ import collections
 import logging
 import os
 import struct
+import time
 from typing import Any, Generic, TypeVar
 
 import zmq
@@ -108,6 +109,11 @@ class _Sorter:
         return self._released.popleft() if self._released else None
 
 
+def _readable(sock: zmq.Socket) -> bool:
+    """A message is waiting (a socket option read, no system call on the data path)."""
+    return bool(int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
 class _Socket:
     def __init__(self, addr: str, kind: int, bind: bool, hwm: int = DEFAULT_HWM) -> None:
         self.addr = addr
@@ -165,6 +171,9 @@ class Receiver(_Socket, Generic[T]):
         if sub:
             self.sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sorter = _Sorter(addr)
+        # When this inbox was last found empty: a peer is silent only if nothing of it was
+        # waiting here then (a busy process reads its heartbeats late, it does not miss them).
+        self.drained_at = time.monotonic()
 
     def poll(self, timeout: float | None) -> bool:
         ms = None if timeout is None else int(timeout * 1000)
@@ -176,6 +185,8 @@ class Receiver(_Socket, Generic[T]):
             held = self._sorter.released()
             if held is not None:
                 return held
+            if not _readable(self.sock):
+                self.drained_at = time.monotonic()
             if not self.poll(timeout):
                 return None
             msg = self.get_nowait_raw()
@@ -198,6 +209,7 @@ class Receiver(_Socket, Generic[T]):
             msg = self.get_nowait_raw()
             if msg is not None:
                 out.append(msg)
+        self.drained_at = time.monotonic()
         return out
 
 
@@ -220,12 +232,15 @@ class AsyncReceiver(Generic[T]):
         else:
             self.sock.connect(addr)
         self._sorter = _Sorter(addr)
+        self.drained_at = time.monotonic()  # as Receiver.drained_at
 
     async def get(self) -> T:
         while True:
             held = self._sorter.released()
             if held is not None:
                 return held
+            if not _readable(self.sock):
+                self.drained_at = time.monotonic()
             frames = await self.sock.recv_multipart(copy=False)
             msg = self._sorter.sort([f.buffer for f in frames])
             if msg is not None:

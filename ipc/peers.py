@@ -125,8 +125,11 @@ class RoleWatch:
                            "restarts fresh")
         return False
 
-    def check(self) -> None:
-        now = time.monotonic()
+    def check(self, drained_at: float | None = None) -> None:
+        """PeerLost when the frontend is gone.  `drained_at`: when our inbox was last read to
+        its end; silence counts only up to then, so a process that was busy (a long plan)
+        and has heartbeats waiting does not take itself for abandoned."""
+        now = time.monotonic() if drained_at is None else drained_at
         if self.last_seen is None:
             if now - self.started > START_GRACE:
                 raise PeerLost(f"{self.name}: the frontend never sent a heartbeat in "
@@ -182,11 +185,12 @@ class SetWatch:
         m.last_seen = now
         m.joined = m.joined or hb.epoch == self.epoch
 
-    def lost(self) -> str:
-        """Why the set can no longer serve ("" while it can)."""
+    def lost(self, drained_at: float | None = None) -> str:
+        """Why the set can no longer serve ("" while it can).  `drained_at` as in
+        `RoleWatch.check`: a member is silent only if nothing of it waits in our inbox."""
         if self.broken:
             return self.broken
-        now = time.monotonic()
+        now = time.monotonic() if drained_at is None else drained_at
         for name, m in self.members.items():
             if now - m.last_seen > self.timeout:
                 return f"{name} stopped sending heartbeats ({now - m.last_seen:.1f} s ago)"

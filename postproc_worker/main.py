@@ -213,7 +213,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
     try:
         while True:
             if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             # Registrations first: they must be known before the tokens they precede.
             msgs = inbox.drain()
             queued = sum(isinstance(m, TokenBatch) for m in msgs)

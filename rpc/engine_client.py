@@ -113,6 +113,11 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def drained_at(self) -> float:
+        """When the inbox was last read to its end (time.monotonic()); see `ipc.peers`."""
+        return self._inbox.drained_at
+
     async def _read_loop(self) -> None:
         while True:
             msg = await self._inbox.get()

@@ -68,7 +68,7 @@ def run_scheduler(cfg: ServerConfig) -> None:
                 stats_sent = report_stats(sched, times, to_frontend, stats_sent)
                 stats_logged = log_stats(sched, times, stats_logged)
             if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             msg = inbox.get(timeout=STATS_INTERVAL)
             if msg is None:
                 continue

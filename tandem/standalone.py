@@ -53,7 +53,7 @@ class SetKeeper:
         self._ready = asyncio.create_task(self._serve_when_ready())
         try:
             while True:
-                reason = self.watch.lost()
+                reason = self.watch.lost(self.engine.drained_at)
                 if reason:
                     await self._replace(reason)
                 elif not self.engine.ready.is_set() and \

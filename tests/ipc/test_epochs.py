@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -71,4 +72,18 @@ def test_a_fresh_process_holds_stamped_messages_until_it_joins_a_set(addr: str) 
     send(addr, 8, AbortRequest(4))
     assert [m.request_id for m in received(r)] == [4]  # type: ignore[attr-defined]
     assert r._sorter.dropped == 1
+    r.close()
+
+
+def test_drained_at_moves_only_when_the_inbox_is_found_empty(addr: str) -> None:
+    r: Receiver = Receiver(addr)
+    send(addr, 0, AbortRequest(1), AbortRequest(2))
+    time.sleep(0.2)  # both delivered
+    before = r.drained_at
+    assert r.get(1.0) is not None  # a message was waiting: not drained
+    assert r.drained_at == before
+    r.drain()  # read to the end
+    after = r.drained_at
+    assert after > before
+    assert r.get(0.05) is None and r.drained_at >= after
     r.close()

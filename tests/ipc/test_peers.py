@@ -115,3 +115,23 @@ def test_a_new_frontend_makes_the_roles_of_the_old_one_leave(net: str) -> None:
         old.close()
         for r in roles:
             r.close()
+
+
+def test_silence_counts_only_up_to_when_the_inbox_was_last_read_to_its_end(net: str) -> None:
+    """A process busy for longer than the timeout (a long plan, a starved event loop) reads
+    the heartbeats that queued meanwhile late; it must not take that for a death."""
+    front = SetWatch([net], EXPECTED, timeout=0.2)
+    role = RoleWatch("scheduler", 0, net, timeout=0.2)
+    try:
+        front.seen(role_heartbeat(role))
+        role.seen(front.beacon.me)
+        drained = time.monotonic()  # both inboxes were empty now...
+        time.sleep(0.3)  # ...then both sides were busy, with heartbeats waiting
+        role.check(drained_at=drained)
+        assert front.lost(drained_at=drained) == ""
+        with pytest.raises(PeerLost):  # read to the end, and nothing came: that is silence
+            role.check(drained_at=time.monotonic())
+        assert front.lost(drained_at=time.monotonic()).startswith("scheduler stopped")
+    finally:
+        front.close()
+        role.close()
