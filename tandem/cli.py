@@ -174,8 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
-    from ipc.peers import PeerLost
-    from ipc.process import StartupError, init_child, report_failure
+    from ipc.process import exit_now, init_child
 
     if args.config_file:  # started by the launcher
         with open(args.config_file) as f:
@@ -191,6 +190,15 @@ def cmd_run_role(args: argparse.Namespace) -> int:
         return serve(cfg)
     role = args.role if args.role != "postproc" else f"postproc {args.index}"
     init_child(role, cfg, args.parent_pid)
+    exit_now(_run_child(args, cfg, role))
+    return 0  # not reached
+
+
+def _run_child(args: argparse.Namespace, cfg: ServerConfig, role: str) -> int:
+    """Run a scheduler, gpu worker or postproc worker until it ends; its exit status."""
+    from ipc.peers import PeerLost
+    from ipc.process import StartupError, report_failure
+
     try:
         if args.role == "scheduler":
             from scheduler.main import run_scheduler
