@@ -86,9 +86,13 @@ def run_gpu_worker(cfg: ServerConfig) -> None:
                 continue
             if isinstance(msg, Heartbeat):
                 if peers is not None and peers.seen(msg):
-                    to_scheduler.put(ready)
                     log.info("ready (pid %d), in the set of epoch %x", os.getpid(),
                              peers.epoch)
+                if peers is not None and peers.epoch:
+                    # With every heartbeat of the frontend: when we join, the scheduler of our
+                    # set may not be up yet, and one of the set we replace may still hold the
+                    # address.  The scheduler keeps the first.
+                    to_scheduler.put(ready)
                 continue
             if isinstance(msg, Shutdown):
                 log.info("shutting down: %s", msg.reason)

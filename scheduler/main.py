@@ -85,6 +85,8 @@ def run_scheduler(cfg: ServerConfig) -> None:
                     watchdog.done(m.plan_id)
                 times.on(m, cfg.num_postproc_workers)
                 if isinstance(m, WorkerReady):
+                    if sched is not None:  # on its own the worker repeats it: keep the first
+                        continue
                     sched = Scheduler(make_params(cfg, m))
                     log.info("ready: %d KV blocks of %d, max_model_len %d", m.num_kv_blocks,
                              m.block_size, m.max_model_len)

@@ -5,8 +5,9 @@ compose's `restart: unless-stopped` played by `bench.roles.RoleSet.restart_polic
 A killed role is replaced with its whole set (every other backend role exits non-zero and is
 restarted fresh) while the frontend keeps running: NOT_SERVING, then SERVING, with greedy
 output equal to HF's before and after.  The scheduler comes back faster than the heartbeat
-timeout, which only the processes' incarnations can tell from no restart at all.  A killed
-frontend makes every role exit non-zero, and the restarted set serves again.
+timeout, which only the processes' incarnations can tell from no restart at all; so does the
+gpu worker, which joins the new set before the old scheduler has left.  A killed frontend
+makes every role exit non-zero, and the restarted set serves again.
 """
 from __future__ import annotations
 
@@ -94,6 +95,15 @@ def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
         exits = roles.exits_since(t0)
         assert {e.role for e in exits} == set(BACKENDS), exits  # the whole set, not the frontend
         assert all(e.code != 0 for e in exits), exits
+        assert_outputs(client, hf_texts)
+
+        # The gpu worker dies and comes back (its WorkerReady must reach the scheduler of the
+        # new set, not the one it replaces).
+        t2 = time.monotonic()
+        roles.kill("gpu-worker")
+        wait_health(client, False, 20, frontend)
+        wait_health(client, True, 180, frontend)
+        assert {e.role for e in roles.exits_since(t2)} == set(BACKENDS)
         assert_outputs(client, hf_texts)
 
         # The frontend dies: every role leaves its set, and the restarted set serves.
