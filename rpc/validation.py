@@ -19,14 +19,31 @@ MAX_REPETITION_PENALTY = 2.0
 LENGTH_PENALTY_DECAY_RANGE = (1.0, 10.0)
 
 
+# A status message travels as gRPC trailing metadata, which clients refuse past 16 KiB (as
+# RESOURCE_EXHAUSTED, hiding the real answer): a value the client sent is quoted in part.
+MAX_DETAILS = 1000
+
+
+def shown(value: str, limit: int = 60) -> str:
+    """`value` quoted for an error message, cut to `limit` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def capped(message: str) -> str:
+    return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "..."
+
+
 class ValidationError(ValueError):
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(capped(f"{field}: {message}"))
         self.field = field
 
 
 class UnsupportedError(ValueError):
-    pass
+    def __init__(self, message: str) -> None:
+        super().__init__(capped(message))
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,7 @@ def check_unsupported(request: pb.SingleGenerationRequest | pb.BatchedGeneration
         if request.HasField(name) and value:
             kind = "prompt-tuning prefixes" if name == "prefix_id" else "adapters"
             raise UnsupportedError(f"{name}: {kind} are not supported by this server "
-                                   f"(got {value!r}); leave {name} unset")
+                                   f"(got {shown(value)}); leave {name} unset")
 
 
 def validate_params(params: pb.Parameters, limits: Limits) -> Request:
