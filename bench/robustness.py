@@ -276,6 +276,9 @@ def run_overload(args: argparse.Namespace) -> dict[str, Any]:
     return asdict(report)
 
 
+SETTLE_S = 5.0
+
+
 def _stalled_arm(args: argparse.Namespace, limit: int) -> dict[str, Any]:
     from bench.soak import rss_kb
     from rpc.client import GenerateOptions
@@ -284,6 +287,7 @@ def _stalled_arm(args: argparse.Namespace, limit: int) -> dict[str, Any]:
                                                 "--max-new-tokens", "2000"])
     try:
         list(client.stream("warm", detailed(64)))  # allocator pools before the baseline
+        time.sleep(SETTLE_S)  # the frontend gives back start-up memory for a while
         before = rss_kb(proc.pid) or 0
         with stalled_streams(target, args.stalled, args.stall_tokens) as calls:
             # Cancelled (with a limit) or finished (without): nothing runs any more.
@@ -313,10 +317,9 @@ def run_stalled(args: argparse.Namespace) -> dict[str, Any]:
         print(f"stalled, --max-stream-buffer-bytes {limit}{' (no limit)' if not limit else ''}:"
               f" {r['stalled']} clients stopped reading {args.stall_tokens}-token detailed "
               f"streams → {r['cancelled']} cancelled; frontend RSS "
-              f"{r['frontend_rss_before_mb']:.1f} MB → {r['frontend_rss_stalled_mb']:.1f} MB "
-              f"({r['frontend_growth_mb']:+.1f} MB) with them all stalled; a reading client "
-              f"got its {r['other_stream_tokens']} tokens in {r['other_stream_s']:.2f} s "
-              "meanwhile")
+              f"{r['frontend_rss_before_mb']:.1f} MB idle, {r['frontend_rss_stalled_mb']:.1f} MB "
+              f"with them all stalled ({r['frontend_growth_mb']:+.1f} MB); a reading client got "
+              f"its {r['other_stream_tokens']} tokens in {r['other_stream_s']:.2f} s meanwhile")
     return arms
 
 
@@ -379,10 +382,12 @@ def run_restart(args: argparse.Namespace) -> dict[str, Any]:
         for role in ("scheduler", "gpu-worker", "postproc-0", "frontend"):
             r = _restart_one(roles, client, role)
             results.append(r)
-            print(f"restart: {role} killed → frontend NOT_SERVING after "
-                  f"{r['not_serving_after_s']:.2f} s, SERVING again after "
-                  f"{r['serving_again_after_s']:.2f} s (frontend kept: {r['frontend_kept']}; "
-                  f"restarted: {', '.join(r['roles_restarted'])})")
+            noticed = (f"NOT_SERVING after {r['not_serving_after_s']:.2f} s, "
+                       if role != "frontend" else "")
+            print(f"restart: {role} killed → {noticed}SERVING again after "
+                  f"{r['serving_again_after_s']:.2f} s; the frontend "
+                  f"{'kept running' if r['frontend_kept'] else 'was restarted'}; roles "
+                  f"restarted: {', '.join(r['roles_restarted'])}")
     finally:
         client.close()
         roles.stop()
