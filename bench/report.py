@@ -37,6 +37,7 @@ class Context:
     models: dict[str, str]  # preset -> checkpoint folder
     repeats: int
     soak_minutes: float
+    fuzz_examples: int = 5000
 
     @property
     def img(self) -> str:
@@ -333,9 +334,53 @@ def soak(ctx: Context) -> str:
         "octave, `gpu_worker.models.layers.onednn_rows`; `--no-onednn` stayed flat), and the "
         "frontend, by the `tokenizers` BPE word cache keeping every whole prompt as one word "
         "(now off where a word is the whole text). Run on an empty model cache, so the "
-        "first start also builds the tiny model (in a child process, not the frontend).",
+        "first start also builds the tiny model (in a child process, not the frontend). The "
+        "mix: plain, token-detail (logprobs, ranks, top-n), stop-sequence, sampled and "
+        "cancelled-mid-stream requests (`--mix`), guided ones with `--guided-share`.",
         ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}"], fenced=True,
         timeout=ctx.soak_minutes * 60 + 900)
+
+
+def fuzz(ctx: Context) -> str:
+    """The gRPC fuzz test at report size; its outcome counts by status code."""
+    path = os.path.join(tempfile.mkdtemp(prefix="tandem-report-"), "fuzz.json")
+    env = {**os.environ, "TANDEM_FUZZ_EXAMPLES": str(ctx.fuzz_examples),
+           "TANDEM_FUZZ_SEED": "1", "TANDEM_FUZZ_REPORT": path}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore",
+           "tests/fuzz/test_grpc_fuzz.py"]
+    progress("$ " + " ".join(cmd[1:]))
+    result = subprocess.run(cmd, cwd=ROOT, env=env, text=True, capture_output=True)
+    tail = result.stdout.strip().splitlines()[-1:] or ["no output"]
+    if not os.path.exists(path):  # it failed before its last test: show why
+        raise RuntimeError(f"the fuzz run wrote no report:\n{result.stdout[-4000:]}")
+    with open(path) as f:
+        r = json.load(f)
+    rows = ["| status | requests |", "|---|---:|"] + [
+        f"| {code} | {n} |" for code, n in sorted(r["by_status"].items(), key=lambda x: -x[1])]
+    bad = sum(r["by_status"].get(c, 0) for c in ("INTERNAL", "UNKNOWN", "UNAVAILABLE",
+                                                   "DEADLINE_EXCEEDED"))
+    return "\n\n".join([
+        f"`make fuzz FUZZ_EXAMPLES={ctx.fuzz_examples} FUZZ_SEED=1`: {r['requests']} requests "
+        "generated from `generation.proto`'s descriptors (every field; NaN, ±inf, huge and "
+        "negative numbers, unknown enum numbers, empty and 1 MB texts) and as raw wire bytes "
+        "(invalid UTF-8 in any string field, truncated and random bytes) against one "
+        "fast-preset server; then health, every KV block free, and greedy output equal to "
+        f"HF. pytest: {tail[0]}. INTERNAL/UNKNOWN/UNAVAILABLE/hangs: {bad}. UNIMPLEMENTED "
+        "answers only requests that name a prompt-tuning prefix, an adapter or a guided "
+        "constraint, which this server does not have.", "\n".join(rows)])
+
+
+def robustness(ctx: Context) -> str:
+    head = fuzz(ctx)
+    return "\n\n".join([head, command_section(ctx, (
+        "Overload (a burst of 10x what admission control admits, released at once), clients "
+        "that stop reading (with the stream buffer limit and without one), a hundred clients "
+        "vanishing mid-stream, and role restarts of the compose deployment played with local "
+        "processes (each role killed in turn; compose's restart policy brings it back). The "
+        "stalled clients' figure to compare is the frontend's RSS with them all stalled, with "
+        "and without the limit (same load); its idle size right after start-up is above its "
+        "steady size (the soak shows the same drop), so the signed difference says little."),
+        ["bench", "robustness", "--model", ctx.models["default"]], fenced=True)])
 
 
 SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
@@ -351,9 +396,11 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "lora": ("LoRA adapters (`tandem bench lora`)", lora),
+    "robustness": ("Robustness (`make fuzz`, `tandem bench robustness`)", robustness),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }
-DEFAULT_SECTIONS = [s for s in SECTIONS if s != "soak"]  # soak: 10+ minutes, on request
+# On request: the soak (10+ minutes) and robustness (fuzzing and restarts, ~15 minutes).
+DEFAULT_SECTIONS = [s for s in SECTIONS if s not in ("soak", "robustness")]
 
 
 def assemble(ctx: Context) -> str:
@@ -371,9 +418,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="folder of BENCHMARKS.md (fragments in bench/, pictures in img/)")
     p.add_argument("--only", default="",
                    help=f"comma-separated sections (default: {','.join(DEFAULT_SECTIONS)}; "
-                        f"also: soak)")
+                        f"also: soak, robustness)")
     p.add_argument("--repeats", type=int, default=3, help="runs per A/B arm (medians)")
     p.add_argument("--soak-minutes", type=float, default=10.0)
+    p.add_argument("--fuzz-examples", type=int, default=5000,
+                   help="requests of the robustness section's fuzz run")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -388,7 +437,8 @@ def main(args: argparse.Namespace) -> int:
     for preset in ("default", "fast"):
         progress(f"building the tiny '{preset}' checkpoint")
         models[preset] = str(build_tiny_model(os.path.join(work, preset), preset))
-    ctx = Context(os.path.abspath(args.docs), models, args.repeats, args.soak_minutes)
+    ctx = Context(os.path.abspath(args.docs), models, args.repeats, args.soak_minutes,
+                  args.fuzz_examples)
     os.makedirs(ctx.img, exist_ok=True)
     os.makedirs(ctx.frag, exist_ok=True)
     for i, key in enumerate(sections, 1):

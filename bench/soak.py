@@ -1,8 +1,9 @@
 """`tandem bench soak`: a steady request rate for minutes; does any process keep growing?
 
 It starts a server (or attaches to one with `--target` and `--pid`), drives Poisson
-arrivals at `--request-rate` through `TandemClient` streams from a thread pool (a mix of
-plain, token-detail and stop-sequence requests, so every output path runs), and samples
+arrivals at `--request-rate` through gRPC streams from a thread pool (a mix of plain,
+token-detail, stop-sequence, sampled, cancelled-mid-stream and, with `--guided-share`,
+guided requests, so every output path runs: `bench/soak_mix.py`), and samples
 the resident set size (VmRSS in /proc/<pid>/status) of every process of the server's tree.
 One-time allocations (oneDNN primitives for new shapes, allocator pools) happen in the first
 `--warmup-s` of load, which the comparison leaves out. The start is the median of the samples
@@ -12,8 +13,9 @@ instant (tens of MB in the gpu worker), a median of several does not. Both are u
 allocators hand memory back once streams close, so an idle end would flatter it. Per process
 (role from its `tandem: <role>` title) the table shows the RSS at the first sample, start, end,
 growth, the least-squares slope over every sample after the warm-up (MB/min) and the idle size
-after the load; `--json` writes the whole series. With `--max-growth-pct` the exit code says
-whether it held.
+after the load; `--json` writes the whole series. After the load the admin counters must show
+every KV block free and nothing running. With `--max-growth-pct` the exit code says whether
+it held.
 
     tandem bench soak --minutes 10 --request-rate 4
 """
@@ -34,9 +36,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-WORDS = ("time river model token stream engine quick brown fox jumps over lazy dog light "
-         "paper window garden number seven north market silver cloud winter music").split()
+from bench.soak_mix import DEFAULT_MIX, RequestStats, parse_mix, run_one
 
+DEFAULT = parse_mix(DEFAULT_MIX, 0.0)
 
 @dataclass
 class ProcessRss:
@@ -86,17 +88,6 @@ class Windows:
 
     def readings(self, p: ProcessRss) -> tuple[int | None, int | None]:
         return p.median(*self.start), p.median(*self.end)
-
-
-@dataclass
-class RequestStats:
-    sent: int = 0
-    ok: int = 0
-    failed: dict[str, int] = field(default_factory=dict)
-    tokens: int = 0
-    latencies: list[float] = field(default_factory=list)
-    start_delays: list[float] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
 # ---------------------------------------------------------------------- processes
@@ -162,46 +153,9 @@ def find_frontend() -> int | None:
 # ---------------------------------------------------------------------- load
 
 
-def make_prompt(rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 40)))
-
-
-def one_request(client: Any, rng_seed: int, max_new_tokens: int, stats: RequestStats,
-                scheduled: float) -> None:
-    import grpc
-
-    from rpc.client import GenerateOptions
-
-    rng = random.Random(rng_seed)
-    kind = rng_seed % 4
-    opts = GenerateOptions(max_new_tokens=rng.randint(max(1, max_new_tokens // 4),
-                                                      max_new_tokens))
-    if kind == 1:  # token detail: logprobs, ranks, top-n text per token
-        opts.generated_tokens, opts.token_logprobs, opts.token_ranks = True, True, True
-        opts.top_n_tokens = 3
-    elif kind == 2:  # stop strings: the postproc side's matcher and early finishes
-        opts.stop_sequences = [rng.choice(WORDS), "\n\n"]
-    elif kind == 3:  # sampling with a seed
-        opts.sample, opts.temperature, opts.top_p, opts.seed = True, 0.8, 0.9, rng_seed
-    start = time.monotonic()
-    tokens = 0
-    try:
-        for resp in client.stream(make_prompt(rng), opts, timeout=300):
-            tokens = resp.generated_token_count or tokens
-    except grpc.RpcError as exc:
-        code = exc.code().name if exc.code() is not None else "UNKNOWN"
-        with stats.lock:
-            stats.failed[code] = stats.failed.get(code, 0) + 1
-        return
-    with stats.lock:
-        stats.ok += 1
-        stats.tokens += tokens
-        stats.latencies.append(time.monotonic() - start)
-        stats.start_delays.append(start - scheduled)
-
-
 def drive(client: Any, rate: float, seconds: float, max_new_tokens: int, concurrency: int,
-          stats: RequestStats, stop: threading.Event, seed: int = 0) -> int:
+          stats: RequestStats, stop: threading.Event, seed: int = 0,
+          mix: dict[str, float] | None = None) -> int:
     """Poisson arrivals at `rate` per second for `seconds`; returns how many were sent."""
     rng = random.Random(seed)
     sent = 0
@@ -216,8 +170,8 @@ def drive(client: Any, rate: float, seconds: float, max_new_tokens: int, concurr
             delay = next_at - time.monotonic()
             if delay > 0 and stop.wait(delay):
                 break
-            pool.submit(one_request, client, seed * 1_000_003 + sent, max_new_tokens, stats,
-                        next_at)
+            pool.submit(run_one, client, seed * 1_000_003 + sent, mix or DEFAULT, max_new_tokens,
+                        stats, next_at)
             sent += 1
             stats.sent = sent
     finally:
@@ -313,10 +267,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-growth-pct", type=float, default=0.0,
                    help="exit 1 when any process grew more than this (0: report only)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", default=DEFAULT_MIX,
+                   help="request kinds and weights: plain, detail (logprobs, ranks, top-n), "
+                        "stop (stop sequences), sample, cancel (cancelled mid-stream)")
+    p.add_argument("--guided-share", type=float, default=0.0,
+                   help="share of all requests with a guided-decoding constraint (needs a "
+                        "server with guided decoding)")
 
 
 def main(args: argparse.Namespace) -> int:
     from rpc.client import TandemClient
+
+    try:
+        mix = parse_mix(args.mix, args.guided_share)
+    except ValueError as exc:
+        print(f"bench soak: {exc}", file=sys.stderr)
+        return 2
 
     proc: subprocess.Popen | None = None
     if args.target:
@@ -339,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
               f"{args.warmup_s:g} s warm-up + {args.minutes:g} min", file=sys.stderr)
         driver = threading.Thread(target=lambda: drive(
             client, args.request_rate, load_s, args.max_new_tokens, args.concurrency, stats,
-            stop, args.seed), name="soak-driver")
+            stop, args.seed, mix), name="soak-driver")
         t0 = time.monotonic()
         driver.start()
         next_sample = 0.0
@@ -360,6 +326,10 @@ def main(args: argparse.Namespace) -> int:
         # was taken under load (allocators give memory back when streams close).
         for proc_rss in procs.values():
             proc_rss.idle_after_kb = rss_kb(proc_rss.pid)
+        # Cancelled and finished requests gave every KV block back.
+        from bench.robustness import wait_idle
+
+        after = wait_idle(client, timeout=30)
     except KeyboardInterrupt:
         stop.set()
         return 130
@@ -376,20 +346,26 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(rows, windows))
     lat = stats.latencies
     failed = sum(stats.failed.values())
-    dropped = stats.sent - stats.ok - failed
-    print(f"requests: {stats.sent} sent, {stats.ok} ok, {failed} failed"
+    dropped = stats.sent - stats.ok - stats.cancelled - failed
+    leaked = after.num_total_blocks - after.num_free_blocks
+    print(f"requests: {stats.sent} sent, {stats.ok} ok, {stats.cancelled} cancelled by the "
+          f"client mid-stream, {failed} failed"
           f"{f' {stats.failed}' if stats.failed else ''}"
           f"{f', {dropped} never started (queued when the load ended)' if dropped else ''}; "
           f"{stats.ok / max(t_end, 1e-9):.2f} req/s, {stats.tokens} tokens; latency p50 "
           f"{percentile(lat, 50):.2f} s p99 {percentile(lat, 99):.2f} s; start delay p99 "
           f"{percentile(stats.start_delays, 99):.3f} s")
+    print("by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(stats.by_kind.items()))
+          + f"; after the load: {leaked} KV blocks in use, {after.num_running} running, "
+          f"{after.num_waiting} waiting")
     worst = max((g for p in rows if (g := growth_pct(*windows.readings(p))) is not None),
                 default=0.0)
     if args.json:
         out = {"config": {k: v for k, v in vars(args).items() if k != "func"},
                "target": target, "seconds": t_end,
                "requests": {"sent": stats.sent, "ok": stats.ok, "failed": stats.failed,
-                            "tokens": stats.tokens,
+                            "cancelled": stats.cancelled, "by_kind": dict(stats.by_kind),
+                            "tokens": stats.tokens, "blocks_in_use_after": leaked,
                             "latency_p50_s": percentile(lat, 50),
                             "latency_p99_s": percentile(lat, 99)},
                "windows": asdict(windows),
@@ -400,7 +376,7 @@ def main(args: argparse.Namespace) -> int:
                              for p in rows]}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    if failed:
+    if failed or leaked or after.num_running:
         return 1
     if args.max_growth_pct and worst > args.max_growth_pct:
         return 1

@@ -92,27 +92,34 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
             ranks.wait_followers()
         tokens.wait_ready()
         publisher = TokenPublisher(tokens.put, runner.device)
-        to_scheduler.put(WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
-                                     runner.vocab_size))
-        log.info("ready (pid %d)", os.getpid())
+        ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
+                            runner.vocab_size)
         peers = role_watch(cfg, "gpu-worker")
+        if peers is None:  # under the launcher; on our own, once in the frontend's set
+            to_scheduler.put(ready)
+            log.info("ready (pid %d)", os.getpid())
         to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
         torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
         idle_since = time.monotonic_ns()
         paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when a plan ends
         while True:
+            if peers is not None:
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             msg = inbox.get(timeout=HEARTBEAT_INTERVAL if peers else 1.0)
             if msg is None:
-                # Checked when idle, so heartbeats queued behind a long plan count first.
-                if peers is not None:
-                    peers.check()  # on its own (a container): lose the frontend, exit non-zero
                 if ranks is not None:
                     ranks.idle()
                 continue
             if isinstance(msg, Heartbeat):
-                if peers is not None:
-                    peers.seen(msg)
+                if peers is not None and peers.seen(msg):
+                    log.info("ready (pid %d), in the set of epoch %x", os.getpid(),
+                             peers.epoch)
+                if peers is not None and peers.epoch:
+                    # With every heartbeat of the frontend: when we join, the scheduler of our
+                    # set may not be up yet, and one of the set we replace may still hold the
+                    # address.  The scheduler keeps the first.
+                    to_scheduler.put(ready)
                 continue
             if ranks is not None and isinstance(msg, (Shutdown, StepPlan, ProfileControl)):
                 ranks.forward(msg)  # before running it: the ranks run each plan together

@@ -1,9 +1,9 @@
 """One sender, a known set of receivers that all get every message, in order: the plan
 channel from gpu worker rank 0 to the other tensor-parallel ranks.
 
-ZeroMQ XPUB/SUB with the msgpack codec, like every other channel.  Plain PUB drops what it
-sends before a subscriber has joined (the "slow joiner"); XPUB hands the sender each
-subscription, so `wait_subscribers` returns only once every receiver is listening and no
+ZeroMQ XPUB/SUB with the msgpack codec and the epoch stamp, like every other channel.
+Plain PUB drops what it sends before a subscriber has joined (the "slow joiner"); XPUB
+hands the sender each subscription, so `wait_subscribers` returns only once every receiver is listening and no
 plan is lost.  With XPUB_VERBOSER it also hands over an unsubscription when a receiver's
 connection closes (its process died, or, over TCP with ZeroMQ heartbeats on, its host went
 silent): `lost()` tells the sender without any traffic of its own.
@@ -17,8 +17,7 @@ from typing import Any
 
 import zmq
 
-from ipc.channels import DEFAULT_HWM, Receiver, _ipc_path, bind_address
-from proto import codec
+from ipc.channels import DEFAULT_HWM, Receiver, _ipc_path, bind_address, stamped
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class Fanout:
         return self.left > 0
 
     def put(self, msg: Any) -> None:
-        self.sock.send_multipart(codec.encode(msg), copy=False)
+        self.sock.send_multipart(stamped(msg), copy=False)
 
     def close(self) -> None:
         if self._closed:

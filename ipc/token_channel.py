@@ -41,8 +41,12 @@ def rows_for(batch: TokenBatch, index: int, num_workers: int) -> TokenBatch:
                       batch.last)
 
 
+# Start-up waits between the gpu worker and the postproc workers have no deadline of their
+# own: how long the worker takes to create the ring (importing torch) or a reader to attach
+# depends on the host's load and page cache, not on whether anything is wrong.  Whoever
+# started the processes (the launcher) sees a death and stops the rest.
 class TokenWriter:
-    def __init__(self, addr: Addresses, ready_timeout: float = 60.0) -> None:
+    def __init__(self, addr: Addresses, ready_timeout: float | None = None) -> None:
         self._n = len(addr.postproc_inboxes)
         self._ring = None
         self._senders: list[Sender] = []
@@ -83,7 +87,8 @@ class TokenReader:
 
         self.index = index
         self._n = len(addr.postproc_inboxes)
-        self._ring = RingReader(addr.ring_name, index, addr.ring_doorbell, addr.ring_side)
+        self._ring = RingReader(addr.ring_name, index, addr.ring_doorbell, addr.ring_side,
+                                attach_timeout=None)
 
     def get(self, timeout: float | None) -> TokenBatch | PromptDetail | None:
         deadline = None if timeout is None else time.monotonic() + timeout

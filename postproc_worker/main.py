@@ -198,14 +198,22 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
         else:
             log.error("unexpected message %s", type(msg).__name__)
 
-    to_frontend.put(Ready("postproc", index))
-    log.info("ready (worker %d of %d)", index, len(addr.postproc_inboxes))
     peers = role_watch(cfg, "postproc", index)
+    if peers is None:  # under the launcher; on our own, once we joined the frontend's set
+        to_frontend.put(Ready("postproc", index))
+        log.info("ready (worker %d of %d)", index, len(addr.postproc_inboxes))
+
+    def heartbeat(msg: Heartbeat) -> None:
+        if peers is not None and peers.seen(msg):
+            to_frontend.put(Ready("postproc", index))
+            log.info("ready (worker %d of %d), in the set of epoch %x", index,
+                     len(addr.postproc_inboxes), peers.epoch)
+
     set_role(f"postproc {index}")
     try:
         while True:
             if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             # Registrations first: they must be known before the tokens they precede.
             msgs = inbox.drain()
             queued = sum(isinstance(m, TokenBatch) for m in msgs)
@@ -215,8 +223,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, Heartbeat):
-                    if peers is not None:
-                        peers.seen(msg)
+                    heartbeat(msg)
                     continue
                 handle(msg)
             if ring is not None:
@@ -231,8 +238,7 @@ def run_postproc(cfg: ServerConfig, index: int) -> None:
                 if isinstance(msg, Shutdown):
                     return
                 if isinstance(msg, Heartbeat):
-                    if peers is not None:
-                        peers.seen(msg)
+                    heartbeat(msg)
                 elif msg is not None:
                     handle(msg)
             now = time.monotonic()

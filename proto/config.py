@@ -70,6 +70,9 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    # Output a stream may hold for a client that stopped reading before its request is
+    # cancelled with RESOURCE_EXHAUSTED (rpc/stream_buffer.py); 0: no limit.
+    max_stream_buffer_bytes: int = 1 << 20
     default_max_new_tokens: int = 20
     max_new_tokens: int = 1024  # the server's limit for one request
     include_stop_sequence: bool = True  # default when a request leaves it unset
@@ -175,7 +178,8 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "max_num_batched_tokens": (1, None), "max_model_len": (0, None),
     "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
     "kv_cache_memory": (0, None), "max_queued_requests": (1, None),
-    "max_queued_tokens": (1, None), "default_max_new_tokens": (1, None),
+    "max_queued_tokens": (1, None), "max_stream_buffer_bytes": (0, None),
+    "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),

@@ -420,10 +420,18 @@ class EngineStats:
 
 @dataclass
 class Heartbeat:
-    """Roles started on their own (one container each) prove they are alive with these."""
+    """Roles started on their own (one container each) prove they are alive with these.
+
+    They also say who is who (`ipc.peers`): `incarnation` is random per process, so a role
+    restarted under the same name is a new one; `epoch` is the set the sender serves in (0:
+    none yet).  The frontend's own lists the incarnations it admitted to its set.
+    """
 
     role: str
     index: int = 0
+    incarnation: int = 0
+    epoch: int = 0
+    members: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -45,6 +45,7 @@ from proto.messages import (
     WorkerReady,
 )
 from rpc import metrics
+from rpc.stream_buffer import StreamBuffer
 
 log = logging.getLogger("tandem.frontend")
 
@@ -63,8 +64,10 @@ class ProfileBusy(Exception):
 
 @dataclass
 class _Stream:
-    queue: asyncio.Queue
+    buf: StreamBuffer
     started: float
+    name: str = ""  # the client's correlation id, for the log
+    orphaned: bool = False  # the set of roles it was sent to is gone: nothing to abort
 
 
 @dataclass
@@ -112,6 +115,11 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def drained_at(self) -> float:
+        """When the inbox was last read to its end (time.monotonic()); see `ipc.peers`."""
+        return self._inbox.drained_at
+
     async def _read_loop(self) -> None:
         while True:
             msg = await self._inbox.get()
@@ -149,38 +157,40 @@ class EngineClient:
         stream = self._streams.get(rid)
         if stream is None:
             return
-        # Bounded memory (supervision, issue G): a client that reads slower than tokens come
-        # must not grow this queue by a delta per token.  Past a backlog, a delta folds into
-        # the last one still waiting: fewer, longer deltas, nothing lost.
-        queue = stream.queue
-        if isinstance(item, OutputDelta) and queue.qsize() >= 16:
-            last = queue._queue[-1]  # type: ignore[attr-defined]  # asyncio.Queue's deque
-            lists = ("token_ids", "token_texts", "logprobs", "ranks", "top_ids", "top_texts",
-                     "top_logprobs")
-            prompt = (item.prompt_logprobs, item.prompt_ranks, item.prompt_top_texts,
-                      item.prompt_top_logprobs)
+        # Bounded memory for clients that read slower than tokens come (rpc/stream_buffer.py).
+        if not stream.buf.put(item):
+            self._overflowed(rid, stream)
 
-            def compatible(f: str) -> bool:  # both absent, or both plain lists to extend
-                a, b = getattr(last, f), getattr(item, f)
-                return (a is None and b is None) or (isinstance(a, list) and isinstance(b, list))
-
-            if (isinstance(last, OutputDelta) and last.finish_reason == FinishReason.NOT_FINISHED
-                    and all(p is None for p in prompt) and all(compatible(f) for f in lists)):
-                last.text += item.text
-                for f in lists:
-                    if getattr(item, f) is not None:
-                        getattr(last, f).extend(getattr(item, f))
-                if item.num_generated >= 0:
-                    last.num_generated = item.num_generated
-                last.finish_reason, last.stop_sequence = item.finish_reason, item.stop_sequence
-                return
-        queue.put_nowait(item)
+    def _overflowed(self, rid: int, stream: _Stream) -> None:
+        """The client stopped reading: cancel the request now, so its KV blocks come back,
+        and end the RPC with RESOURCE_EXHAUSTED whenever the client reads again."""
+        held, limit = stream.buf.buffered, stream.buf.limit
+        log.warning("[%s] request %d cancelled: its client is not reading (%d bytes of output "
+                    "buffered, --max-stream-buffer-bytes %d)", stream.name or "-", rid, held,
+                    limit)
+        metrics.SLOW_CLIENTS.inc()
+        self.abort(rid)
+        stream.buf.queue.put_nowait(EngineError(
+            "RESOURCE_EXHAUSTED", f"client is not reading: {held} bytes of output buffered "
+            f"for this stream, over the server's limit of {limit} "
+            f"(--max-stream-buffer-bytes); the request was cancelled"))
 
     def fail_all(self, message: str) -> None:
         """A process died: every open stream ends with UNAVAILABLE."""
         self.dead = message
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineError("UNAVAILABLE", message))
+            stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
+
+    def reset(self, message: str) -> None:
+        """The roles behind us were replaced (`ipc.peers`): every open stream ends with
+        UNAVAILABLE, and readiness waits for the new set's handshake."""
+        for stream in self._streams.values():
+            stream.orphaned = True
+            stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
+        self.limits = None
+        self._ready_postproc.clear()
+        self.ready.clear()
+        self.stats = None
 
     def new_request_id(self) -> int:
         return next(self._ids)
@@ -203,7 +213,8 @@ class EngineClient:
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
         rid = self.new_request_id() if request_id is None else request_id
-        stream = _Stream(asyncio.Queue(), time.monotonic() if arrived is None else arrived)
+        stream = _Stream(StreamBuffer(self.cfg.max_stream_buffer_bytes),
+                         time.monotonic() if arrived is None else arrived, name)
         self._streams[rid] = stream
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ended_by_engine = False  # else (cancel, time limit, death) we must abort it
@@ -238,19 +249,24 @@ class EngineClient:
                     return
         finally:
             del self._streams[rid]
-            if not ended_by_engine:
+            # An overflow aborted it already; an orphan's roles are gone.
+            if not (ended_by_engine or stream.buf.overflowed or stream.orphaned):
                 self.abort(rid)
 
     async def _next(self, stream: _Stream, deadline: float | None) -> object | None:
+        queue = stream.buf.queue
         if deadline is None:
-            return await stream.queue.get()
-        left = deadline - time.monotonic()
-        if left <= 0 and stream.queue.empty():
-            return None
-        try:
-            return await asyncio.wait_for(stream.queue.get(), timeout=max(left, 0.0))
-        except asyncio.TimeoutError:
-            return None
+            item = await queue.get()
+        else:
+            left = deadline - time.monotonic()
+            if left <= 0 and queue.empty():
+                return None
+            try:
+                item = await asyncio.wait_for(queue.get(), timeout=max(left, 0.0))
+            except asyncio.TimeoutError:
+                return None
+        stream.buf.took(item)
+        return item
 
     def abort(self, rid: int) -> None:
         if self.dead:

@@ -79,6 +79,7 @@ class Frontend:
         self.tok = tok
         self.adapters = adapters  # LoRA adapters (None: no --adapter-cache)
         self.limits: Limits | None = None
+        self.unready = "server is still starting"  # why, while `limits` is None
         self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
         self.serving = False
@@ -86,7 +87,7 @@ class Frontend:
     def ready_limits(self) -> Limits:
         """The limits, or UNAVAILABLE while starting or draining."""
         if self.limits is None:
-            raise EngineError("UNAVAILABLE", "server is still starting")
+            raise EngineError("UNAVAILABLE", self.unready)
         if not self.accepting:
             raise EngineError("UNAVAILABLE", "server is shutting down")
         return self.limits

@@ -17,6 +17,9 @@ E2E = Histogram("tandem_e2e_request_latency_seconds", "Arrival to last token",
                 buckets=_LATENCY)
 REQUESTS = Counter("tandem_requests_total", "Finished requests", ["reason"])
 REJECTED = Counter("tandem_rejected_requests_total", "Requests refused by admission control")
+SLOW_CLIENTS = Counter("tandem_slow_client_cancels_total",
+                       "Requests cancelled because their client stopped reading "
+                       "(--max-stream-buffer-bytes)")
 RUNNING = Gauge("tandem_num_requests_running", "Requests holding KV blocks")
 WAITING = Gauge("tandem_num_requests_waiting", "Queued requests (preempted included)")
 KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use")

@@ -30,6 +30,7 @@ from rpc.validation import (
     ValidationError,
     check_prompt,
     check_unsupported,
+    shown,
     validate_params,
 )
 
@@ -337,7 +338,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                                 f"duration_s: must be in (0, 600], got {duration}")
         if path and not os.path.isabs(path):  # the gpu worker's working folder is not ours
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"torch_trace_path: must be absolute, got {path!r}")
+                                f"torch_trace_path: must be absolute, got {shown(path)}")
         try:
             profiles = await self.engine.profile(duration, request.plans, path)
         except ProfileBusy as exc:

@@ -26,14 +26,31 @@ _GUIDED_KINDS = {"regex": SpecKind.REGEX, "json_schema": SpecKind.JSON_SCHEMA,
                  "grammar": SpecKind.GRAMMAR}
 
 
+# A status message travels as gRPC trailing metadata, which clients refuse past 16 KiB (as
+# RESOURCE_EXHAUSTED, hiding the real answer): a value the client sent is quoted in part.
+MAX_DETAILS = 1000
+
+
+def shown(value: str, limit: int = 60) -> str:
+    """`value` quoted for an error message, cut to `limit` characters."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def capped(message: str) -> str:
+    return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "..."
+
+
 class ValidationError(ValueError):
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
+        super().__init__(capped(f"{field}: {message}"))
         self.field = field
 
 
 class UnsupportedError(ValueError):
-    pass
+    def __init__(self, message: str) -> None:
+        super().__init__(capped(message))
 
 
 @dataclass(frozen=True)
@@ -80,7 +97,7 @@ def check_unsupported(request: pb.SingleGenerationRequest | pb.BatchedGeneration
         if request.HasField(name) and value:
             kind = "prompt-tuning prefixes" if name == "prefix_id" else "adapters"
             raise UnsupportedError(f"{name}: {kind} are not supported by this server "
-                                   f"(got {value!r}); leave {name} unset")
+                                   f"(got {shown(value)}); leave {name} unset")
 
 
 def validate_params(params: pb.Parameters, limits: Limits) -> Request:
@@ -143,6 +160,10 @@ def _check_size(field: str, size: int) -> None:
 
 def _sampling(params: pb.Parameters, limits: Limits) -> SamplingParams:
     s = params.sampling
+    if params.method not in pb.DecodingMethod.values():
+        # proto3 enums are open: a newer client's method must not quietly run as greedy.
+        raise ValidationError("params.method", f"unknown decoding method {params.method}; "
+                              "must be GREEDY (0) or SAMPLE (1)")
     sampled = params.method == pb.SAMPLE
     temperature = 1.0
     if s.HasField("temperature"):

@@ -70,7 +70,7 @@ def run_scheduler(cfg: ServerConfig) -> None:
                 stats_sent = report_stats(sched, times, to_frontend, stats_sent)
                 stats_logged = log_stats(sched, times, stats_logged)
             if peers is not None:
-                peers.check()  # on its own (a container): lose the frontend, exit non-zero
+                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
             msg = inbox.get(timeout=STATS_INTERVAL)
             if msg is None:
                 continue
@@ -87,6 +87,8 @@ def run_scheduler(cfg: ServerConfig) -> None:
                     watchdog.done(m.plan_id)
                 times.on(m, cfg.num_postproc_workers)
                 if isinstance(m, WorkerReady):
+                    if sched is not None:  # on its own the worker repeats it: keep the first
+                        continue
                     sched = Scheduler(make_params(cfg, m))
                     log.info("ready: %d KV blocks of %d, max_model_len %d", m.num_kv_blocks,
                              m.block_size, m.max_model_len)

@@ -66,6 +66,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
+    p.add_argument("--max-stream-buffer-bytes", type=int, default=d.max_stream_buffer_bytes,
+                   help="output held for a client that stopped reading before its request is "
+                        "cancelled with RESOURCE_EXHAUSTED (0: no limit)")
     p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
                    help="the largest max_new_tokens a request may ask for")
@@ -221,7 +224,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
-    from ipc.process import StartupError, init_child, report_failure
+    from ipc.process import exit_now, init_child
 
     if args.config_file:  # started by the launcher
         with open(args.config_file) as f:
@@ -246,6 +249,15 @@ def cmd_run_role(args: argparse.Namespace) -> int:
             rank = cfg.node_rank
         role = cfg.worker_role(rank)
     init_child(role, cfg, args.parent_pid, rank % cfg.ranks_per_node)
+    exit_now(_run_child(args, cfg, role, rank))
+    return 0  # not reached
+
+
+def _run_child(args: argparse.Namespace, cfg: ServerConfig, role: str, rank: int) -> int:
+    """Run a scheduler, gpu worker or postproc worker until it ends; its exit status."""
+    from ipc.peers import PeerLost
+    from ipc.process import StartupError, report_failure
+
     try:
         if args.role == "scheduler":
             from scheduler.main import run_scheduler
@@ -261,6 +273,9 @@ def cmd_run_role(args: argparse.Namespace) -> int:
             run_postproc(cfg, args.index)
     except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
         return 0 if exc.code in (None, 0, 143) else int(exc.code or 1)
+    except PeerLost as exc:  # on its own: its set is gone; the orchestrator restarts it fresh
+        logging.getLogger("tandem").error("%s", exc)
+        return 1
     except StartupError as exc:  # the user's to fix: one line, the traceback only at debug
         # The launcher stops every child now; its SIGTERM must not turn this quiet exit
         # into a SystemExit traceback from whatever atexit hook is running.
@@ -366,6 +381,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_soak.add_arguments(p)
     p.set_defaults(func=bench_soak.main)
+
+    p = bench.add_parser("robustness",
+                         help="overload, stalled and vanishing clients, role restarts")
+    from bench import robustness as bench_robustness
+
+    bench_robustness.add_arguments(p)
+    p.set_defaults(func=bench_robustness.main)
 
     from bench import ab as bench_ab
 

@@ -15,10 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from ipc.process import StartupError
 from proto import generation_pb2 as pb
-from proto import generation_pb2_grpc as pb_grpc
 from proto.config import ServerConfig
 from rpc.frontend import Frontend
 from rpc.server import ADMIN_SERVICE_NAME, GenerationServicer, add_admin_service
+from rpc.wire import add_generation_service
 
 GRPC_OPTIONS = [
     # A port another server holds is an error, not a port shared with it.
@@ -67,7 +67,9 @@ def add_services(server: grpc.aio.Server, frontend: Frontend) -> object:
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["GenerationService"].full_name,
          ADMIN_SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(frontend), server)
+    # Our own request deserializer: bytes that do not parse are INVALID_ARGUMENT, not grpc's
+    # INTERNAL (rpc/wire.py).
+    add_generation_service(GenerationServicer(frontend), server)
     add_admin_service(server, frontend.engine)
     return health_servicer
 

@@ -12,7 +12,8 @@ exception says so first (`ProcessFailed`, with the error), ahead of the exits it
 The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the launcher
 then has the worker dump its stacks to the log and treats it as dead.  Either way: health
 NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
-stopped, exit code 1.
+stopped, exit code 1.  A frontend of roles started on their own (`run-role frontend`)
+replaces their set instead and keeps serving (tandem/standalone.py).
 SIGTERM/SIGINT: NOT_SERVING (HTTP /health 503) at once, new requests get UNAVAILABLE (HTTP
 503), in-flight ones finish
 up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
@@ -31,6 +32,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from grpc_health.v1 import health_pb2
@@ -38,7 +40,6 @@ from grpc_health.v1 import health_pb2
 from guided.service import GuidedCompiler
 from ipc import faults
 from ipc.channels import AsyncReceiver
-from ipc.peers import frontend_watch
 from ipc.process import StartupError, pin, split_cpus
 from proto.config import Addresses, ServerConfig
 from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
@@ -56,6 +57,7 @@ from tandem.preflight import (
     check_ports,
     load_tokenizer,
 )
+from tandem.standalone import SetKeeper
 from tandem.tp_node import free_local_addr
 from tokenization.tokenizer import Tokenizer
 
@@ -113,6 +115,8 @@ class Launcher:
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
         self._precompile: asyncio.Task[None] | None = None  # format=JSON, after readiness
+        self.keeper: SetKeeper | None = None  # roles on their own: the set they serve as
+        self._consequences: set[str] = set()  # children that said a peer's death ended them
 
     # ------------------------------------------------------------------ children
 
@@ -152,25 +156,29 @@ class Launcher:
     def _child_exited(self, child: Child) -> None:
         if self._stopping:
             return
+        rc = child.proc.returncode
         # Status 2 is a start-up mistake, which the user sees in one line of its own.
-        log.log(logging.DEBUG if child.proc.returncode == 2 else logging.WARNING, "%s",
-                child.describe_exit())
-        # 0: a clean exit nobody asked for; 2: a start-up mistake, whose one-line report
-        # (ProcessFailed) may still be on its way.
-        if child.proc.returncode in (0, 2) and self._loop is not None:
-            # A clean exit nobody asked for is usually a consequence: postproc workers leave
-            # when the gpu worker closes the ring on its way out, and the worker takes a
-            # moment longer to exit (its `ProcessFailed` usually arrives first anyway).
+        log.log(logging.DEBUG if rc == 2 else logging.WARNING, "%s", child.describe_exit())
+        # A signal (SIGKILL, a crash) is a cause: blame at once.  An exit status is often a
+        # consequence: postproc workers leave when the gpu worker dies or closes the ring,
+        # and under load a consequence can be reaped before its cause (each child's waiter
+        # thread runs when the scheduler lets it), so the cause gets a moment to be seen.
+        # A child dying of an exception says why first (`ProcessFailed`), which fails at once.
+        if rc is not None and rc >= 0 and self._loop is not None:
             self._loop.call_later(CLEAN_EXIT_GRACE, self._blame)
             return
         self._blame()
 
     def _blame(self) -> None:
-        """Fail with the first child that crashed, else the first that exited at all."""
+        """Fail with the child that caused it: killed by a signal, else crashed without
+        saying a peer's death made it, else crashed, else exited at all; the first of them."""
         dead = [c for c in self.children if c.exited_at is not None]
         crashed = [c for c in dead if c.proc.returncode != 0]
-        if dead:
-            self._fail(min(crashed or dead, key=lambda c: c.exited_at or 0.0).describe_exit())
+        killed = [c for c in crashed if (c.proc.returncode or 0) < 0]
+        causes = [c for c in crashed if c.role not in self._consequences]
+        pick = killed or causes or crashed or dead
+        if pick:
+            self._fail(min(pick, key=lambda c: c.exited_at or 0.0).describe_exit())
 
     def _fail(self, message: str) -> None:
         if self._failure is not None and not self._failure.done():
@@ -252,8 +260,16 @@ class Launcher:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal, sig)
         watching = asyncio.create_task(self._read_reports(reports)) if reports else None
-        peers = asyncio.create_task(self._watch_peers(engine)) if self.cfg.standalone else None
-        starting = asyncio.create_task(self._become_ready(frontend, health_servicer))
+        become_ready = partial(self._become_ready, frontend, health_servicer)
+        peers = None
+        starting: asyncio.Task[Any]
+        if self.cfg.standalone:  # roles on their own: keep a set serving (tandem/standalone.py)
+            self.keeper = SetKeeper(self.cfg, frontend, partial(set_health, health_servicer),
+                                    become_ready)
+            peers = asyncio.create_task(self.keeper.run())
+            starting = asyncio.create_task(self.keeper.served.wait())
+        else:
+            starting = asyncio.create_task(become_ready())
         failed = asyncio.ensure_future(self._failure)
         stopping = asyncio.create_task(self._stop.wait())
         try:
@@ -299,19 +315,13 @@ class Launcher:
             self.cleanup(STOP_TIMEOUT_FAILED if self.exit_code else STOP_TIMEOUT_CLEAN)
         return self.exit_code
 
-    async def _watch_peers(self, engine: EngineClient) -> None:
-        """Roles on their own have no parent watching them: a silent one is a dead one."""
-        watch = frontend_watch(self.cfg)
-        engine.on_heartbeat = watch.seen
-        try:
-            while True:
-                lost = watch.lost()
-                if lost:
-                    self._fail(lost)
-                    return
-                await asyncio.sleep(0.25)
-        finally:
-            watch.close()
+    def _lose(self, message: str) -> None:
+        """A process failed: under the launcher the server ends; roles on their own replace
+        their set and the frontend stays (tandem/standalone.py)."""
+        if self.keeper is not None:
+            self.keeper.break_set(message)
+        else:
+            self._fail(message)
 
     def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
         assert engine.limits is not None
@@ -326,16 +336,18 @@ class Launcher:
         engine, tok = frontend.engine, frontend.tok
         await engine.ready.wait()
         assert engine.limits is not None
-        # The vocabulary's fingerprint names compiled constraints: before any request.
-        frontend.guided = await asyncio.to_thread(
-            GuidedCompiler.for_tokenizer, tok, guided.settings(self.cfg, engine.limits.vocab_size))
+        if frontend.guided is None:  # once: a replaced set of roles keeps the compiler
+            # The vocabulary's fingerprint names compiled constraints: before any request.
+            frontend.guided = await asyncio.to_thread(
+                GuidedCompiler.for_tokenizer, tok,
+                guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
         await self._warm_up(engine, tok)
         await set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         frontend.serving = True
         http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
         log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
-        if self.cfg.guided_precompile_json:  # after readiness, on the frontend's cores
+        if self.cfg.guided_precompile_json and self._precompile is None:  # after readiness
             self._precompile = asyncio.create_task(frontend.guided.precompile_json())
 
     async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
@@ -361,11 +373,12 @@ class Launcher:
                 elif self._stopping or (self._failure is not None and self._failure.done()):
                     log.warning("%s", text)  # a consequence of the first failure, most likely
                 elif msg.peer_died and self._loop is not None:
+                    self._consequences.add(msg.role)
                     # The dead peer's own exit names the cause; this report can outrun it.
                     log.warning("%s", text)
-                    self._loop.call_later(CLEAN_EXIT_GRACE, self._fail, text)
+                    self._loop.call_later(CLEAN_EXIT_GRACE, self._lose, text)
                 else:
-                    self._fail(text)
+                    self._lose(text)
             else:
                 log.error("unexpected supervision message %s", type(msg).__name__)
 
@@ -378,7 +391,7 @@ class Launcher:
                   msg.seconds, self.cfg.step_timeout)
         if [c for c in children if _dump_stacks(c)]:
             await asyncio.sleep(STACK_DUMP_WAIT)
-        self._fail(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
+        self._lose(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
     async def _fail_everything(self, frontend: Frontend, health_servicer: object,

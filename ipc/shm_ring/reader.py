@@ -5,6 +5,7 @@ See `ipc.shm_ring` for the protocol.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -66,7 +67,7 @@ class RingReader:
     _data_off: int
 
     def __init__(self, name: str, reader_index: int, doorbell_addr: str, side_addr: str, *,
-                 attach_timeout: float = 10.0, spin_s: float = DEFAULT_SPIN_S) -> None:
+                 attach_timeout: float | None = 10.0, spin_s: float = DEFAULT_SPIN_S) -> None:
         self.name = name
         self.index = reader_index
         self._spin_s = spin_s
@@ -93,9 +94,10 @@ class RingReader:
             self._release()
             raise
 
-    def _attach(self, attach_timeout: float) -> None:
+    def _attach(self, attach_timeout: float | None) -> None:
         # The launcher may start readers before the writer has created the segment.
-        deadline = time.monotonic() + attach_timeout
+        # None: wait as long as it takes (a supervisor ends the wait if the writer dies).
+        deadline = math.inf if attach_timeout is None else time.monotonic() + attach_timeout
         while True:
             try:
                 mm = _open_untracked(self.name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -202,11 +203,12 @@ class RingWriter:
                 if readers[i * 8 + _R_STATE] != _STATE_OPEN
                 or i not in self._bell_seen or i not in self._side_seen]
 
-    def wait_ready(self, timeout: float) -> None:
-        """Return once every reader has attached and subscribed; TimeoutError otherwise."""
+    def wait_ready(self, timeout: float | None) -> None:
+        """Return once every reader has attached and subscribed; TimeoutError after `timeout`
+        seconds (None: as long as it takes; a reader that died is reported either way)."""
         self._check_open()
         assert self._bell is not None and self._side is not None
-        deadline = time.monotonic() + timeout
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         poller = zmq.Poller()
         poller.register(self._bell, zmq.POLLIN)
         poller.register(self._side, zmq.POLLIN)

@@ -1,95 +1,122 @@
 """The compose deployment's roles as separate processes, started exactly as the compose file
-says (its commands and environment), with 127.0.0.1 in place of the service names."""
+says (its commands and environment), with 127.0.0.1 in place of the service names, and
+compose's `restart: unless-stopped` played by `bench.roles.RoleSet.restart_policy`.
+
+A killed role is replaced with its whole set (every other backend role exits non-zero and is
+restarted fresh) while the frontend keeps running: NOT_SERVING, then SERVING, with greedy
+output equal to HF's before and after.  The scheduler comes back faster than the heartbeat
+timeout, which only the processes' incarnations can tell from no restart at all; so does the
+gpu worker, which joins the new set before the old scheduler has left.  A killed frontend
+makes every role exit non-zero, and the restarted set serves again.
+"""
 from __future__ import annotations
 
-import os
 import pathlib
-import re
-import signal
-import subprocess
-import sys
+import threading
 import time
+from collections.abc import Iterator
 
+import grpc
 import pytest
-import yaml
 
+from bench.roles import ROLES, RoleSet, wait_health, wait_serving_anew
 from rpc.client import GenerateOptions, TandemClient
-from tests.e2e.server import ROOT, free_port
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
 
-COMPOSE = pathlib.Path(ROOT) / "docker" / "docker-compose.yml"
-ROLES = ["scheduler", "gpu-worker", "postproc-0", "postproc-1", "frontend"]
 PROMPTS = [("Once upon a time", 12), ("The quick brown fox", 7)]
-
-
-def interpolate(value: str) -> str:
-    """Compose's `${NAME:-default}` with an empty environment: the default."""
-    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: m.group(2), value)
-
-
-def localize(services: dict, model: str) -> tuple[dict[str, list[str]], dict[str, dict], int]:
-    """Each role's argv and environment, service names mapped to 127.0.0.1 and free ports."""
-    ports: dict[str, int] = {}
-
-    def addr(m: re.Match) -> str:
-        key = f"{m.group(1)}:{m.group(2)}"
-        ports.setdefault(key, free_port())
-        return f"tcp://127.0.0.1:{ports[key]}"
-
-    grpc_port = free_port()
-    argv, envs = {}, {}
-    for name in ROLES:
-        svc = services[name]
-        env = {k: re.sub(r"tcp://([\w-]+):(\d+)", addr, interpolate(str(v)))
-               for k, v in svc["environment"].items()}
-        env["TANDEM_MODEL"] = model
-        env["TANDEM_SUPERVISOR_ADDR"] = f"tcp://127.0.0.1:{free_port()}"
-        cmd = [interpolate(str(c)) for c in svc["command"]]
-        if name == "frontend":
-            cmd[cmd.index("--port") + 1] = str(grpc_port)
-            cmd[cmd.index("--host") + 1] = "127.0.0.1"
-        argv[name], envs[name] = cmd, env
-    supervisor = envs["frontend"]["TANDEM_SUPERVISOR_ADDR"]
-    for env in envs.values():
-        env["TANDEM_SUPERVISOR_ADDR"] = supervisor
-    return argv, envs, grpc_port
+BACKENDS = [r for r in ROLES if r != "frontend"]
 
 
 @pytest.fixture(scope="module")
-def hf_texts(tiny_model_dir: pathlib.Path) -> list[str]:
-    return hf_greedy(tiny_model_dir, PROMPTS)
+def hf_texts(fast_model_dir: pathlib.Path) -> list[str]:
+    return hf_greedy(fast_model_dir, PROMPTS)
 
 
-def test_roles_serve_like_compose_and_exit_when_the_scheduler_dies(
-        tiny_model_dir: pathlib.Path, hf_texts: list[str]) -> None:
-    services = yaml.safe_load(COMPOSE.read_text())["services"]
-    argv, envs, port = localize(services, str(tiny_model_dir))
-    procs: dict[str, subprocess.Popen] = {}
+@pytest.fixture
+def roles(fast_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> Iterator[RoleSet]:
+    rs = RoleSet(str(fast_model_dir), str(tmp_path), env={"TANDEM_LOG_LEVEL": "INFO"})
+    rs.start_all()
+    rs.restart_policy()
     try:
-        for name in ROLES:
-            procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "tandem.cli", *argv[name]], cwd=ROOT,
-                env={**os.environ, **envs[name], "TANDEM_LOG_LEVEL": "WARNING"},
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = TandemClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
-        while not client.is_serving():
-            assert time.monotonic() < deadline, "roles did not become ready"
-            assert all(p.poll() is None for p in procs.values())
-            time.sleep(0.3)
-        for (text, n), want in zip(PROMPTS, hf_texts, strict=True):
-            got = "".join(r.text for r in client.stream(
-                text, GenerateOptions(max_new_tokens=n, min_new_tokens=n)))
-            assert got == want
-        client.close()
-        procs["scheduler"].send_signal(signal.SIGKILL)
-        for name in ["frontend", "gpu-worker", "postproc-0", "postproc-1"]:
-            code = procs[name].wait(timeout=20)
-            assert code != 0, f"{name} exited {code} after losing the scheduler"
+        yield rs
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        rs.stop()
+
+
+def assert_outputs(client: TandemClient, want: list[str]) -> None:
+    for (text, n), expected in zip(PROMPTS, want, strict=True):
+        got = "".join(r.text for r in client.stream(
+            text, GenerateOptions(max_new_tokens=n, min_new_tokens=n), timeout=60))
+        assert got == expected
+
+
+def long_stream(client: TandemClient) -> dict[str, object]:
+    """A stream in flight on its own thread; the dict gets its status once it ends."""
+    out: dict[str, object] = {}
+    started = threading.Event()
+
+    def run() -> None:
+        try:
+            for msg in client.stream("A long story:", GenerateOptions(max_new_tokens=1000,
+                                                                     min_new_tokens=1000)):
+                if msg.generated_token_count:
+                    started.set()
+            out["code"] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            out["code"], out["details"] = exc.code(), exc.details()
+        started.set()
+
+    out["thread"] = t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(60)
+    return out
+
+
+def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
+                                                            hf_texts: list[str]) -> None:
+    client = TandemClient(roles.target)
+    try:
+        frontend = roles.procs["frontend"]
+        wait_health(client, True, 180, frontend)
+        assert_outputs(client, hf_texts)
+
+        # The scheduler dies and compose starts it again at once.
+        in_flight = long_stream(client)
+        t0 = time.monotonic()
+        roles.kill("scheduler")
+        wait_health(client, False, 20, frontend)
+        wait_health(client, True, 180, frontend)
+        assert roles.procs["frontend"] is frontend and frontend.poll() is None
+        in_flight["thread"].join(10)  # type: ignore[attr-defined]
+        assert in_flight["code"] == grpc.StatusCode.UNAVAILABLE, in_flight
+        assert "scheduler" in str(in_flight["details"])
+        exits = roles.exits_since(t0)
+        assert {e.role for e in exits} == set(BACKENDS), exits  # the whole set, not the frontend
+        assert all(e.code != 0 for e in exits), exits
+        assert_outputs(client, hf_texts)
+
+        # The gpu worker dies and comes back (its WorkerReady must reach the scheduler of the
+        # new set, not the one it replaces).
+        t2 = time.monotonic()
+        roles.kill("gpu-worker")
+        wait_health(client, False, 20, frontend)
+        wait_health(client, True, 180, frontend)
+        assert {e.role for e in roles.exits_since(t2)} == set(BACKENDS)
+        assert_outputs(client, hf_texts)
+
+        # The frontend dies: every role leaves its set, and the restarted set serves.
+        t1 = time.monotonic()
+        roles.kill("frontend")
+        deadline = time.monotonic() + 30
+        while roles.procs["frontend"] is frontend:
+            assert time.monotonic() < deadline, "the frontend was not restarted"
+            time.sleep(0.05)
+        wait_serving_anew(roles.target, 180)
+        exits = roles.exits_since(t1)
+        assert {e.role for e in exits} == set(ROLES), exits
+        assert all(e.code != 0 for e in exits), exits
+        assert_outputs(client, hf_texts)
+    finally:
+        client.close()

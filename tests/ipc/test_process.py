@@ -235,13 +235,15 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
     from proto.config import Addresses, ServerConfig
     from proto.messages import FinishReason, OutputDelta
     from rpc.engine_client import EngineClient, _Stream
+    from rpc.stream_buffer import StreamBuffer
 
     async def main() -> list[object]:
         cfg = ServerConfig(model="", addresses=Addresses.local(str(tmp_path), "t", 1, False))
         engine = EngineClient(cfg)
         try:
-            queue: asyncio.Queue = asyncio.Queue()
-            engine._streams[7] = _Stream(queue, time.monotonic())
+            buf = StreamBuffer(limit=0)
+            queue = buf.queue
+            engine._streams[7] = _Stream(buf, time.monotonic())
             for i in range(1000):
                 engine._route(7, OutputDelta(7, f"t{i} ", i + 1, token_ids=[i],
                                              logprobs=[-float(i)]))

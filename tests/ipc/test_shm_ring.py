@@ -187,6 +187,29 @@ def test_wait_ready_times_out_when_a_reader_never_attaches(env: Env) -> None:
         writer.close()
 
 
+def test_without_a_deadline_readers_and_writer_wait_for_each_other(env: Env) -> None:
+    """Start-up order and speed are the host's (a cold torch import can take longer than any
+    fixed deadline): with None, a reader waits for a late writer and the writer for late
+    readers, however long that takes."""
+    name = env.segment()
+    bell, side = env.addrs("late")
+    got: list[RingReader] = []
+    early = threading.Thread(target=lambda: got.append(
+        RingReader(name, 0, bell, side, attach_timeout=None)))
+    early.start()
+    time.sleep(0.3)  # longer than the reader's old fixed wait would allow, scaled down
+    assert early.is_alive()  # still waiting: no segment yet, and no deadline
+    with RingWriter(name, 2, bell, side) as writer:
+        early.join(10)
+        assert got, "the early reader did not attach once the writer appeared"
+        late: list[RingReader] = []
+        threading.Timer(0.3, lambda: late.append(RingReader(name, 1, bell, side))).start()
+        writer.wait_ready(None)  # returns when the late reader has attached
+        assert late
+        for r in got + late:
+            r.close()
+
+
 def test_reader_index_checks_and_attach_timeout(env: Env) -> None:
     name = env.segment()
     bell, side = env.addrs("a")

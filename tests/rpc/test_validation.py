@@ -108,6 +108,9 @@ BAD = [
     (_choices(), "params.decoding.choice.choices", "at least 2 choices are needed, got 0"),
     (_choices("é" * (MAX_GUIDED_BYTES // 4), "é" * (MAX_GUIDED_BYTES // 4) + "!"),
      "params.decoding.choice.choices", f"got {MAX_GUIDED_BYTES + 1}"),
+    # proto3 enums are open: a number the schema does not name must not run as greedy.
+    (_set("method", 7), "params.method", "GREEDY (0) or SAMPLE (1)"),
+    (_set("method", -1), "params.method", "unknown decoding method -1"),
 ]
 
 
@@ -267,3 +270,16 @@ def test_prompt_length_limits() -> None:
         check_prompt(64, 0, LIMITS, "request.text")
     with pytest.raises(ValidationError, match=r"min_new_tokens \(5\) exceeds the max model"):
         check_prompt(60, 5, LIMITS)
+
+
+def test_a_huge_value_is_quoted_in_part_so_the_status_fits_in_grpc_metadata() -> None:
+    """Found by fuzzing: a 1 MB adapter_id came back whole in the status message, which the
+    client refused (RESOURCE_EXHAUSTED: metadata over its 16 KiB limit)."""
+    req = pb.SingleGenerationRequest(adapter_id="a" * (1 << 20))
+    with pytest.raises(UnsupportedError) as err:
+        check_unsupported(req)
+    assert len(str(err.value)) < 300
+    assert "(1048576 characters)" in str(err.value)
+    with pytest.raises(ValidationError) as bad:
+        raise ValidationError("x", "y" * 100_000)
+    assert len(str(bad.value)) <= 1003
