@@ -389,8 +389,11 @@ class Launcher:
         log.error("%s (pid %d) looks hung: plan %d has not finished after %.1f s "
                   "(--step-timeout %g s); its stacks follow", msg.role, pid, msg.plan_id,
                   msg.seconds, self.cfg.step_timeout)
-        if [c for c in children if _dump_stacks(c)]:
-            await asyncio.sleep(STACK_DUMP_WAIT)
+        # One rank at a time: faulthandler writes in small pieces, and two ranks dumping
+        # into the shared log at once interleave into lines no one can read.
+        for c in children:
+            if _dump_stacks(c):
+                await asyncio.sleep(STACK_DUMP_WAIT)
         self._lose(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
