@@ -5,8 +5,9 @@
 * choice: an alternation of the escaped choices, so the output is exactly one of them.
 * json_schema: outlines-core's `build_regex_from_schema` with its defaults: at most one space
   where JSON allows whitespace (`[ ]?`; unbounded whitespace lets a model loop on blanks
-  forever), nesting of recursive schemas cut at depth 3. Keywords it does not implement
-  (minimum, maxLength, ...) are accepted and not enforced, as in vLLM's outlines backend.
+  forever), nesting of recursive schemas cut at depth 3. It enforces string lengths, item
+  counts, pattern, enum, const and the common formats; numeric bounds (minimum, maximum,
+  multipleOf) are accepted and not enforced, as in vLLM's outlines backend.
 * json_object (format=JSON): one top-level JSON object of any content, which is the regex
   outlines-core builds for the schema {"type": "object"}: values nest two levels below the
   top object (objects and arrays inside objects and arrays), whitespace as above. A regex
