@@ -9,19 +9,24 @@ The gpu worker reads the weights itself, from the same folder.
 """
 from __future__ import annotations
 
+import asyncio
+import os
 from collections import OrderedDict
 
 from adapters.peft import (
+    CONFIG_FILE,
     AdapterError,
     LoraAdapter,
     ModelShapes,
     adapter_folder,
+    find_adapters,
     folder_stamp,
     read_adapter,
 )
 from rpc.validation import ValidationError
 
 CACHE_ENTRIES = 1024  # validated ids kept (bad ones too): bounded whatever clients send
+LISTED = 256  # adapter folders a listing (the OpenAI /v1/models) looks at, at most
 
 _Entry = tuple[tuple[int, ...], LoraAdapter | AdapterError]
 
@@ -54,6 +59,27 @@ class AdapterStore:
             return result
         except AdapterError as exc:
             raise ValidationError(field, str(exc)) from None
+
+    def names_an_adapter(self, name: str) -> bool:
+        """Whether `name` is the id of a folder in the cache that holds an adapter config (a
+        request naming it is then about that adapter, servable or not)."""
+        try:
+            folder = adapter_folder(self.cache_dir, name)
+        except AdapterError:
+            return False
+        return os.path.isfile(os.path.join(folder, CONFIG_FILE))
+
+    async def available(self, limit: int = LISTED) -> list[LoraAdapter]:
+        """The servable adapters among the first `limit` adapter folders of the cache, by id
+        (the walk runs on a thread; each answer is cached like a request's)."""
+        ids = await asyncio.to_thread(find_adapters, self.cache_dir, limit)
+        out = []
+        for adapter_id in ids:
+            try:
+                out.append(self.resolve(adapter_id))
+            except ValidationError:
+                continue
+        return out
 
     def _remember(self, adapter_id: str, entry: _Entry) -> None:
         self._checked[adapter_id] = entry
