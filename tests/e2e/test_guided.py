@@ -12,8 +12,10 @@ on the tiny default model (SentencePiece, 32000 tokens):
 * min_new_tokens longer than the constraint allows: EOS at the constraint's end.
 
 The server compiles format=JSON in the background at start (`--guided-precompile-json`,
-about 10 s of the compile worker, into the session's shared guided cache), so its one
-compile overlaps the other tests' HF references instead of a request's clock.
+about 10 s of the compile worker), so its one compile overlaps the first test's HF
+references.  Into a guided cache of this module's own, not the session's shared one:
+tests/e2e/test_failures.py needs a compile of format=JSON that takes seconds, which a table
+left on the shared disk cache would turn into an instant hit, whatever order the modules run.
 """
 from __future__ import annotations
 
@@ -62,9 +64,11 @@ num ::= [1-9] [0-9]?
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
+def server(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:
     yield from running(str(tiny_model_dir), "--served-model-name", MODEL,
-                       "--guided-precompile-json", http=True)
+                       "--guided-precompile-json", "--guided-cache-dir",
+                       str(tmp_path_factory.mktemp("guided-cache")), http=True)
 
 
 @pytest.fixture(scope="module")
