@@ -13,6 +13,7 @@ The ranks in the weights file must agree with the config's.
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -146,6 +147,34 @@ def adapter_folder(cache_dir: str, adapter_id: str) -> str:
     if not os.path.isdir(path):
         raise AdapterError(adapter_id, "not found in the adapter cache")
     return path
+
+
+def find_adapters(cache_dir: str, limit: int = 256, max_folders: int = 4096) -> list[str]:
+    """Ids of the folders under the cache that hold an adapter_config.json: the first `limit`
+    by id, among the first `max_folders` folders by id (so a huge or deep cache costs a
+    bounded walk).  Adapter folders are not entered, symlinks not followed, and names an id
+    cannot hold (dots: hidden folders, versions) skipped.  Whether each one can be served is
+    `read_adapter`'s question."""
+    found: list[str] = []
+    # A folder's id is a prefix of its descendants' ids: popping the smallest id visits the
+    # folders in the order of their ids.
+    heap = [""]
+    visited = 0
+    while heap and len(found) < limit and visited < max_folders:
+        rel = heapq.heappop(heap)
+        visited += 1
+        if rel and os.path.isfile(os.path.join(cache_dir, rel, CONFIG_FILE)):
+            found.append(rel)
+            continue
+        try:
+            with os.scandir(os.path.join(cache_dir, rel)) as it:
+                names = [e.name for e in it
+                         if e.is_dir(follow_symlinks=False) and ADAPTER_ID.fullmatch(e.name)]
+        except OSError:
+            continue
+        for name in names:
+            heapq.heappush(heap, f"{rel}/{name}" if rel else name)
+    return found
 
 
 def folder_stamp(folder: str) -> tuple[int, ...] | None:

@@ -1,6 +1,7 @@
 """The FastAPI application: routes, OpenAI-shaped errors, the request body limit.
 
-    GET  /v1/models, /v1/models/{model}   the served model (and its max_model_len)
+    GET  /v1/models, /v1/models/{model}   the served model (and its max_model_len), and its
+                                          LoRA adapters (openai_api/models.py)
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     GET  /health                          200 when serving; 503 while starting or draining
@@ -12,7 +13,6 @@ vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -110,7 +110,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 def build_app(serving: Serving) -> FastAPI:
     frontend = serving.frontend
-    started = int(time.time())
+    models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -132,20 +132,16 @@ def build_app(serving: Serving) -> FastAPI:
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
                                        None, "internal_error"))
 
-    def model_card(name: str) -> dict[str, Any]:
-        card: dict[str, Any] = {"id": name, "object": "model", "created": started,
-                                "owned_by": "tandem"}
-        if frontend.limits is not None:
-            card["max_model_len"] = frontend.limits.max_model_len
-        return card
+    def max_model_len() -> int | None:
+        return frontend.limits.max_model_len if frontend.limits is not None else None
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(serving.model_names[0])]}
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": await models.listed(max_model_len())}
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> dict[str, Any]:
-        return model_card(serving.check_model(model))
+        return models.card(models.resolve(model), max_model_len())
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest) -> Response:

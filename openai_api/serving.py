@@ -23,6 +23,7 @@ from openai_api import params as P
 from openai_api.chat_template import ChatTemplate, TemplateError
 from openai_api.errors import ApiError
 from openai_api.logprobs import TokenPieces
+from openai_api.models import Models
 from openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
 from proto.messages import OutputDelta
@@ -143,15 +144,10 @@ class Serving:
     def __init__(self, frontend: Frontend, model_names: tuple[str, ...],
                  chat_template: ChatTemplate | None) -> None:
         self.frontend = frontend
-        self.model_names = model_names  # the first is the one /v1/models lists
+        # The base model's names (the first is the one /v1/models lists) and its adapters.
+        self.models = Models(model_names, frontend.adapters, int(time.time()))
         self.chat_template = chat_template
         self.pieces = TokenPieces(frontend.tok)
-
-    def check_model(self, model: str | None) -> str:
-        if model is None or model in self.model_names:
-            return self.model_names[0]
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                            f"`{self.model_names[0]}`", "model", "model_not_found")
 
     # ------------------------------------------------------------------ prompts
 
@@ -210,7 +206,7 @@ class Serving:
         rlog = request_log(request.headers.get("x-correlation-id")
                            or request.headers.get("x-request-id"))
         chat = isinstance(body, ChatCompletionRequest)
-        model = self.check_model(body.model)
+        target = self.models.resolve(body.model)
         try:
             limits = self.frontend.ready_limits()
             params = P.validate(body, limits)
@@ -220,7 +216,7 @@ class Serving:
             else:
                 assert isinstance(body, CompletionRequest)
                 prompts = await self.completion_prompts(body, limits)
-            choices = self._choices(params, prompts, limits, arrived,
+            choices = self._choices(params, prompts, limits, arrived, target.adapter_id,
                                     echo=isinstance(body, CompletionRequest) and body.echo)
         except ValidationError as exc:
             rlog.info("rejected: 400: %s", exc)
@@ -235,16 +231,17 @@ class Serving:
                                        ) from None
         opts = body.stream_options
         reply = Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                      created=int(time.time()), model=model,
+                      created=int(time.time()), model=target.name,
                       include_usage=bool(body.stream and opts and opts.include_usage),
                       continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
                       return_token_ids=body.return_token_ids)
         shape: Shape = ChatShape(reply, self.pieces) if chat else CompletionShape(reply,
                                                                                   self.pieces)
-        rlog.info("%s%s: %d choices, %d prompt tokens, max_tokens %d%s",
+        rlog.info("%s%s: %d choices, %d prompt tokens, max_tokens %d%s%s",
                   "chat" if chat else "completion", " stream" if body.stream else "",
                   len(choices), sum(len(p.ids) for p in prompts),
                   choices[0].p.req.sampling.max_new_tokens,
+                  f", adapter {target.adapter_id}" if target.adapter_id else "",
                   f", user {body.user!r}" if body.user else "")
         deltas = Deltas([self.frontend.generate(c.p, rlog.cid) for c in choices])
         prompt_tokens = sum(len(p.ids) for p in prompts)
@@ -277,7 +274,7 @@ class Serving:
         return JSONResponse(shape.response(choices, use))
 
     def _choices(self, params: P.Params, prompts: list[Prompt], limits: Limits,
-                 arrived: float, echo: bool) -> list[Choice]:
+                 arrived: float, adapter_id: str, echo: bool) -> list[Choice]:
         out: list[Choice] = []
         eos = frozenset(limits.eos_token_ids)
         for i, prompt in enumerate(prompts):
@@ -286,7 +283,7 @@ class Serving:
                 sampling = replace(req.sampling, seed=P.choice_seed(params, j))
                 p = self.frontend.prepared(replace(req, sampling=sampling), prompt.text,
                                            prompt.ids, self.frontend.engine.new_request_id(),
-                                           arrived)
+                                           arrived, adapter_id)
                 out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos))
         return out
 

@@ -122,8 +122,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=d.served_model_name,
                    help="the model name HTTP clients send (default: the model folder's name)")
     p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
-                   help="LoRA adapters: a request's adapter_id names the PEFT adapter folder "
-                        "DIR/<adapter_id> (default: adapters off)")
+                   help="LoRA adapters: a request's adapter_id (over HTTP: its model) names "
+                        "the PEFT adapter folder DIR/<adapter_id> (default: adapters off)")
     p.add_argument("--max-loras", type=int, default=d.max_loras,
                    help="adapters the gpu worker holds at once (least recently used ones "
                         "no running request uses make room)")

@@ -184,3 +184,25 @@ def test_an_adapter_for_another_model_is_refused(cache: Path, model: str,
     wider = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False, hidden_size=96)
     with pytest.raises(AdapterError, match=r"lora_A has shape \[4, 64\]; .* need \[4, 96\]"):
         read_adapter(str(cache), "attn", ModelShapes.of(load_model_args(wider)), MAX_RANK)
+
+
+def test_find_adapters_walks_the_cache_in_id_order_and_within_bounds(tmp_path: Path) -> None:
+    from adapters.peft import find_adapters
+
+    def adapter(rel: str) -> None:
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "adapter_config.json").write_text("{}")
+
+    for rel in ("zeta", "team/b", "team/a", "team/a/checkpoint-1", "deep/x/y/z", "v1.0",
+                ".hidden/q", "team-c"):
+        adapter(rel)
+    (tmp_path / "empty" / "folder").mkdir(parents=True)
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "link").symlink_to(tmp_path / "team", target_is_directory=True)
+    # An adapter folder is not entered; names an id cannot hold and symlinks are skipped.
+    assert find_adapters(str(tmp_path)) == ["deep/x/y/z", "team-c", "team/a", "team/b", "zeta"]
+    assert find_adapters(str(tmp_path), limit=2) == ["deep/x/y/z", "team-c"]
+    # The walk looks into at most max_folders folders, by id: the root, deep, deep/x, ...
+    assert find_adapters(str(tmp_path), max_folders=4) == []
+    assert find_adapters(str(tmp_path), max_folders=5) == ["deep/x/y/z"]
+    assert find_adapters(str(tmp_path / "missing")) == []

@@ -1,9 +1,10 @@
 """LoRA adapters end to end: a concurrent mix of adapters (and none) equals PEFT's generate(),
 bad adapters get INVALID_ARGUMENT while the rest go on, and more adapters than slots in
-flight all complete.
+flight all complete; over HTTP, the OpenAI `model` field names an adapter and /v1/models
+lists them.
 
-One server with an adapter cache at K=8 async (the defaults), and one at K=1 sync with only
-two adapter slots for three adapters plus the base model.
+One server with an adapter cache at K=8 async (the defaults) and the HTTP API, and one at K=1
+sync with only two adapter slots for three adapters plus the base model.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 import torch
 
@@ -106,7 +108,7 @@ def check_mix(server: Server, expected: dict[str | None, list[str]]) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: pathlib.Path, cache: pathlib.Path) -> Iterator[Server]:
-    yield from running(str(tiny_model_dir), "--adapter-cache", str(cache))
+    yield from running(str(tiny_model_dir), "--adapter-cache", str(cache), http=True)
 
 
 def test_concurrent_adapters_equal_peft(server: Server,
@@ -188,6 +190,39 @@ def test_a_load_the_worker_cannot_do_is_invalid_too(server: Server, cache: pathl
     while "fragile" in server.client.model_info().loaded_adapters:
         assert time.monotonic() < deadline, "a slot whose load failed is still reported"
         time.sleep(0.1)
+
+
+def test_openai_model_field_names_an_adapter(server: Server, tiny_model_dir: pathlib.Path,
+                                             expected: dict[str | None, list[str]]) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)
+    base = tiny_model_dir.name  # no --served-model-name: the folder's name
+    cards = {m.id: getattr(m, "parent", "?") for m in client.models.list().data}
+    assert list(cards)[0] == base and cards[base] is None
+    assert {f"team/{n}": base for n in ADAPTERS}.items() <= cards.items()
+    assert "big" not in cards and "prompt-tuning" not in cards  # not servable: not listed
+
+    def complete(name: str | None, i: int, stream: bool) -> str:
+        args = dict(model=adapter_id(name) or base, prompt=PROMPTS[i][0], max_tokens=N,
+                    temperature=0, extra_body={"min_tokens": N})
+        if not stream:
+            r = client.completions.create(**args)  # type: ignore[call-overload]
+            assert r.model == args["model"]
+            return str(r.choices[0].text)
+        return "".join(c.choices[0].text for c in client.completions.create(
+            stream=True, **args))  # type: ignore[call-overload]
+
+    jobs = [(name, i, i == 1) for name in VARIANTS for i in range(len(PROMPTS))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = {job: pool.submit(complete, *job) for job in jobs}
+        for (name, i, _), future in got.items():
+            assert future.result() == expected[name][i], (name, PROMPTS[i][0])
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="team/missing", prompt="x", max_tokens=1)
+    assert "`team/missing` does not exist" in missing.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="big", prompt="x", max_tokens=1)
+    assert "adapter 'big'" in bad.value.message and "--max-lora-rank 16" in bad.value.message
 
 
 # ------------------------------------------------------------------ K=1 sync, 2 slots

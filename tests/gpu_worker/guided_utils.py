@@ -20,7 +20,8 @@ from tokenization.tokenizer import Tokenizer
 VOCAB = 512
 _paths: dict[str, str] = {}
 _models: dict[str, Any] = {}
-_refs: dict[tuple[str, str, tuple[int, ...], int, int], list[int]] = {}
+_refs: dict[tuple[str, str, tuple[int, ...], int, int, str], list[int]] = {}
+_indexes: dict[tuple[str, str], Any] = {}
 
 
 def guided_checkpoint(root: Path) -> str:
@@ -81,20 +82,36 @@ class GuideMask:
         return scores + mask
 
 
-def hf_guided(path: str, regex: str, prompt: list[int], n: int, min_new: int = 0) -> list[int]:
-    """HF greedy generate() under the regex (float32, stops at EOS)."""
-    from outlines_core import Index
-    from transformers import AutoModelForCausalLM, LogitsProcessorList
+def _model(path: str, adapter: str | None = None) -> Any:
+    """The float32 HF model (through PEFT's PeftModel when an adapter folder is given)."""
+    key = f"{path}\0{adapter or ''}"
+    if key not in _models:
+        from transformers import AutoModelForCausalLM
 
-    key = (path, regex, tuple(prompt), n, min_new)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, adapter).eval()
+        _models[key] = model
+    return _models[key]
+
+
+def hf_guided(path: str, regex: str, prompt: list[int], n: int, min_new: int = 0,
+              adapter: str | None = None) -> list[int]:
+    """HF greedy generate() under the regex (float32, stops at EOS); with `adapter` (a PEFT
+    LoRA folder) through PeftModel, the judge of guided rows under an adapter."""
+    from outlines_core import Index
+    from transformers import LogitsProcessorList
+
+    key = (path, regex, tuple(prompt), n, min_new, adapter or "")
     if key not in _refs:
-        if path not in _models:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            _models[path] = model.eval()
-        index = Index(regex, vocabulary(Tokenizer.from_dir(path)))
+        if (path, regex) not in _indexes:  # 0.5 s over a 32k vocabulary: built once
+            _indexes[path, regex] = Index(regex, vocabulary(Tokenizer.from_dir(path)))
+        index = _indexes[path, regex]
         ids = torch.tensor([prompt], dtype=torch.int64)
         with torch.no_grad():
-            out = _models[path].generate(
+            out = _model(path, adapter).generate(
                 input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                 max_new_tokens=n,
                 logits_processor=LogitsProcessorList([GuideMask(index, len(prompt), min_new)]))
@@ -104,12 +121,8 @@ def hf_guided(path: str, regex: str, prompt: list[int], n: int, min_new: int = 0
 
 def hf_logprobs(path: str, prompt: list[int], out: list[int]) -> list[float]:
     """The model's own (unconstrained) logprob of each output token, from one HF forward."""
-    if path not in _models:
-        from transformers import AutoModelForCausalLM
-
-        _models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt + out], dtype=torch.int64)
     with torch.no_grad():
-        logits = _models[path](input_ids=ids).logits[0].float()
+        logits = _model(path)(input_ids=ids).logits[0].float()
     lp = torch.log_softmax(logits[len(prompt) - 1: -1], dim=-1)
     return lp.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1).tolist()

@@ -12,7 +12,10 @@ HF `generate()`:
 * through ModelRunner.execute, K=8 publishing per step and K=1 publishing after the plan:
   greedy equals HF, seeded sampling (with top-p/top-k, a repetition penalty) equals TP=1,
   logprobs and prompt logprobs match, the K-step loop runs under the host-sync guard
-  (collectives included), and rank 1's state is rank 0's.
+  (collectives included), and rank 1's state is rank 0's;
+* with LoRA adapters (attention-only and all-linear, each rank holding its part of A and B)
+  and a guided row (one of them under an adapter) beside base rows: greedy equals PEFT's
+  generate() (with the same guide's LogitsProcessor for the guided rows) and TP=1.
 """
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ import pytest
 import torch
 
 from tests.gpu_worker import tp_job
+from tests.gpu_worker.guided_utils import guided_checkpoint, hf_guided
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import hf_greedy
+from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
 
 # name -> (arch, checkpoint kwargs)
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -36,6 +41,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
                                     seed=2)),
 }
 RUNNER_ARCH = "llama-gqa"
+# The guided row's constraint in the adapter run: a JSON object of a name and a number.
+LORA_REGEX = r'\{"name": "[a-z]{1,6}", "n": [0-9]{1,3}\}'
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +53,21 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def ranks(paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-          ) -> list[dict[str, Any]]:
+def lora_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The adapter run's checkpoint (the tiny llama with its tokenizer, for the regex) and
+    its adapter cache."""
+    path = guided_checkpoint(tmp_path_factory.mktemp("tp-lora-ckpt"))
+    cache = tmp_path_factory.mktemp("tp-adapters")
+    for name in tp_job.LORA_SLOTS:
+        make_adapter(path, cache / name, **ADAPTERS[name])
+    return {"path": path, "cache": str(cache), "regex": LORA_REGEX}
+
+
+@pytest.fixture(scope="module")
+def ranks(paths: dict[str, str], lora_spec: dict[str, str],
+          tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Run the two-rank job once; what each rank wrote."""
-    return tp_job.launch({"models": paths, "runner": paths[RUNNER_ARCH]},
+    return tp_job.launch({"models": paths, "runner": paths[RUNNER_ARCH], "lora": lora_spec},
                          tmp_path_factory.mktemp("tp-out"))
 
 
@@ -131,3 +149,30 @@ def test_runner_streams_equal_hf_and_tp1(ranks: list[dict[str, Any]], paths: dic
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert ranks[1][mode]["out"] == got["out"]
     assert got["num_blocks"] == ranks[1][mode]["num_blocks"] == ref["num_blocks"]
+
+
+def test_adapters_and_a_guided_row_equal_peft_and_tp1(ranks: list[dict[str, Any]],
+                                                       lora_spec: dict[str, str]) -> None:
+    torch.set_num_threads(1)
+    got = ranks[0]["lora"]
+    assert got["loaded"] == {1: "attn", 2: "all"}
+    assert ranks[1]["lora"]["out"] == got["out"]
+    assert tp_job.lora_outputs(lora_spec, None)["out"] == got["out"]
+    path, cache, prompts = lora_spec["path"], lora_spec["cache"], got["prompts"]
+    base: dict[int, list[int]] = {}
+    for rid, (adapter, is_guided) in tp_job.LORA_ROWS.items():
+        folder = f"{cache}/{adapter}" if adapter else None
+        if is_guided:
+            want = hf_guided(path, LORA_REGEX, prompts[rid], tp_job.GUIDED_TOKENS,
+                             adapter=folder)
+            assert want[-1] == 2, "the constraint completes (EOS) within the budget"
+        else:
+            [want] = peft_greedy(path, folder, [prompts[rid]], tp_job.LORA_TOKENS,
+                                 tp_job.LORA_TOKENS)
+            [base[rid]] = peft_greedy(path, None, [prompts[rid]], tp_job.LORA_TOKENS,
+                                      tp_job.LORA_TOKENS)
+        assert got["out"][rid] == want, f"request {rid} ({adapter or 'base'})"
+    # The adapters change the output: parity with PEFT would otherwise prove nothing.
+    for rid in (1, 2, 5):
+        assert got["out"][rid] != base[rid], rid
+    assert got["out"][4] != hf_guided(path, LORA_REGEX, prompts[4], tp_job.GUIDED_TOKENS)

@@ -29,6 +29,7 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from proto.config import ServerConfig
 from proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
 
@@ -36,6 +37,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PREFILL_LENGTHS = [5, 40, 17, 1]
 GREEDY_TOKENS = 20
 RUNNER_LENGTHS = [1, 33, 70, 7, 20]
+# The adapter run: request -> (adapter or None, guided or not).  Rows 3 and 4 are guided,
+# 4 under an adapter; the adapters are one attention-only, one on every linear layer.
+LORA_ROWS: dict[int, tuple[str | None, bool]] = {
+    0: (None, False), 1: ("attn", False), 2: ("all", False), 3: (None, True), 4: ("all", True),
+    5: ("attn", False)}
+LORA_SLOTS = {"attn": 1, "all": 2}
+LORA_TOKENS = 16
+GUIDED_TOKENS = 40
 
 
 def model_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
@@ -100,6 +109,36 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
             "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
 
 
+def lora_outputs(spec: dict[str, str], tp: TensorParallel | None, device: str = "cpu"
+                 ) -> dict[str, Any]:
+    """Adapters (each rank cuts its part of A and B, `gpu_worker.lora.tensor_parallel_split`)
+    and a guided row (the same table on every rank) beside base rows, through
+    ModelRunner.execute with K varying, the K-step loop under the sync guard.  Unguided rows
+    make exactly LORA_TOKENS tokens (min = max: EOS cannot end them early)."""
+    path = spec["path"]
+    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
+                         num_kv_blocks=200, tp=tp, adapter_cache=spec["cache"], max_loras=2)
+    runner.step_guard = (forbid_host_sync if device == "cpu"
+                         else partial(forbid_host_sync, cuda_sync_debug=False))
+    d = Driver(runner, seed=2)
+    constraint = table(path, spec["regex"])
+    d.send_table(constraint)
+    for name, slot in LORA_SLOTS.items():
+        d.load(slot, name)
+    prompts = random_prompts([9, 33, 20, 14, 27, 40], 512, seed=9)
+    exact = SamplingParams(max_new_tokens=LORA_TOKENS, min_new_tokens=LORA_TOKENS,
+                           stop_token_ids=[EOS_ID])
+    for rid, (adapter, is_guided) in LORA_ROWS.items():
+        if rid == 5:  # joins the running batch
+            d.run(3)
+        d.add(rid, prompts[rid], guided(constraint, GUIDED_TOKENS) if is_guided else exact,
+              lora_slot=LORA_SLOTS[adapter] if adapter else 0)
+    d.run_until_done([8, 1, 5])
+    assert all(t.finish for t in d.reqs.values())
+    return {"out": d.outputs(), "prompts": prompts,
+            "loaded": dict(runner.lora.adapter_of) if runner.lora else {}}
+
+
 def guard_sees_host_reads(tp: TensorParallel) -> bool:
     """The guard is live in a rank: a collective whose result is read back is caught."""
     try:
@@ -134,7 +173,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--size", type=int, default=2)
     ap.add_argument("--addr", required=True)
-    ap.add_argument("--spec", required=True, help="JSON: {models: {name: path}, runner: path}")
+    ap.add_argument("--spec", required=True, help="JSON: {models: {name: path}, runner: path, "
+                    "lora: {path, cache, regex} (optional)}")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
@@ -152,6 +192,8 @@ def main() -> None:
             "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
             "guard_sees_host_reads": guard_sees_host_reads(tp),
         }
+        if "lora" in spec:
+            result["lora"] = lora_outputs(spec["lora"], tp, dev)
         torch.save(result, f"{args.out}/rank{args.rank}.pt")
     finally:
         tp.close()

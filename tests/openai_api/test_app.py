@@ -8,17 +8,20 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import openai
 import pytest
 
+from adapters.peft import ModelShapes
 from openai_api.app import build_app
 from openai_api.server import HTTPServer
 from openai_api.serving import Serving
 from proto.config import ServerConfig
 from proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
+from rpc.adapter_store import AdapterStore
 from rpc.engine_client import EngineError
 from rpc.frontend import Frontend
 from rpc.validation import Limits
@@ -38,6 +41,7 @@ class ScriptedEngine:
         self.ids = 0
         self.aborted: list[int] = []
         self.running = 0
+        self.adapter_ids: list[str] = []  # each request's
 
     def new_request_id(self) -> int:
         self.ids += 1
@@ -49,6 +53,7 @@ class ScriptedEngine:
                        guided: object = None, adapter_id: str = ""
                        ) -> AsyncIterator[OutputDelta]:
         rid = request_id or 0
+        self.adapter_ids.append(adapter_id)
         text = tok().decode(prompt_ids)
         if "reject" in text:
             raise EngineError("RESOURCE_EXHAUSTED", "too many requests queued")
@@ -80,9 +85,9 @@ def tok() -> Tokenizer:
 
 
 class Running:
-    def __init__(self) -> None:
+    def __init__(self, adapters: AdapterStore | None = None) -> None:
         self.engine = ScriptedEngine()
-        self.frontend = Frontend(self.engine, tok())  # type: ignore[arg-type]
+        self.frontend = Frontend(self.engine, tok(), adapters)  # type: ignore[arg-type]
         self.frontend.limits, self.frontend.serving = LIMITS, True
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
@@ -237,3 +242,67 @@ def test_a_client_that_leaves_cancels_its_request(app: Running, stream: bool) ->
         time.sleep(0.02)
     assert len(app.engine.aborted) == len(before) + 1
     assert app.engine.running == 0
+
+
+# ------------------------------------------------------------------ LoRA adapters as models
+
+SHAPES = ModelShapes(1, 32000, {m: (8, 8) for m in ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                     "gate_proj", "up_proj", "down_proj")})
+
+
+def write_adapter(folder: Path, r: int = 2) -> None:
+    """A one-layer LoRA folder for SHAPES (q_proj only), without torch."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"]}))
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
+    save_file({key + "A.weight": np.zeros((r, 8), np.float32),
+               key + "B.weight": np.zeros((8, r), np.float32)},
+              str(folder / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def lora_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    cache = tmp_path_factory.mktemp("http-adapters")
+    for name in ("team/sql", "team/chat", "zeta"):
+        write_adapter(cache / name)
+    write_adapter(cache / "wide", r=32)  # over the store's max rank
+    running = Running(AdapterStore(str(cache), SHAPES, max_rank=16))
+    yield running
+    running.stop()
+
+
+def test_adapters_are_models(lora_app: Running) -> None:
+    client = openai.OpenAI(base_url=lora_app.url + "/v1", api_key="none", max_retries=0)
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny", "team/chat", "team/sql", "zeta"]  # "wide" is bad
+    assert [getattr(m, "parent", "?") for m in models] == [None, "tiny", "tiny", "tiny"]
+    assert client.models.retrieve("team/sql").parent == "tiny"  # type: ignore[attr-defined]
+    before = len(lora_app.engine.adapter_ids)
+    r = client.completions.create(model="team/sql", prompt="a", max_tokens=2)
+    assert r.model == "team/sql" and r.choices[0].text == "w0 w1"
+    chunks = list(client.completions.create(model="zeta", prompt=["a", "b"], max_tokens=1,
+                                            stream=True))
+    assert {c.model for c in chunks} == {"zeta"}
+    assert client.completions.create(model="tiny", prompt="a", max_tokens=1).model == "tiny"
+    assert lora_app.engine.adapter_ids[before:] == ["team/sql", "zeta", "zeta", ""]
+    # Unknown names (a folder without an adapter config too) are 404s naming them.
+    for name in ("team", "nope", "../zeta", "gpt-3.5-turbo"):
+        with pytest.raises(openai.NotFoundError) as err:
+            client.completions.create(model=name, prompt="a", max_tokens=1)
+        body = err.value.body
+        assert isinstance(body, dict) and body["param"] == "model", body
+        assert f"`{name}` does not exist" in body["message"], body
+        assert "adapters" in body["message"]
+    # An adapter that cannot be served is a 400 on `model` with the reason, before any token.
+    for call in (lambda: client.completions.create(model="wide", prompt="a", max_tokens=1),
+                 lambda: client.models.retrieve("wide")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            call()
+        assert isinstance(bad.value.body, dict) and bad.value.body["param"] == "model"
+        assert "adapter 'wide'" in bad.value.message and "--max-lora-rank 16" in \
+            bad.value.message
+    assert lora_app.engine.adapter_ids[before:] == ["team/sql", "zeta", "zeta", ""]

@@ -79,3 +79,22 @@ def test_the_cache_is_bounded(store: tuple[AdapterStore, list[str]],
         with pytest.raises(ValidationError, match="peft_type is None"):
             s.resolve(f"empty{i}")
     assert list(s._checked) == ["empty3", "empty4", "empty5"]
+
+
+def test_the_listing_shares_the_cache_and_skips_what_cannot_be_served(
+        store: tuple[AdapterStore, list[str]]) -> None:
+    import asyncio
+
+    s, reads = store
+    (Path(s.cache_dir) / "bad").mkdir()
+    (Path(s.cache_dir) / "bad" / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    (Path(s.cache_dir) / "bad" / "adapter_model.safetensors").write_text("")
+    s.resolve("team/attn")
+    listed = asyncio.run(s.available())
+    assert [a.adapter_id for a in listed] == ["team/attn"]
+    assert reads == ["team/attn", "bad"]  # team/attn's answer came from the cache
+    asyncio.run(s.available())
+    with pytest.raises(ValidationError, match="peft_type is 'IA3'"):
+        s.resolve("bad")
+    assert reads == ["team/attn", "bad"]  # the listing's answers are the requests' too
+    assert s.names_an_adapter("bad") and not s.names_an_adapter("team")
