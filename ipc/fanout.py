@@ -1,12 +1,12 @@
 """One sender, a known set of receivers that all get every message, in order: the plan
 channel from gpu worker rank 0 to the other tensor-parallel ranks.
 
-ZeroMQ XPUB/SUB with the msgpack codec and the epoch stamp, like every other channel.
-Plain PUB drops what it sends before a subscriber has joined (the "slow joiner"); XPUB
-hands the sender each subscription, so `wait_subscribers` returns only once every receiver is listening and no
-plan is lost.  With XPUB_VERBOSER it also hands over an unsubscription when a receiver's
-connection closes (its process died, or, over TCP with ZeroMQ heartbeats on, its host went
-silent): `lost()` tells the sender without any traffic of its own.
+ZeroMQ XPUB/SUB with the msgpack codec and the epoch stamp, like every other channel. Plain
+PUB drops what it sends before a subscriber has joined (the "slow joiner"); XPUB hands the
+sender each subscription, so `wait_subscribers` returns only once every receiver is
+listening and no plan is lost. With XPUB_VERBOSER it also hands over an unsubscription when
+a receiver's connection closes (its process died, or, over TCP with ZeroMQ heartbeats on,
+its host went silent): `lost()` tells the sender without any traffic of its own.
 """
 from __future__ import annotations
 
