@@ -12,6 +12,13 @@ from enum import IntEnum
 import numpy as np
 
 from proto.adapter_messages import AdapterFailed, AdapterLoad
+from proto.monitor_messages import (
+    EngineStats,
+    Heartbeat,
+    PostprocStats,
+    ProfileControl,
+    ProfileData,
+)
 
 
 class FinishReason(IntEnum):
@@ -380,95 +387,6 @@ class ProcessFailed:
     # A mistake in how the server was started (a model it cannot load, a device it lacks):
     # the launcher prints the message as one line and exits 2 (`ipc.process.StartupError`).
     startup: bool = False
-
-
-# ---------------------------------------------------------------- scheduler -> frontend (admin)
-
-
-@dataclass
-class EngineStats:
-    """The scheduler's counters for the frontend's read-only admin service.
-
-    Sent when they changed, at most every 0.2 s; the frontend keeps the latest.
-    """
-
-    num_free_blocks: int  # free plus evictable cached blocks
-    num_total_blocks: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    tokens_delivered: int
-    tokens_after_finish: int
-    # Time accounting since start, for the device-idle share and per-plan costs.
-    uptime_s: float = 0.0
-    num_plans: int = 0
-    worker_busy_s: float = 0.0  # sum of the gpu worker's plan wall times
-    forward_s: float = 0.0  # sum of the plans' forward (prefill + decode) times
-    postproc_busy_s: float = 0.0  # per postproc worker, averaged over the workers
-    # Decode-only plans: time inside them, and time the worker waited before them.
-    steady_busy_s: float = 0.0
-    steady_idle_s: float = 0.0
-    # Arrival to first scheduling of each request first scheduled since the previous report,
-    # for the frontend's queue-time histogram (not part of the admin Stats answer).
-    queue_times_s: list[float] = field(default_factory=list)
-    # LoRA: adapters resident in the gpu worker's slots (slot order) and loads since start.
-    loaded_adapters: list[str] = field(default_factory=list)
-    adapter_loads: int = 0
-
-
-@dataclass
-class Heartbeat:
-    """Roles started on their own (one container each) prove they are alive with these.
-
-    They also say who is who (`ipc.peers`): `incarnation` is random per process, so a role
-    restarted under the same name is a new one; `epoch` is the set the sender serves in (0:
-    none yet).  The frontend's own lists the incarnations it admitted to its set.
-    """
-
-    role: str
-    index: int = 0
-    incarnation: int = 0
-    epoch: int = 0
-    members: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ProfileControl:
-    """Frontend → every process: start recording spans, or stop and send them back."""
-
-    start: bool
-    # gpu worker only: stop by itself after this many plans and send its data unasked (0: when
-    # told), and run torch.profiler over the same window into this file (absolute; "" = off).
-    plans: int = 0
-    torch_trace: str = ""
-
-
-@dataclass
-class ProfileData:
-    """A process's recorded spans: rows of (name, start_ns, end_ns, plan, step)."""
-
-    role: str
-    started_ns: int
-    stopped_ns: int
-    spans: list
-    counters: list
-    plans: int = 0  # plans finished inside the window (gpu worker)
-    torch_trace: str = ""  # the torch.profiler trace the gpu worker wrote
-    torch_error: str = ""  # why it could not (the recording itself is still good)
-
-
-@dataclass
-class PostprocStats:
-    """Postproc → frontend, at most every 0.2 s and only on change: how far it lagged.
-
-    `lag_steps`: the most token batches (one per step) that the gpu worker had published and
-    this worker had not processed yet, over the interval since its previous report.
-    """
-
-    index: int
-    lag_steps: int
 
 
 MESSAGE_TYPES: tuple[type, ...] = (
