@@ -75,12 +75,32 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class CompletionShape:
-    object = "text_completion"
+class _Shape:
+    """What a completion and a chat answer share: the envelope and vLLM's token ids."""
+
+    object = ""
 
     def __init__(self, reply: Reply, pieces: TokenPieces) -> None:
         self.reply = reply
         self.pieces = pieces
+
+    def choice_json(self, c: Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _with_ids(self, c: Choice, out: dict[str, Any]) -> dict[str, Any]:
+        if self.reply.return_token_ids:
+            out["token_ids"] = c.token_ids
+            out["prompt_token_ids"] = list(c.p.ids)
+        return out
+
+    def response(self, choices: list[Choice], use: dict[str, int]) -> dict[str, Any]:
+        return {"id": self.reply.id, "object": self.object, "created": self.reply.created,
+                "model": self.reply.model, "choices": [self.choice_json(c) for c in choices],
+                "usage": use}
+
+
+class CompletionShape(_Shape):
+    object = "text_completion"
 
     def _logprobs(self, c: Choice, d: OutputDelta, first: bool,
                   lp: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
@@ -130,24 +150,13 @@ class CompletionShape:
         out: dict[str, Any] = {"index": c.index, "text": "".join(c.parts),
                                "logprobs": c.logprobs.to_json() if c.logprobs else None,
                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.reply.return_token_ids:
-            out["token_ids"] = c.token_ids
-            out["prompt_token_ids"] = list(c.p.ids)
-        return out
-
-    def response(self, choices: list[Choice], use: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.reply.id, "object": self.object, "created": self.reply.created,
-                "model": self.reply.model, "choices": [self.choice_json(c) for c in choices],
-                "usage": use}
+        return self._with_ids(c, out)
 
 
-class ChatShape:
+
+class ChatShape(_Shape):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
-
-    def __init__(self, reply: Reply, pieces: TokenPieces) -> None:
-        self.reply = reply
-        self.pieces = pieces
 
     def _content_logprobs(self, c: Choice, d: OutputDelta) -> list[dict[str, Any]] | None:
         if not c.p.req.options.logprobs:
@@ -196,12 +205,5 @@ class ChatShape:
             "index": c.index, "message": {"role": "assistant", "content": "".join(c.parts)},
             "logprobs": {"content": c.logprobs or []} if c.p.req.options.logprobs else None,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-        if self.reply.return_token_ids:
-            out["token_ids"] = c.token_ids
-            out["prompt_token_ids"] = list(c.p.ids)
-        return out
+        return self._with_ids(c, out)
 
-    def response(self, choices: list[Choice], use: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.reply.id, "object": self.object, "created": self.reply.created,
-                "model": self.reply.model, "choices": [self.choice_json(c) for c in choices],
-                "usage": use}

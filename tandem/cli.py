@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import os
 import signal
@@ -316,6 +317,19 @@ def cmd_bench_ipc(args: argparse.Namespace) -> int:
     return bench_ipc.main(args.rest)
 
 
+# `tandem bench NAME`: each is `bench.NAME` with `add_arguments(parser)` and `main(args)`.
+BENCHMARKS = (
+    ("serve", "vLLM-style serving benchmark against a server"),
+    ("step", "decode ms/step at batch 1/8/32/64 next to HF generate()"),
+    ("postproc", "postproc tokens/s next to decode tokens/s"),
+    ("soak", "steady load for minutes; RSS growth of every process"),
+    ("robustness", "overload, stalled and vanishing clients, role restarts"),
+    ("ab", "sync/async x K table, each arm on a fresh server"),
+    ("lora", "TPOT and throughput with LoRA adapters vs the base model"),
+    ("report", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -358,55 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
-    from bench import serve as bench_serve
-
-    p = bench.add_parser("serve", help="vLLM-style serving benchmark against a server")
-    bench_serve.add_arguments(p)
-    p.set_defaults(func=bench_serve.main)
-
-    from bench import step as bench_step
-
-    p = bench.add_parser("step", help="decode ms/step at batch 1/8/32/64 next to HF generate()")
-    bench_step.add_arguments(p)
-    p.set_defaults(func=bench_step.main)
-
-    from bench import postproc as bench_postproc
-
-    p = bench.add_parser("postproc", help="postproc tokens/s next to decode tokens/s")
-    bench_postproc.add_arguments(p)
-    p.set_defaults(func=bench_postproc.main)
-
-    p = bench.add_parser("soak", help="steady load for minutes; RSS growth of every process")
-    from bench import soak as bench_soak
-
-    bench_soak.add_arguments(p)
-    p.set_defaults(func=bench_soak.main)
-
-    p = bench.add_parser("robustness",
-                         help="overload, stalled and vanishing clients, role restarts")
-    from bench import robustness as bench_robustness
-
-    bench_robustness.add_arguments(p)
-    p.set_defaults(func=bench_robustness.main)
-
-    from bench import ab as bench_ab
-
-    p = bench.add_parser("ab", help="sync/async x K table, each arm on a fresh server")
-    bench_ab.add_arguments(p)
-    p.set_defaults(func=bench_ab.main)
-
-    from bench import lora as bench_lora
-
-    p = bench.add_parser("lora", help="TPOT and throughput with LoRA adapters vs the base model")
-    bench_lora.add_arguments(p)
-    p.set_defaults(func=bench_lora.main)
-
-    from bench import report as bench_report
-
-    p = bench.add_parser("report", help="rerun the benchmarks, rewrite docs/BENCHMARKS.md")
-    bench_report.add_arguments(p)
-    p.set_defaults(func=bench_report.main)
-
+    for name, help_text in BENCHMARKS:
+        module = importlib.import_module(f"bench.{name}")
+        p = bench.add_parser(name, help=help_text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
     p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_ipc)

@@ -7,18 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_worker.runner_driver import checkpoint
-
-
-@pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runner-ckpts")
-
-
-@pytest.fixture(scope="module")
-def llama(ckpt_root: Path) -> str:
-    return checkpoint(ckpt_root, "llama-gqa")
-
 
 def test_bench_step_runs(llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse

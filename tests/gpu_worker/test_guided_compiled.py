@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
 
 import jsonschema
-import pytest
-import torch
 
 from guided.compile import Compiler
 from guided.forms import spec_regex
@@ -37,14 +34,6 @@ SPECS = [GuidedSpec(SpecKind.REGEX, r"[0-9]{1,4}-[a-z]{2,6}"),
 # own (build_regex_from_schema), which the server uses too.
 REFERENCE = [SPECS[0].value, "(yes|no|maybe|the quick fox)", spec_regex(SPECS[2])]
 N = 40
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_compiled_tables_at_k1_sync_equal_hf(tiny_model_dir: pathlib.Path) -> None:

@@ -9,11 +9,9 @@ ranges (two constraints and an unguided row), so its forwards take the masked fo
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench.guided_tables import choice_regex
 from gpu_worker.sync_guard import forbid_host_sync
@@ -34,14 +32,6 @@ ROWS: dict[int, tuple[str | None, int | None]] = {
     5: ("attn", None), 6: (None, None), 7: ("all", None)}
 NEW = 40
 PROMPTS = random_prompts([12, 30, 7, 41, 19, 25, 33, 16], 512, seed=31)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,6 @@ from tests.gpu_worker.runner_driver import (
     sampled,
 )
 
-
-@pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runner-ckpts")
-
-
-@pytest.fixture(scope="module")
-def llama(ckpt_root: Path) -> str:
-    return checkpoint(ckpt_root, "llama-gqa")
-
-
 # ---------------------------------------------------------------------------- greedy parity
 
 

@@ -4,7 +4,6 @@ on a GPU, both through `Driver` and against HF generate.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,17 +12,7 @@ import torch
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import random_prompts
-from tests.gpu_worker.runner_driver import Driver, checkpoint, hf_greedy, make_runner, sampled
-
-
-@pytest.fixture(scope="module")
-def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runner-ckpts")
-
-
-@pytest.fixture(scope="module")
-def llama(ckpt_root: Path) -> str:
-    return checkpoint(ckpt_root, "llama-gqa")
+from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
 
 
 class EagerReplay:
