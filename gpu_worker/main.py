@@ -24,7 +24,7 @@ from gpu_worker.runner import ModelRunner
 from gpu_worker.torch_trace import TorchTrace
 from ipc import faults
 from ipc.channels import Receiver, Sender
-from ipc.peers import HEARTBEAT_INTERVAL, role_watch
+from ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, role_watch
 from ipc.process import StartupError, worker_threads
 from ipc.token_channel import TokenWriter
 from ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
@@ -99,10 +99,8 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
             to_scheduler.put(ready)
             log.info("ready (pid %d)", os.getpid())
         to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
-        torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         set_role("gpu-worker")
-        idle_since = time.monotonic_ns()
-        paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when a plan ends
+        loop = _Loop(cfg, runner, publisher, to_scheduler, to_frontend, ranks, ready, peers)
         while True:
             if peers is not None:
                 peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
@@ -111,38 +109,17 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
                 if ranks is not None:
                     ranks.idle()
                 continue
-            if isinstance(msg, Heartbeat):
-                if peers is not None and peers.seen(msg):
-                    log.info("ready (pid %d), in the set of epoch %x", os.getpid(),
-                             peers.epoch)
-                if peers is not None and peers.epoch:
-                    # With every heartbeat of the frontend: when we join, the scheduler of our
-                    # set may not be up yet, and one of the set we replace may still hold the
-                    # address.  The scheduler keeps the first.
-                    to_scheduler.put(ready)
-                continue
             if ranks is not None and isinstance(msg, (Shutdown, StepPlan, ProfileControl)):
                 ranks.forward(msg)  # before running it: the ranks run each plan together
             if isinstance(msg, Shutdown):
                 log.info("shutting down: %s", msg.reason)
                 return
             if isinstance(msg, StepPlan):
-                faults.maybe_fire(cfg.worker_role(0), msg.plan_id)  # tests only; else no-op
-                started = time.monotonic_ns()
-                TRACER.record("idle", idle_since, started, msg.plan_id)
-                ending = partial(to_scheduler.put, PlanEnding(msg.plan_id)) if paced else None
-                done = runner.execute(msg, publisher, ending, cfg.plan_lead_ms / 1000)
-                done.idle_time = (started - idle_since) / 1e9
-                for failure in runner.take_adapter_failures():  # before the StepDone
-                    to_scheduler.put(failure)
-                to_scheduler.put(done)
-                recording = TRACER.enabled
-                on_plan_done(to_frontend, torch_trace)  # `tandem profile --plans N` ends here
-                if ranks is not None and recording and not TRACER.enabled:
-                    ranks.forward(ProfileControl(start=False))  # their torch traces end too
-                idle_since = time.monotonic_ns()
+                loop.run_plan(msg)
+            elif isinstance(msg, Heartbeat):
+                loop.on_heartbeat(msg)
             elif isinstance(msg, ProfileControl):
-                on_profile_control(msg, to_frontend, torch_trace)
+                on_profile_control(msg, loop.to_frontend, loop.torch_trace)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
     except SystemExit:  # SIGTERM: the other ranks stop too (ranks on other hosts exit 0)
@@ -157,3 +134,46 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
         tokens.close()
         inbox.close()
         to_scheduler.close()
+
+
+class _Loop:
+    """What the main loop does with a plan or a heartbeat, and the state it keeps between."""
+
+    def __init__(self, cfg: ServerConfig, runner: ModelRunner, publisher: TokenPublisher,
+                 to_scheduler: Sender, to_frontend: Sender, ranks: Leader | None,
+                 ready: WorkerReady, peers: RoleWatch | None) -> None:
+        self.cfg, self.runner, self.publisher = cfg, runner, publisher
+        self.to_scheduler, self.to_frontend, self.ranks = to_scheduler, to_frontend, ranks
+        self.ready, self.peers = ready, peers
+        self.torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
+        self.paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when it ends
+        self.idle_since = time.monotonic_ns()
+
+    def run_plan(self, plan: StepPlan) -> None:
+        faults.maybe_fire(self.cfg.worker_role(0), plan.plan_id)  # tests only; else no-op
+        started = time.monotonic_ns()
+        TRACER.record("idle", self.idle_since, started, plan.plan_id)
+        ending = partial(self.to_scheduler.put, PlanEnding(plan.plan_id)) if self.paced \
+            else None
+        done = self.runner.execute(plan, self.publisher, ending, self.cfg.plan_lead_ms / 1000)
+        done.idle_time = (started - self.idle_since) / 1e9
+        for failure in self.runner.take_adapter_failures():  # before the StepDone
+            self.to_scheduler.put(failure)
+        self.to_scheduler.put(done)
+        recording = TRACER.enabled
+        on_plan_done(self.to_frontend, self.torch_trace)  # `tandem profile --plans N` ends here
+        if self.ranks is not None and recording and not TRACER.enabled:
+            self.ranks.forward(ProfileControl(start=False))  # their torch traces end too
+        self.idle_since = time.monotonic_ns()
+
+    def on_heartbeat(self, msg: Heartbeat) -> None:
+        """On our own (not under the launcher): join the frontend's set, then tell its
+        scheduler we are ready with every heartbeat of the frontend - when we join, the
+        scheduler of our set may not be up yet, and one of the set we replace may still
+        hold the address.  The scheduler keeps the first."""
+        if self.peers is None:
+            return
+        if self.peers.seen(msg):
+            log.info("ready (pid %d), in the set of epoch %x", os.getpid(), self.peers.epoch)
+        if self.peers.epoch:
+            self.to_scheduler.put(self.ready)
