@@ -34,6 +34,31 @@ def _cell(r: dict[str, Any], key: str) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def paired_ratio(runs: dict[str, list[dict[str, Any]]], name: str, base: str, key: str) -> float:
+    """Median over repeats of arm / base within the same repeat: the arms of one repeat run
+    back to back on one server, so a slow drift of a shared machine cancels out."""
+    import statistics
+
+    pairs = zip(runs[name], runs[base], strict=True)
+    return statistics.median(r[key] / b[key] for r, b in pairs)
+
+
+def paired_table(runs: dict[str, list[dict[str, Any]]], base: str,
+                 columns: list[tuple[str, str]]) -> str:
+    """Arms of one server (`bench lora`, `bench guided`): per-figure medians, then TPOT and
+    throughput as paired ratios to `base`."""
+    results = {name: median_result(rs) for name, rs in runs.items()}
+    head = "| arm | " + " | ".join(c for _, c in columns) + \
+        f" | TPOT vs {base} | throughput vs {base} |"
+    lines = [head, "|" + "---|" * (len(columns) + 3)]
+    for name, r in results.items():
+        cells = [_cell(r, k) for k, _ in columns]
+        cells += [f"{paired_ratio(runs, name, base, 'mean_tpot_ms'):.2f}×",
+                  f"{paired_ratio(runs, name, base, 'output_throughput'):.2f}×"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     """One row per arm, with ratios to sync K=1 (or, without it, to the first sync arm)."""
     syncs = [n for n in results if n.startswith("sync K=")]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from adapters.peft import MODULES, ModelShapes
-from bench.ab import Arm, Workload, arm_server, beside_frontend, median_result
+from bench.ab import Arm, Workload, arm_server, beside_frontend
+from bench.ab_tables import median_result, paired_table
 from bench.serve import BenchConfig
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
@@ -57,26 +57,6 @@ def model_shapes(model: str) -> ModelShapes:
 
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         return ModelShapes.of(ModelArgs.from_hf_config(json.load(f)))
-
-
-def paired_ratio(runs: dict[str, list[dict[str, Any]]], name: str, key: str) -> float:
-    """Median over repeats of arm / base within the same repeat: the arms of one repeat run
-    back to back, so a slow drift of a shared machine cancels out."""
-    pairs = zip(runs[name], runs["base model"], strict=True)
-    return statistics.median(r[key] / b[key] for r, b in pairs)
-
-
-def table(runs: dict[str, list[dict[str, Any]]]) -> str:
-    results = {name: median_result(rs) for name, rs in runs.items()}
-    head = "| arm | " + " | ".join(c for _, c in COLUMNS) + \
-        " | TPOT vs base | throughput vs base |"
-    lines = [head, "|" + "---|" * (len(COLUMNS) + 3)]
-    for name, r in results.items():
-        cells = [f"{r[k]:.2f}" for k, _ in COLUMNS]
-        cells += [f"{paired_ratio(runs, name, 'mean_tpot_ms'):.2f}×",
-                  f"{paired_ratio(runs, name, 'output_throughput'):.2f}×"]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -148,7 +128,7 @@ def main(args: argparse.Namespace) -> int:
                         print(f"[bench lora] {rep + 1}/{args.repeats} {name}: TPOT "
                               f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
                               file=sys.stderr, flush=True)
-    print(table(runs))
+    print(paired_table(runs, "base model", COLUMNS))
     results = {name: median_result(rs) for name, rs in runs.items()}
     keep = [k for k, _ in COLUMNS] + ["completed", "median_tpot_ms", "p99_tpot_ms", "repeats"]
     with open(args.output_json, "w") as f:

@@ -13,6 +13,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -64,7 +65,7 @@ def tandem(*args: str, timeout: float = 3600) -> str:
 def shown(args: list[str], ctx: Context) -> str:
     """The command as a reader would type it: model folders by preset, not temp paths."""
     names = {path: f"/tmp/tiny-{preset}" for preset, path in ctx.models.items()}
-    return "tandem " + " ".join(names.get(a, a) for a in args)
+    return "tandem " + " ".join(shlex.quote(names.get(a, a)) for a in args)
 
 
 def scrub(text: str, ctx: Context) -> str:
@@ -180,7 +181,7 @@ def ab_fast(ctx: Context) -> str:
 
 
 def ab_default(ctx: Context) -> str:
-    return _ab(ctx, "default", "transformers-serve,hf-generate")
+    return _ab(ctx, "default", "transformers-serve,hf-generate", "--http")
 
 
 def pacing(ctx: Context) -> str:
@@ -298,6 +299,28 @@ def guided(ctx: Context) -> str:
          "--threads", "1", "--repeats", "5"])
 
 
+def guided_serve(ctx: Context) -> str:
+    return command_section(ctx, (
+        "Guided requests served: one fast-preset server (K=8 async), the same seeded "
+        "workload unguided and with half its requests under each kind, arms alternating. A "
+        "guided request ends when its constraint is complete (a phone number, a colour, a "
+        "small record, a sum, any JSON object), so guided rows share the batch for only part "
+        "of a run; the step table above keeps half the rows guided throughout. Each run's "
+        "constraints are new to the server, so its first guided request waits for a cold "
+        "compile (format=JSON excepted: the server compiles it at start-up)."),
+        ["bench", "guided", "--model", ctx.models["fast"], "--repeats", str(ctx.repeats),
+         "--output-json", "/tmp/tandem-bench-guided.json"])
+
+
+def tensor_parallel(ctx: Context) -> str:
+    return command_section(ctx, (
+        "Tensor parallelism on this CPU: two gpu worker ranks over gloo next to one, one "
+        "torch thread per rank, the same cores; K=8 plans, median ms per decode step. A "
+        "correctness feature here (each step runs gloo collectives over loopback TCP); "
+        "speed needs GPUs and NVLink."),
+        ["bench", "step", "--model", ctx.models["default"], "--tensor-parallel-size", "2"])
+
+
 def postproc(ctx: Context) -> str:
     return command_section(
         ctx, "Postprocessing throughput next to the decode it has to keep up with.",
@@ -337,7 +360,8 @@ def soak(ctx: Context) -> str:
         "first start also builds the tiny model (in a child process, not the frontend). The "
         "mix: plain, token-detail (logprobs, ranks, top-n), stop-sequence, sampled and "
         "cancelled-mid-stream requests (`--mix`), guided ones with `--guided-share`.",
-        ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}"], fenced=True,
+        ["bench", "soak", "--minutes", f"{ctx.soak_minutes:g}", "--guided-share", "0.15",
+         "--server-args", "--num-scheduler-steps 8"], fenced=True,
         timeout=ctx.soak_minutes * 60 + 900)
 
 
@@ -393,6 +417,9 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
     "guided": ("Guided decoding (`tandem bench step --guided`)", guided),
+    "guided-serve": ("Guided decoding served (`tandem bench guided`)", guided_serve),
+    "tp": ("Tensor parallelism on a CPU (`tandem bench step --tensor-parallel-size 2`)",
+           tensor_parallel),
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "lora": ("LoRA adapters (`tandem bench lora`)", lora),

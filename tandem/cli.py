@@ -317,16 +317,17 @@ def cmd_bench_ipc(args: argparse.Namespace) -> int:
     return bench_ipc.main(args.rest)
 
 
-# `tandem bench NAME`: each is `bench.NAME` with `add_arguments(parser)` and `main(args)`.
-BENCHMARKS = (
-    ("serve", "vLLM-style serving benchmark against a server"),
-    ("step", "decode ms/step at batch 1/8/32/64 next to HF generate()"),
-    ("postproc", "postproc tokens/s next to decode tokens/s"),
-    ("soak", "steady load for minutes; RSS growth of every process"),
-    ("robustness", "overload, stalled and vanishing clients, role restarts"),
-    ("ab", "sync/async x K table, each arm on a fresh server"),
-    ("lora", "TPOT and throughput with LoRA adapters vs the base model"),
-    ("report", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
+# `tandem bench NAME`: the module `bench.MODULE` with `add_arguments(parser)` and `main(args)`.
+BENCHMARKS = (  # (NAME, MODULE, help)
+    ("serve", "serve", "vLLM-style serving benchmark against a server"),
+    ("step", "step", "decode ms/step at batch 1/8/32/64 next to HF generate()"),
+    ("postproc", "postproc", "postproc tokens/s next to decode tokens/s"),
+    ("soak", "soak", "steady load for minutes; RSS growth of every process"),
+    ("robustness", "robustness", "overload, stalled and vanishing clients, role restarts"),
+    ("ab", "ab", "sync/async x K table, each arm on a fresh server"),
+    ("lora", "lora", "TPOT and throughput with LoRA adapters vs the base model"),
+    ("guided", "guided_serve", "TPOT and throughput with guided requests, per kind"),
+    ("report", "report", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
 
@@ -372,8 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
-    for name, help_text in BENCHMARKS:
-        module = importlib.import_module(f"bench.{name}")
+    for name, module_name, help_text in BENCHMARKS:
+        module = importlib.import_module(f"bench.{module_name}")
         p = bench.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.main)

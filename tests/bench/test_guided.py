@@ -67,3 +67,23 @@ def test_summary_reports_the_first_request_apart() -> None:
     assert s["unguided_median_ttft_ms"] == pytest.approx(100)
     text = bg.format_summary(s)
     assert "First guided TTFT, cold compile (ms):" in text and "2000.00" in text
+
+
+def test_bench_guided_names_an_unknown_kind() -> None:
+    import argparse
+
+    from bench import guided_serve
+
+    p = argparse.ArgumentParser()
+    guided_serve.add_arguments(p)
+    with pytest.raises(SystemExit, match="--kinds: unknown 'regexp'"):
+        guided_serve.main(p.parse_args(["--kinds", "regex,regexp"]))
+
+
+def test_bench_guided_refuses_a_run_with_failed_guided_requests() -> None:
+    from bench.guided_serve import check
+
+    check("regex", {"completed": 8, "guided_failed": 0}, 8)
+    with pytest.raises(SystemExit, match="regex: 1 requests failed: .*bad regex"):
+        check("regex", {"completed": 7, "guided_failed": 1, "errors": [],
+                        "guided_first_error": "INVALID_ARGUMENT: bad regex"}, 8)

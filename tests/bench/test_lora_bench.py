@@ -5,7 +5,8 @@ from __future__ import annotations
 import pathlib
 
 from adapters.peft import ModelShapes, read_adapter
-from bench.lora import paired_ratio, table, write_adapter
+from bench.ab_tables import paired_ratio, paired_table
+from bench.lora import COLUMNS, write_adapter
 
 
 def test_written_adapters_read_back_at_their_rank(tmp_path: pathlib.Path) -> None:
@@ -26,5 +27,6 @@ def test_ratios_pair_the_arms_of_each_repeat() -> None:
     # The machine slows down by 2x in the second repeat; each pair still says 1.1x.
     runs = {"base model": [run(10, 100), run(20, 50), run(10, 100)],
             "4 adapters": [run(11, 90), run(22, 45), run(11, 90)]}
-    assert paired_ratio(runs, "4 adapters", "mean_tpot_ms") == 1.1
-    assert "| 4 adapters | 1.00 | 11.00 | 11.00 | 90.00 | 1.10× | 0.90× |" in table(runs)
+    assert paired_ratio(runs, "4 adapters", "base model", "mean_tpot_ms") == 1.1
+    table = paired_table(runs, "base model", COLUMNS)
+    assert "| 4 adapters | 1.00 | 11.00 | 11.00 | 90.00 | 1.10× | 0.90× |" in table
