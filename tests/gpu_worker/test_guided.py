@@ -17,11 +17,14 @@ import pytest
 import torch
 
 from bench.guided_tables import choice_regex, json_schema_regex
+from gpu_worker import guided as device_guided
+from gpu_worker.batch import RequestState
 from gpu_worker.guided import GuidedBatch
 from gpu_worker.runner import ModelRunner
 from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
+    VOCAB,
     grammar,
     guided,
     guided_checkpoint,
@@ -317,3 +320,29 @@ def test_guided_rows_with_cuda_graphs_match_eager(path: str) -> None:
     with_graphs = _graph_run(path, graphed)
     assert graphed.graphs is not None and graphed.graphs.enabled and graphed.graphs._graphs
     assert with_graphs == _graph_run(path, runner(False))
+
+
+# ---------------------------------------------------------------------------- the mask's two paths
+
+
+@pytest.mark.parametrize("regex", [CHOICE, NUM, JSON, WORDS])
+def test_live_token_mask_equals_the_full_gather(path: str, regex: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables with few live tokens take the dead-row + live-gather path; it must mask exactly
+    what the full gather masks, in every state the rows are in."""
+    t = table(path, regex)
+    masked = {}
+    for share in (1, VOCAB + 1):  # every table live-path, then none
+        monkeypatch.setattr(device_guided, "LIVE_SHARE", share)
+        reg = device_guided.GuidedRegistry(torch.device("cpu"), VOCAB, path)
+        reg.apply([t], [])
+        assert (reg.table(t.table_id).live is not None) == (share == 1)
+        states = list(range(t.next_state.shape[0]))  # every state, DONE included
+        reqs = [RequestState(i, [1], 1, guided(t), guided_state=s) for i, s in enumerate(states)]
+        batch = device_guided.GuidedBatch(reg, reqs)
+        logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(0))
+        batch.prepare()
+        batch.apply_(logits)
+        masked[share] = logits
+    assert torch.equal(masked[1], masked[VOCAB + 1])
+    assert torch.isinf(masked[1]).any() and torch.isfinite(masked[1]).any()
