@@ -382,16 +382,16 @@ def fuzz(ctx: Context) -> str:
     rows = ["| status | requests |", "|---|---:|"] + [
         f"| {code} | {n} |" for code, n in sorted(r["by_status"].items(), key=lambda x: -x[1])]
     bad = sum(r["by_status"].get(c, 0) for c in ("INTERNAL", "UNKNOWN", "UNAVAILABLE",
-                                                   "DEADLINE_EXCEEDED"))
+                                                   "UNIMPLEMENTED", "DEADLINE_EXCEEDED"))
     return "\n\n".join([
         f"`make fuzz FUZZ_EXAMPLES={ctx.fuzz_examples} FUZZ_SEED=1`: {r['requests']} requests "
         "generated from `generation.proto`'s descriptors (every field; NaN, ±inf, huge and "
         "negative numbers, unknown enum numbers, empty and 1 MB texts) and as raw wire bytes "
         "(invalid UTF-8 in any string field, truncated and random bytes) against one "
-        "fast-preset server; then health, every KV block free, and greedy output equal to "
-        f"HF. pytest: {tail[0]}. INTERNAL/UNKNOWN/UNAVAILABLE/hangs: {bad}. UNIMPLEMENTED "
-        "answers only requests that name a prompt-tuning prefix, an adapter or a guided "
-        "constraint, which this server does not have.", "\n".join(rows)])
+        "fast-preset server with guided decoding and an (empty) adapter cache, so guided "
+        "constraints and adapter ids are validated too; then health, every KV block free, "
+        f"and greedy output equal to HF. pytest: {tail[0]}. "
+        f"INTERNAL/UNKNOWN/UNAVAILABLE/UNIMPLEMENTED/hangs: {bad}.", "\n".join(rows)])
 
 
 def robustness(ctx: Context) -> str:
