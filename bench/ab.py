@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bench.ab_tables import (
@@ -204,6 +204,45 @@ def arm_server(model: str, arm: Arm, extra: list[str]
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def add_one_server_arguments(p: argparse.ArgumentParser, input_len: int) -> None:
+    """The workload and repeat flags of a benchmark whose arms share one server."""
+    p.add_argument("--steps", type=int, default=8, help="K of the server")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=input_len)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--max-concurrency", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="runs per arm, interleaved")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra flag for the server (repeatable)")
+
+
+def run_one_server_arms(label: str, model: str, args: argparse.Namespace, extra: list[str],
+                        arms: dict[str, dict[str, Any]],
+                        check: Callable[[str, dict[str, Any]], None]
+                        ) -> dict[str, list[dict[str, Any]]]:
+    """Every arm's workload (`arms`: name -> bench config changes) on one K=`args.steps`
+    async server, alternating order over `args.repeats`; `check` refuses a failed run."""
+    bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, max_concurrency=args.max_concurrency,
+                        seed=args.seed, warmup=4, model=model)
+    work = Workload.build(bench)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    with arm_server(model, Arm(args.steps, True), [*extra, *args.server_arg]) as (
+            proc, _client, port, _):
+        with beside_frontend(proc.pid):
+            for rep in range(args.repeats):
+                order = list(arms.items())
+                for name, changes in order if rep % 2 == 0 else order[::-1]:
+                    r = work.run(port=port, model=model, **changes)
+                    check(name, r)
+                    runs.setdefault(name, []).append(r)
+                    print(f"[bench {label}] {rep + 1}/{args.repeats} {name}: TPOT "
+                          f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
+                          file=sys.stderr, flush=True)
+    return runs
 
 
 def run_arm(model: str, arm: Arm, work: Workload, extra: list[str]) -> dict[str, Any]:

@@ -24,9 +24,8 @@ import tempfile
 from typing import Any
 
 from bench import guided as bench_guided
-from bench.ab import Arm, Workload, arm_server, beside_frontend
+from bench.ab import add_one_server_arguments, run_one_server_arms
 from bench.ab_tables import median_result, paired_table
-from bench.serve import BenchConfig
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("output_throughput", "out tok/s"),
@@ -42,15 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated, from {', '.join(bench_guided.KINDS)}")
     p.add_argument("--guided-share", type=float, default=0.5,
                    help="share of each guided arm's requests that are constrained")
-    p.add_argument("--steps", type=int, default=8, help="K of the server")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="runs per arm, interleaved")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra flag for the server (repeatable)")
+    add_one_server_arguments(p, input_len=64)
     p.add_argument("--output-json", default="bench_guided.json")
 
 
@@ -73,26 +64,12 @@ def main(args: argparse.Namespace) -> int:
         from gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model("fast"))
-    bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, max_concurrency=args.max_concurrency,
-                        seed=args.seed, warmup=4, model=model)
-    work = Workload.build(bench)
-    arms = {BASE: "", **{k: k for k in kinds}}
-    runs: dict[str, list[dict[str, Any]]] = {}
+    arms: dict[str, dict[str, Any]] = {BASE: {"guided": ""}}
+    arms.update({k: {"guided": k, "guided_share": args.guided_share} for k in kinds})
     with tempfile.TemporaryDirectory(prefix="tandem-bench-guided-") as cache:
-        extra = ["--guided-cache-dir", cache, *args.server_arg]
-        with arm_server(model, Arm(args.steps, True), extra) as (proc, _client, port, _):
-            with beside_frontend(proc.pid):
-                for rep in range(args.repeats):
-                    order = list(arms.items())
-                    for name, kind in order if rep % 2 == 0 else order[::-1]:
-                        r = work.run(port=port, model=model, guided=kind,
-                                     guided_share=args.guided_share)
-                        check(name, r, args.num_prompts)
-                        runs.setdefault(name, []).append(r)
-                        print(f"[bench guided] {rep + 1}/{args.repeats} {name}: TPOT "
-                              f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
-                              file=sys.stderr, flush=True)
+        runs = run_one_server_arms(
+            "guided", model, args, ["--guided-cache-dir", cache], arms,
+            lambda name, r: check(name, r, args.num_prompts))
     print(f"K={args.steps} async, {args.num_prompts} requests x {args.output_len} tokens, "
           f"{args.max_concurrency} at a time; {args.guided_share:.0%} of a guided arm's "
           f"requests constrained; medians of {args.repeats} interleaved runs on one server")

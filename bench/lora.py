@@ -22,9 +22,8 @@ from typing import Any
 import numpy as np
 
 from adapters.peft import MODULES, ModelShapes
-from bench.ab import Arm, Workload, arm_server, beside_frontend
+from bench.ab import add_one_server_arguments, run_one_server_arms
 from bench.ab_tables import median_result, paired_table
-from bench.serve import BenchConfig
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
            ("output_throughput", "out tok/s")]
@@ -64,15 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model folder (default: the embedded tiny model)")
     p.add_argument("--adapters", type=int, default=4, help="adapters the requests spread over")
     p.add_argument("--rank", type=int, default=16, help="every adapter's rank")
-    p.add_argument("--steps", type=int, default=8, help="K of the server")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--max-concurrency", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeats", type=int, default=3, help="runs per arm, interleaved")
-    p.add_argument("--server-arg", action="append", default=[],
-                   help="extra flag for the server (repeatable)")
+    add_one_server_arguments(p, input_len=128)
     p.add_argument("--output-json", default="bench_lora.json")
     p.add_argument("--step", action="store_true",
                    help="instead of serving: decode ms/step in one process, arms alternating "
@@ -100,34 +91,24 @@ def main(args: argparse.Namespace) -> int:
         model = str(ensure_default_model())
     if args.step:
         return step_main(args, model)
-    bench = BenchConfig(num_prompts=args.num_prompts, input_len=args.input_len,
-                        output_len=args.output_len, max_concurrency=args.max_concurrency,
-                        seed=args.seed, warmup=4, model=model)
-    work = Workload.build(bench)
     ids = [f"bench-{i}" for i in range(args.adapters)]
-    arms = {"base model": [], "1 adapter": ids[:1], f"{args.adapters} adapters": ids}
-    runs: dict[str, list[dict[str, Any]]] = {}
+    arms: dict[str, dict[str, Any]] = {"base model": {"adapters": []},
+                                       "1 adapter": {"adapters": ids[:1]},
+                                       f"{args.adapters} adapters": {"adapters": ids}}
+
+    def check(name: str, r: dict[str, Any]) -> None:
+        if r["completed"] != args.num_prompts:
+            errors = [e for e in r.get("errors", []) if e]
+            raise SystemExit(f"tandem bench lora: {name}: {args.num_prompts - r['completed']} "
+                             f"requests failed: {errors[:1]}")
+
     with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as cache:
         shapes = model_shapes(model)
         for i, adapter_id in enumerate(ids):
             write_adapter(os.path.join(cache, adapter_id), shapes, args.rank, seed=i)
         extra = ["--adapter-cache", cache, "--max-loras", str(max(args.adapters, 1)),
-                 "--max-lora-rank", str(args.rank), *args.server_arg]
-        with arm_server(model, Arm(args.steps, True), extra) as (proc, _client, port, _):
-            with beside_frontend(proc.pid):
-                for rep in range(args.repeats):
-                    order = list(arms.items())
-                    for name, adapters in order if rep % 2 == 0 else order[::-1]:
-                        r = work.run(port=port, model=model, adapters=adapters)
-                        if r["completed"] != args.num_prompts:
-                            errors = [e for e in r.get("errors", []) if e]
-                            raise SystemExit(f"tandem bench lora: {name}: "
-                                             f"{args.num_prompts - r['completed']} requests "
-                                             f"failed: {errors[:1]}")
-                        runs.setdefault(name, []).append(r)
-                        print(f"[bench lora] {rep + 1}/{args.repeats} {name}: TPOT "
-                              f"{r['mean_tpot_ms']:.2f} ms, {r['output_throughput']:.0f} tok/s",
-                              file=sys.stderr, flush=True)
+                 "--max-lora-rank", str(args.rank)]
+        runs = run_one_server_arms("lora", model, args, extra, arms, check)
     print(paired_table(runs, "base model", COLUMNS))
     results = {name: median_result(rs) for name, rs in runs.items()}
     keep = [k for k, _ in COLUMNS] + ["completed", "median_tpot_ms", "p99_tpot_ms", "repeats"]
