@@ -10,6 +10,7 @@ weights randomised: PEFT starts B at zero, which would make every adapter a no-o
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,14 @@ def make_adapter(model_dir: str | os.PathLike[str], out_dir: str | os.PathLike[s
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
     model.save_pretrained(str(out_dir))
     return Path(out_dir)
+
+
+def make_adapters(model_dir: str | os.PathLike[str], root: str | os.PathLike[str],
+                  names: Iterable[str] = tuple(ADAPTERS)) -> Path:
+    """Write the named adapters of `ADAPTERS` into `root/<name>`; return `root`."""
+    for name in names:
+        make_adapter(model_dir, Path(root) / name, **ADAPTERS[name])
+    return Path(root)
 
 
 @torch.no_grad()

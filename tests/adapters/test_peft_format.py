@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from adapters.peft import AdapterError, ModelShapes, adapter_folder, pattern_key, read_adapter
 from gpu_worker.models.loader import load_model_args
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
-from tests.lora_utils import ADAPTERS, make_adapter
+from tests.lora_utils import make_adapters
 
 MAX_RANK = 16
 
@@ -34,9 +34,7 @@ def shapes(model: str) -> ModelShapes:
 @pytest.fixture(scope="module")
 def made(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("made")
-    for name, kw in ADAPTERS.items():
-        make_adapter(model, root / name, **kw)
-    return root
+    return make_adapters(model, root)
 
 
 @pytest.fixture

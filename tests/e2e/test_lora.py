@@ -24,7 +24,7 @@ import torch
 from rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 from tests.hf_reference import hf_greedy
-from tests.lora_utils import ADAPTERS, make_adapter
+from tests.lora_utils import ADAPTERS, make_adapter, make_adapters
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +40,7 @@ VARIANTS: list[str | None] = [None, *ADAPTERS]
 def cache(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
           ) -> pathlib.Path:
     root = tmp_path_factory.mktemp("adapter-cache")
-    for name, kw in ADAPTERS.items():
-        make_adapter(tiny_model_dir, root / "team" / name, **kw)
+    make_adapters(tiny_model_dir, root / "team")
     make_adapter(tiny_model_dir, root / "big", r=32, lora_alpha=32, target_modules=["q_proj"])
     (root / "prompt-tuning").mkdir()
     (root / "prompt-tuning" / "adapter_config.json").write_text(

@@ -16,7 +16,7 @@ from gpu_worker.sync_guard import forbid_host_sync
 from proto.messages import FinishReason
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
-from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
+from tests.lora_utils import ADAPTERS, make_adapters, peft_greedy
 
 NEW = 16
 
@@ -29,9 +29,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cache(model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("adapters")
-    for name, kw in ADAPTERS.items():
-        make_adapter(model, root / name, **kw)
-    return root
+    return make_adapters(model, root)
 
 
 PROMPTS = random_prompts([5, 40, 23, 70, 9, 31], 512, seed=77)

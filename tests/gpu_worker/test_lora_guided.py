@@ -19,7 +19,7 @@ from proto.messages import FinishReason, SamplingParams
 from tests.gpu_worker.guided_utils import guided, guided_checkpoint, hf_guided, table, text
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, make_runner
-from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
+from tests.lora_utils import make_adapters, peft_greedy
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 CHOICE = choice_regex(["yes", "no", "maybe", "the quick fox"])
@@ -42,9 +42,7 @@ def path(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cache(path: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("lora-guided-adapters")
-    for name in SLOTS:
-        make_adapter(path, root / name, **ADAPTERS[name])
-    return root
+    return make_adapters(path, root, SLOTS)
 
 
 def expected(path: str, cache: Path, rid: int) -> list[int]:

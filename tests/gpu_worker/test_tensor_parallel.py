@@ -28,7 +28,7 @@ from tests.gpu_worker import tp_job
 from tests.gpu_worker.guided_utils import guided_checkpoint, hf_guided
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import hf_greedy
-from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
+from tests.lora_utils import make_adapters, peft_greedy
 
 # name -> (arch, checkpoint kwargs)
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -58,8 +58,7 @@ def lora_spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     its adapter cache."""
     path = guided_checkpoint(tmp_path_factory.mktemp("tp-lora-ckpt"))
     cache = tmp_path_factory.mktemp("tp-adapters")
-    for name in tp_job.LORA_SLOTS:
-        make_adapter(path, cache / name, **ADAPTERS[name])
+    make_adapters(path, cache, tp_job.LORA_SLOTS)
     return {"path": path, "cache": str(cache), "regex": LORA_REGEX}
 
 
