@@ -145,19 +145,26 @@ def test_launcher_sigkill_takes_children_run_dir_and_shm(tiny_model_dir: pathlib
         server.stop(signal.SIGKILL)
 
 
+def hung_and_stopped(server: Server, step_timeout: float) -> str:
+    """A server whose gpu worker hangs at FAULT_PLAN: its streams fail as hung after
+    `step_timeout` and it exits non-zero soon after; the log."""
+    streams = open_streams(server)
+    rc, exited = wait_exit(server)
+    log = server.log()
+    hung = fault_time(log)
+    # Seen after step_timeout (plus the scheduler's 0.2 s tick and the stack dumps).
+    assert_failed(streams, hung + step_timeout, "gpu-worker", "hung", "step timeout")
+    assert rc != 0
+    assert exited - hung < step_timeout + EXIT_WITHIN
+    return log
+
+
 def test_hung_worker_is_dumped_and_treated_as_dead(tiny_model_dir: pathlib.Path) -> None:
     step_timeout = 3.0
     server = Server(str(tiny_model_dir), *FLAGS, "--step-timeout", str(step_timeout),
                     env={"TANDEM_FAULT": f"gpu-worker:plan={FAULT_PLAN}:hang"}).wait_ready()
     try:
-        streams = open_streams(server)
-        rc, exited = wait_exit(server)
-        log = server.log()
-        hung = fault_time(log)
-        # Seen after step_timeout (plus the scheduler's 0.2 s tick and the 0.5 s stack dump).
-        assert_failed(streams, hung + step_timeout, "gpu-worker", "hung", "step timeout")
-        assert rc != 0
-        assert exited - hung < step_timeout + EXIT_WITHIN
+        log = hung_and_stopped(server, step_timeout)
         # faulthandler's dump of the stuck process: thread headers and the hanging frame.
         assert "most recent call first" in log
         assert re.search(r'File ".*ipc/faults\.py", line \d+ in _fire', log), log[-3000:]
