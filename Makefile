@@ -3,7 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-PACKAGES := proto ipc tokenization guided adapters rpc openai_api scheduler gpu_worker postproc_worker tandem bench
+# mypy and protoc do not follow the editable install's import hook: they read the checkout
+# through tandem_serve/X -> X links (scripts/package_view.py).
+VIEW := build/view
 
 .PHONY: bootstrap serve test fuzz lint proto compose-check clean benchmarks
 
@@ -52,12 +54,17 @@ benchmarks: bootstrap
 
 lint: bootstrap
 	$(BIN)/ruff check .
-	$(BIN)/mypy $(PACKAGES)
+	@$(BIN)/python scripts/package_view.py $(VIEW) >/dev/null
+	cd $(VIEW) && MYPYPATH=. $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/setup.cfg \
+		--cache-dir $(CURDIR)/.mypy_cache -p tandem_serve
 
-# Regenerate the gRPC stubs from proto/*.proto (tests check they match).
+# Regenerate the gRPC stubs from proto/*.proto (tests check they match); through the view,
+# so the stubs import and register themselves as tandem_serve.proto.
 proto: bootstrap
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. \
-		proto/generation.proto proto/admin.proto
+	@$(BIN)/python scripts/package_view.py $(VIEW) >/dev/null
+	cd $(VIEW) && $(CURDIR)/$(BIN)/python -m grpc_tools.protoc -I. --python_out=. \
+		--pyi_out=. --grpc_python_out=. \
+		tandem_serve/proto/generation.proto tandem_serve/proto/admin.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from bench.ab_tables import (
+from tandem_serve.bench.ab_tables import (
     COLUMNS,
     PEER_NAMES,
     chart,
@@ -37,9 +37,10 @@ from bench.ab_tables import (
     peer_ratios,
     table,
 )
-from bench.serve import BenchConfig, run_benchmark
-from bench.soak import free_port, role_of, tree_pids
-from rpc.client import TandemClient
+from tandem_serve.bench.serve import BenchConfig, run_benchmark
+from tandem_serve.bench.soak import free_port, role_of, tree_pids
+from tandem_serve.ipc.process import CLI
+from tandem_serve.rpc.client import TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,7 +60,7 @@ class Arm:
 
 def start_server(model: str, arm: Arm, extra: list[str], port: int,
                  http_port: int = 0) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model, "--port", str(port),
+    cmd = [*CLI, "serve", "--model", model, "--port", str(port),
            "--http-port", str(http_port), "--num-scheduler-steps", str(arm.steps),
            "--async-postproc" if arm.async_mode else "--no-async-postproc",
            "--pace-plans" if arm.paced else "--no-pace-plans",
@@ -147,7 +148,7 @@ class Workload:
 
     @classmethod
     def build(cls, bench: BenchConfig) -> Workload:
-        from bench.serve import _load_tokenizer, build_dataset
+        from tandem_serve.bench.serve import _load_tokenizer, build_dataset
 
         tok = _load_tokenizer(bench)
         warm = build_dataset(bench, tok, warmup=True) if bench.warmup else []

@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.datasets import BenchItem
-from bench.metrics import RequestRecord
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.metrics import RequestRecord
 
 log = logging.getLogger("tandem.bench")
 
@@ -116,7 +116,7 @@ class TandemBackend(Backend):
     async def start(self) -> None:
         import grpc
 
-        from proto import generation_pb2_grpc as pb_grpc
+        from tandem_serve.proto import generation_pb2_grpc as pb_grpc
 
         target = f"{self.opts.host}:{self.opts.port}"
         self._channel = grpc.aio.insecure_channel(
@@ -151,8 +151,8 @@ class TandemBackend(Backend):
             self._channel = None
 
     def request(self, item: BenchItem) -> Any:
-        from proto import generation_pb2 as pb
-        from rpc.client import GenerateOptions
+        from tandem_serve.proto import generation_pb2 as pb
+        from tandem_serve.rpc.client import GenerateOptions
 
         opts = GenerateOptions(max_new_tokens=item.output_len, min_new_tokens=item.output_len,
                                stop_sequences=list(self.opts.stop))
@@ -176,7 +176,7 @@ class TandemBackend(Backend):
     async def run_one(self, item: BenchItem) -> RequestRecord:
         import grpc
 
-        from proto import generation_pb2 as pb
+        from tandem_serve.proto import generation_pb2 as pb
 
         req = self.request(item)
         rec = RequestRecord(send_time=time.perf_counter(), input_tokens=item.prompt_len)
@@ -219,8 +219,8 @@ def make_backend(name: str, opts: BackendOptions, tokenizer: Any = None) -> Back
     if name == "tandem":
         return TandemBackend(opts)
     # The other backends build on the classes above, so they are imported once one is chosen.
-    from bench.openai_backends import OpenAIBackend
-    from bench.peer_backends import HFGenerateBackend, TransformersServeBackend
+    from tandem_serve.bench.openai_backends import OpenAIBackend
+    from tandem_serve.bench.peer_backends import HFGenerateBackend, TransformersServeBackend
 
     if name in ("openai-completions", "openai-chat"):
         return OpenAIBackend(opts, chat=name == "openai-chat")

@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any
 
-from bench.gpu_check_report import Budget, Report, Stage, experiment_table, step_table
+from tandem_serve.bench.gpu_check_report import Budget, Report, Stage, experiment_table, step_table
+from tandem_serve.ipc.process import CLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -73,7 +74,7 @@ def _say(msg: str) -> None:
 
 
 def _tandem(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], cwd=ROOT, text=True,
+    return subprocess.run([*CLI, *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=max(timeout, 1.0))
 
 
@@ -140,8 +141,8 @@ def _hf_greedy(model: str, device: str, dtype: str,
 
 
 def _served_tokens(model: str, flags: list[str], jobs: list[tuple[str, int]]) -> list[list[str]]:
-    from bench.ab import Arm, arm_server
-    from rpc.client import GenerateOptions
+    from tandem_serve.bench.ab import Arm, arm_server
+    from tandem_serve.rpc.client import GenerateOptions
 
     with arm_server(model, Arm(8, True), flags) as (_, client, _port, _):
         out = []
@@ -186,14 +187,14 @@ def stage_parity(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], 
 
 
 def stage_features(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
-    from bench.gpu_check_features import check_features
+    from tandem_serve.bench.gpu_check_features import check_features
 
     return check_features(_tiny_model(out, "default"), plan.device, out)
 
 
 def _tiny_model(out: str, preset: str) -> str:
     """The tiny model of `preset`, from the model cache (built there once)."""
-    from gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
     return str(ensure_default_model(preset, in_subprocess=True))
 
@@ -225,8 +226,8 @@ def _num_prompts(plan: Plan, budget: Budget, arms: int, startup_s: float) -> int
 
 def stage_experiment(plan: Plan, out: str, budget: Budget,
                      profile: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    from bench.ab import Arm, Workload
-    from bench.serve import BenchConfig
+    from tandem_serve.bench.ab import Arm, Workload
+    from tandem_serve.bench.serve import BenchConfig
 
     model, flags = _experiment_model(plan, out)
     flags = [*flags, "--device", plan.device, "--dtype", plan.dtype, *plan.server_args]
@@ -260,7 +261,7 @@ def _run_arm(model: str, arm: Any, work: Any, flags: list[str],
              after: Callable[[int], None] | None) -> dict[str, Any]:
     """bench ab's arm (fresh server, warm-up, engine counters), then `after(port)` on the
     same server while it still runs."""
-    from bench.ab import _counters, arm_server, beside_frontend, engine_figures
+    from tandem_serve.bench.ab import _counters, arm_server, beside_frontend, engine_figures
 
     with arm_server(model, arm, flags) as (proc, client, port, _):
         before: dict[str, Any] = {}
@@ -283,8 +284,8 @@ def _profile_hook(plan: Plan, out: str, work: Any,
     """Record `--plans N` with torch.profiler on the async arm's server, under load."""
 
     def run(port: int) -> None:
-        from tandem import profile_report
-        from tandem.profile_cli import record
+        from tandem_serve.tandem import profile_report
+        from tandem_serve.tandem.profile_cli import record
 
         started = time.monotonic()
         torch_trace = os.path.abspath(os.path.join(out, "torch_trace.json"))
@@ -350,7 +351,7 @@ def stage_step(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], st
 
 
 def _weight_bytes(model: str, dtype: str) -> int:
-    from gpu_worker.models.config import ModelArgs
+    from tandem_serve.gpu_worker.models.config import ModelArgs
 
     with open(os.path.join(model, "config.json")) as f:
         a = ModelArgs.from_hf_config(json.load(f))

@@ -39,8 +39,8 @@ def hf_regex(model: str, device: str) -> list[str]:
     from outlines_core import Guide, Index
     from transformers import LogitsProcessorList
 
-    from bench.guided_tables import vocabulary
-    from tokenization.tokenizer import Tokenizer
+    from tandem_serve.bench.guided_tables import vocabulary
+    from tandem_serve.tokenization.tokenizer import Tokenizer
 
     tok, prompt = _hf_ids(model, device)
     ours = Tokenizer.from_dir(model)
@@ -79,8 +79,8 @@ def peft_greedy(model: str, adapter: str, device: str) -> list[str]:
 
 def served(model: str, flags: list[str], *, regex: str | None = None,
            adapter_id: str = "") -> list[str]:
-    from bench.ab import Arm, arm_server
-    from rpc.client import GenerateOptions
+    from tandem_serve.bench.ab import Arm, arm_server
+    from tandem_serve.rpc.client import GenerateOptions
 
     opts = GenerateOptions(max_new_tokens=NEW, generated_tokens=True, regex=regex,
                            min_new_tokens=0 if regex else NEW)
@@ -92,7 +92,7 @@ def served(model: str, flags: list[str], *, regex: str | None = None,
 def check_features(model: str, device: str, out: str) -> tuple[dict[str, Any], str]:
     import torch
 
-    from bench.lora import model_shapes, write_adapter
+    from tandem_serve.bench.lora import model_shapes, write_adapter
 
     cache = os.path.join(out, "adapters")
     write_adapter(os.path.join(cache, "check"), model_shapes(model), rank=8, seed=7)
@@ -106,7 +106,7 @@ def check_features(model: str, device: str, out: str) -> tuple[dict[str, Any], s
     fig["lora"] = {"equal": got == peft_greedy(model, os.path.join(cache, "check"), device),
                    "tokens": len(got)}
     if device == "cuda" and torch.cuda.device_count() >= 2:
-        from bench.gpu_check import PARITY_PROMPTS, _hf_greedy, _served_tokens
+        from tandem_serve.bench.gpu_check import PARITY_PROMPTS, _hf_greedy, _served_tokens
 
         jobs = PARITY_PROMPTS[:2]
         tp = _served_tokens(model, ["--device", "cuda", "--dtype", "float32",

@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.datasets import BenchItem
-from bench.metrics import WIDTH, RequestRecord
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.metrics import WIDTH, RequestRecord
 
 KINDS = ("regex", "choice", "json", "grammar", "json-object")
 

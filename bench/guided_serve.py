@@ -23,9 +23,9 @@ import sys
 import tempfile
 from typing import Any
 
-from bench import guided as bench_guided
-from bench.ab import add_one_server_arguments, run_one_server_arms
-from bench.ab_tables import median_result, paired_table
+from tandem_serve.bench import guided as bench_guided
+from tandem_serve.bench.ab import add_one_server_arguments, run_one_server_arms
+from tandem_serve.bench.ab_tables import median_result, paired_table
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("output_throughput", "out tok/s"),
@@ -61,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
                          f"{', '.join(bench_guided.KINDS)}")
     model = args.model
     if not model:
-        from gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model("fast"))
     arms: dict[str, dict[str, Any]] = {BASE: {"guided": ""}}

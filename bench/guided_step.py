@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from bench.guided_tables import choice_regex, json_schema_regex, regex_table
-from bench.step import Ours, _progress, _prompts
-from proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.bench.guided_tables import choice_regex, json_schema_regex, regex_table
+from tandem_serve.bench.step import Ours, _progress, _prompts
+from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 REGEX = r"(\d{4}-\d{2}-\d{2}|[A-Z][a-z]+ [0-9]{1,2}, [0-9]{4})(; [A-Za-z ,.]{1,40})*"
 CHOICES = ["positive", "negative", "neutral", "mixed", "not applicable", "unknown",

@@ -12,12 +12,12 @@ from collections.abc import Iterable
 from functools import cache
 from typing import Any
 
-from guided.compile import Compiler
-from guided.forms import choice_regex as _choice_regex
-from guided.forms import schema_regex
-from guided.spec import GuidedSpec, SpecKind
-from proto.messages import GuidedTable
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.guided.compile import Compiler
+from tandem_serve.guided.forms import choice_regex as _choice_regex
+from tandem_serve.guided.forms import schema_regex
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto.messages import GuidedTable
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 
 @cache

@@ -24,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from ipc.shm_ring import RingReader, RingWriter, unlink_ipc_file, unlink_segment
+from tandem_serve.ipc.shm_ring import RingReader, RingWriter, unlink_ipc_file, unlink_segment
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,7 @@ def _child_main(argv: list[str]) -> int:
 def _spawn_child(args: list[str]) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO_ROOT, env.get("PYTHONPATH")]))
-    code = ("import sys; from bench.ipc import _child_main; "
+    code = ("import sys; from tandem_serve.bench.ipc import _child_main; "
             "sys.exit(_child_main(sys.argv[1:]))")
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env)
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from adapters.peft import MODULES, ModelShapes
-from bench.ab import add_one_server_arguments, run_one_server_arms
-from bench.ab_tables import median_result, paired_table
+from tandem_serve.adapters.peft import MODULES, ModelShapes
+from tandem_serve.bench.ab import add_one_server_arguments, run_one_server_arms
+from tandem_serve.bench.ab_tables import median_result, paired_table
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),
            ("output_throughput", "out tok/s")]
@@ -52,7 +52,7 @@ def write_adapter(folder: str, shapes: ModelShapes, rank: int, seed: int) -> Non
 
 
 def model_shapes(model: str) -> ModelShapes:
-    from gpu_worker.models.config import ModelArgs
+    from tandem_serve.gpu_worker.models.config import ModelArgs
 
     with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
         return ModelShapes.of(ModelArgs.from_hf_config(json.load(f)))
@@ -71,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def step_main(args: argparse.Namespace, model: str) -> int:
-    from bench.lora_step import step_table
+    from tandem_serve.bench.lora_step import step_table
 
     ids = [f"bench-{i}" for i in range(args.adapters)]
     with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as cache:
@@ -86,7 +86,7 @@ def step_main(args: argparse.Namespace, model: str) -> int:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     if not model:
-        from gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model())
     if args.step:

@@ -21,9 +21,9 @@ def step_table(model: str, cache: str, ids: list[str], rank: int, batch: int = 3
                prompt_len: int = 128, steps: int = 32, k: int = 8, repeats: int = 5) -> str:
     import torch
 
-    from gpu_worker.publisher import TokenPublisher
-    from gpu_worker.runner import ModelRunner
-    from proto.messages import AdapterLoad, NewRequest, SamplingParams, StepPlan
+    from tandem_serve.gpu_worker.publisher import TokenPublisher
+    from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.messages import AdapterLoad, NewRequest, SamplingParams, StepPlan
 
     torch.set_num_threads(1)
     per_req = -(-(prompt_len + steps + 1) // 16)

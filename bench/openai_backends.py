@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench.backends import Backend, BackendOptions, fail_record
-from bench.datasets import BenchItem
-from bench.http_sse import HTTPError, post_sse_asyncio, sse_events
-from bench.metrics import RequestRecord
+from tandem_serve.bench.backends import Backend, BackendOptions, fail_record
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.http_sse import HTTPError, post_sse_asyncio, sse_events
+from tandem_serve.bench.metrics import RequestRecord
 
 
 class OpenAIBackend(Backend):

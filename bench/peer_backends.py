@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from bench.backends import Backend, BackendOptions, Progress, fail_record
-from bench.datasets import BenchItem
-from bench.metrics import RequestRecord
-from bench.openai_backends import TransformersServeBackend
+from tandem_serve.bench.backends import Backend, BackendOptions, Progress, fail_record
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.metrics import RequestRecord
+from tandem_serve.bench.openai_backends import TransformersServeBackend
 
 __all__ = ["HFGenerateBackend", "TransformersServeBackend"]
 
@@ -81,7 +81,7 @@ class HFGenerateBackend(Backend):
         from transformers import AutoModelForCausalLM
 
         if self._tok is None:
-            from tokenization.tokenizer import Tokenizer
+            from tandem_serve.tokenization.tokenizer import Tokenizer
 
             self._tok = Tokenizer.from_dir(self.opts.model)
         device = self.opts.device

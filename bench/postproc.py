@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
-from postproc_worker.main import Postprocessor
-from proto.messages import OutputOptions, RegisterRequest, TokenBatch
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
+from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.proto.messages import OutputOptions, RegisterRequest, TokenBatch
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 TEXT = ("Tandem runs the model while the detokenizer works. 東京は日本の首都です。 "
         "مرحبا بالعالم 👩‍👩‍👧‍👦 café naïve résumé\n\tCode: def f(x): return x * 2\n")
@@ -57,8 +57,8 @@ def decode_rate(model_dir: str, batch: int, prompt_len: int, plans: int, steps: 
     """Tokens per second the gpu worker decodes at `batch` (K-step plans, greedy)."""
     import torch
 
-    from gpu_worker.runner import ModelRunner
-    from proto.messages import NewRequest, SamplingParams, StepPlan
+    from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
 
     if threads:
         torch.set_num_threads(threads)
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     if not model:
-        from gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model())
     tok = Tokenizer.from_dir(model)

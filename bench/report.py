@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_serve.ipc.process import CLI
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The workload of the A/B tables and of the peer comparison: 32 concurrent requests,
@@ -55,7 +57,7 @@ def progress(msg: str) -> None:
 
 def tandem(*args: str, timeout: float = 3600) -> str:
     """Run a `tandem` subcommand from the repository root; its stdout (stderr streams)."""
-    cmd = [sys.executable, "-m", "tandem.cli", *args]
+    cmd = [*CLI, *args]
     progress("$ tandem " + " ".join(args))
     out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=timeout,
                          check=True)
@@ -212,7 +214,7 @@ def pacing(ctx: Context) -> str:
 
 def profile(ctx: Context) -> str:
     """Async vs sync K=8 under the same load, recorded by `tandem profile`, side by side."""
-    from bench.ab import Arm, arm_server
+    from tandem_serve.bench.ab import Arm, arm_server
 
     model = ctx.models["fast"]
     summaries: dict[str, dict[str, Any]] = {}
@@ -453,7 +455,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpu_worker.tiny_model import build_tiny_model
+    from tandem_serve.gpu_worker.tiny_model import build_tiny_model
 
     sections = [s for s in args.only.split(",") if s] or DEFAULT_SECTIONS
     for s in sections:

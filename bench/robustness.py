@@ -66,7 +66,7 @@ def stream_once(client: Any, text: str, opts: Any, released: float,
 
 def burst(target: str, jobs: list[tuple[str, Any]], per_channel: int = 16) -> list[Outcome]:
     """Every job's stream started at the same instant, one thread each; their outcomes."""
-    from rpc.client import TandemClient
+    from tandem_serve.rpc.client import TandemClient
 
     clients = [TandemClient(target) for _ in range(0, len(jobs), per_channel)]
     gate = threading.Barrier(len(jobs) + 1)
@@ -124,7 +124,7 @@ def summarize_overload(outcomes: list[Outcome], tokens: int) -> OverloadReport:
 
 
 def overload_jobs(n: int, tokens: int, prompts: list[str]) -> list[tuple[str, Any]]:
-    from rpc.client import GenerateOptions
+    from tandem_serve.rpc.client import GenerateOptions
 
     opts = GenerateOptions(max_new_tokens=tokens, min_new_tokens=tokens)
     return [(prompts[i % len(prompts)], opts) for i in range(n)]
@@ -139,7 +139,7 @@ STALLED_CHANNEL = [("grpc.http2.bdp_probe", 0)]
 
 def detailed(tokens: int) -> Any:
     """Options whose every streamed token carries logprob, rank and 10 alternatives."""
-    from rpc.client import GenerateOptions
+    from tandem_serve.rpc.client import GenerateOptions
 
     return GenerateOptions(max_new_tokens=tokens, min_new_tokens=tokens, generated_tokens=True,
                            token_logprobs=True, token_ranks=True, top_n_tokens=10)
@@ -150,7 +150,7 @@ def stalled_streams(target: str, n: int, tokens: int) -> Iterator[list[Any]]:
     """`n` streams whose clients read the head and one token, then nothing more."""
     import grpc
 
-    from rpc.client import TandemClient
+    from tandem_serve.rpc.client import TandemClient
 
     clients = [TandemClient(channel=grpc.insecure_channel(target, options=STALLED_CHANNEL))
                for _ in range(n)]
@@ -189,7 +189,7 @@ def finish_stalled(calls: list[Any]) -> list[Outcome]:
 def vanish(target: str, n: int, tokens: int) -> list[str]:
     """`n` clients, all mid-stream at once, then half cancel and half close their channel;
     returns the errors of clients that could not get there (empty: all did)."""
-    from rpc.client import GenerateOptions, TandemClient
+    from tandem_serve.rpc.client import GenerateOptions, TandemClient
 
     opts = GenerateOptions(max_new_tokens=tokens, min_new_tokens=tokens)
     gate = threading.Barrier(n + 1, timeout=300)
@@ -239,8 +239,8 @@ def wait_idle(client: Any, timeout: float = 60.0) -> Any:
 
 
 def _server(model: str, flags: list[str]) -> Any:
-    from bench.soak import start_server, wait_serving
-    from rpc.client import TandemClient
+    from tandem_serve.bench.soak import start_server, wait_serving
+    from tandem_serve.rpc.client import TandemClient
 
     proc, target = start_server(model, flags)
     client = TandemClient(target)
@@ -280,8 +280,8 @@ SETTLE_S = 5.0
 
 
 def _stalled_arm(args: argparse.Namespace, limit: int) -> dict[str, Any]:
-    from bench.soak import rss_kb
-    from rpc.client import GenerateOptions
+    from tandem_serve.bench.soak import rss_kb
+    from tandem_serve.rpc.client import GenerateOptions
 
     proc, target, client = _server(args.model, ["--max-stream-buffer-bytes", str(limit),
                                                 "--max-new-tokens", "2000"])
@@ -342,7 +342,7 @@ def run_vanish(args: argparse.Namespace) -> dict[str, Any]:
 def _restart_one(roles: Any, client: Any, role: str) -> dict[str, Any]:
     """Kill `role` (SIGKILL) and time the set's way back; the frontend must stay unless it
     is the one killed."""
-    from bench.roles import wait_health, wait_serving_anew
+    from tandem_serve.bench.roles import wait_health, wait_serving_anew
 
     frontend = roles.procs["frontend"]
     t0 = time.monotonic()
@@ -364,12 +364,12 @@ def run_restart(args: argparse.Namespace) -> dict[str, Any]:
     """The compose roles (bench.roles), each role killed in turn."""
     import tempfile
 
-    from bench.roles import RoleSet, wait_health
-    from rpc.client import TandemClient
+    from tandem_serve.bench.roles import RoleSet, wait_health
+    from tandem_serve.rpc.client import TandemClient
 
     model = args.model
     if not model:
-        from gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
         model = str(ensure_default_model(in_subprocess=True))
     roles = RoleSet(model, tempfile.mkdtemp(prefix="tandem-roles-"))

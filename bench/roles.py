@@ -14,11 +14,12 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tandem_serve.ipc.process import CLI
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker" / "docker-compose.yml"
@@ -92,7 +93,7 @@ class RoleSet:
 
     def start(self, role: str) -> subprocess.Popen:
         log = open(os.path.join(self.log_dir, f"{role}.log"), "a")
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *self.argv[role]],
+        proc = subprocess.Popen([*CLI, *self.argv[role]],
                                 cwd=ROOT, env={**os.environ, **self.envs[role], **self.env},
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()
@@ -167,7 +168,7 @@ def wait_serving_anew(target: str, timeout: float) -> float:
     """Seconds until a server at `target` is SERVING, asking on a new channel each time: a
     channel whose server went away backs off its reconnects (1 s, 1.6 s, ...), which would
     count in the time measured."""
-    from rpc.client import TandemClient
+    from tandem_serve.rpc.client import TandemClient
 
     t0 = time.monotonic()
     while True:

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TextIO
 
-from bench import guided as bench_guided
-from bench.backends import BACKENDS, Backend, BackendOptions, make_backend
-from bench.datasets import DATASETS, BenchItem, arrival_offsets, load_dataset
-from bench.metrics import (
+from tandem_serve.bench import guided as bench_guided
+from tandem_serve.bench.backends import BACKENDS, Backend, BackendOptions, make_backend
+from tandem_serve.bench.datasets import DATASETS, BenchItem, arrival_offsets, load_dataset
+from tandem_serve.bench.metrics import (
     JSON_PERCENTILES,
     PRINT_PERCENTILES,
     RequestRecord,
@@ -281,7 +281,7 @@ async def _send_all(backend: Backend, items: Sequence[BenchItem], offsets: Seque
 def _load_tokenizer(config: BenchConfig) -> Any:
     if not config.model:
         return None
-    from tokenization.tokenizer import Tokenizer
+    from tandem_serve.tokenization.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(config.model)
 
@@ -293,7 +293,7 @@ def _resolve_model(config: BenchConfig) -> BenchConfig:
     needs_model = config.dataset != "file" or config.backend == "hf-generate"
     if not needs_model:
         return config
-    from gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
     return dataclasses.replace(config, model=str(ensure_default_model()))
 

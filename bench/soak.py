@@ -36,7 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.soak_mix import DEFAULT_MIX, RequestStats, parse_mix, run_one
+from tandem_serve.bench.soak_mix import DEFAULT_MIX, RequestStats, parse_mix, run_one
+from tandem_serve.ipc.process import CLI
 
 DEFAULT = parse_mix(DEFAULT_MIX, 0.0)
 
@@ -193,7 +194,7 @@ def free_port() -> int:
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", str(port), "--http-port", "0",
+    cmd = [*CLI, "serve", "--port", str(port), "--http-port", "0",
            "--log-level", "WARNING", *(["--model", model] if model else []), *extra]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.Popen(cmd, cwd=root, stdin=subprocess.DEVNULL)
@@ -276,7 +277,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from rpc.client import TandemClient
+    from tandem_serve.rpc.client import TandemClient
 
     try:
         mix = parse_mix(args.mix, args.guided_share)
@@ -327,7 +328,7 @@ def main(args: argparse.Namespace) -> int:
         for proc_rss in procs.values():
             proc_rss.idle_after_kb = rss_kb(proc_rss.pid)
         # Cancelled and finished requests gave every KV block back.
-        from bench.robustness import wait_idle
+        from tandem_serve.bench.robustness import wait_idle
 
         after = wait_idle(client, timeout=30)
     except KeyboardInterrupt:

@@ -79,8 +79,8 @@ def make_prompt(rng: random.Random) -> str:
 
 def build(kind: str, rng: random.Random, seed: int, max_new_tokens: int) -> Any:
     """The SingleGenerationRequest for one request of `kind`."""
-    from proto import generation_pb2 as pb
-    from rpc.client import GenerateOptions
+    from tandem_serve.proto import generation_pb2 as pb
+    from tandem_serve.rpc.client import GenerateOptions
 
     opts = GenerateOptions(max_new_tokens=rng.randint(max(1, max_new_tokens // 4),
                                                       max_new_tokens))

@@ -41,10 +41,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from proto.messages import NewRequest, SamplingParams, StepPlan
+from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
 
 if TYPE_CHECKING:
-    from bench.tp_ranks import RankGroup
+    from tandem_serve.bench.tp_ranks import RankGroup
 
 
 @dataclass(frozen=True)
@@ -85,8 +85,8 @@ class Ours:
 
     def __init__(self, model: str, max_batch: int, positions: int, k: int, tp: int = 1,
                  threads: int = 0, where: Placement = Placement()) -> None:
-        from gpu_worker.publisher import TokenPublisher
-        from gpu_worker.runner import ModelRunner
+        from tandem_serve.gpu_worker.publisher import TokenPublisher
+        from tandem_serve.gpu_worker.runner import ModelRunner
 
         self.block = 16
         self.per_req = -(-positions // self.block)
@@ -96,7 +96,7 @@ class Ours:
         self.group: RankGroup | None = None
         self.threads = threads
         if tp > 1:
-            from bench.tp_ranks import RankGroup
+            from tandem_serve.bench.tp_ranks import RankGroup
 
             self.group = RankGroup(model, tp, threads, **sizes)
             self.runner = self.group.runner
@@ -293,7 +293,7 @@ class TraceRow:
 
 def span_cost_ns(enabled: bool, n: int = 200_000) -> float:
     """Nanoseconds one `with tracer.span(...)` costs, the bare loop taken off."""
-    from ipc.tracing import Tracer
+    from tandem_serve.ipc.tracing import Tracer
 
     tracer = Tracer("bench")
     if enabled:
@@ -325,7 +325,7 @@ def _spans_per_step(spans: list[list[Any]]) -> float:
 
 def measure_trace(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
                   repeats: int) -> list[TraceRow]:
-    from ipc.tracing import TRACER
+    from tandem_serve.ipc.tracing import TRACER
 
     ours = Ours(model, max(batches), prompt_len + steps + k, k)
     costs = span_cost_ns(False), span_cost_ns(True)
@@ -410,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
     tmp = None
     model = args.model
     if not model:
-        from gpu_worker.tiny_model import build_tiny_model
+        from tandem_serve.gpu_worker.tiny_model import build_tiny_model
 
         tmp = tempfile.mkdtemp(prefix="tandem-bench-step-")
         _progress(f"building the tiny '{args.preset}' model in {tmp}")
@@ -420,7 +420,7 @@ def main(args: argparse.Namespace) -> int:
         _progress(f"{model}: prompts of {args.prompt_len} tokens, {args.steps} decode steps, "
                   f"K={args.num_scheduler_steps}, {torch.get_num_threads()} threads")
         if args.guided:
-            from bench import guided_step
+            from tandem_serve.bench import guided_step
 
             return guided_step.run(model, batches, args)
         if args.trace:

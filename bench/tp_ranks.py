@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from typing import Any
 
-from proto.config import Addresses, ServerConfig
-from proto.messages import Shutdown, StepPlan
+from tandem_serve.ipc.process import CLI
+from tandem_serve.proto.config import Addresses, ServerConfig
+from tandem_serve.proto.messages import Shutdown, StepPlan
 
 STOP_TIMEOUT_S = 10.0
 
@@ -25,9 +25,9 @@ class RankGroup:
     """Rank 0 (this process) of a group of `size` ranks on this host."""
 
     def __init__(self, model: str, size: int, threads: int, **runner: Any) -> None:
-        from gpu_worker import parallel
-        from gpu_worker.runner import ModelRunner
-        from tandem.tp_node import free_local_addr
+        from tandem_serve.gpu_worker import parallel
+        from tandem_serve.gpu_worker.runner import ModelRunner
+        from tandem_serve.tandem.tp_node import free_local_addr
 
         self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-bench-tp-")
         addr = Addresses("", "", "", (), "", worker_plans=f"ipc://{self.run_dir}/plans")
@@ -41,7 +41,7 @@ class RankGroup:
         with open(path, "w") as f:
             f.write(cfg.to_json())
         self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "tandem.cli", "run-role", "gpu-worker", "--config-file", path,
+            [*CLI, "run-role", "gpu-worker", "--config-file", path,
              "--index", str(r), "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL)
             for r in range(1, size)]
         self.leader = parallel.Leader(cfg)

@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from gpu_worker.sampler import SamplerHints, SamplingTensors
-from proto.messages import FinishReason, SamplingParams
+from tandem_serve.gpu_worker.sampler import SamplerHints, SamplingTensors
+from tandem_serve.proto.messages import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from gpu_worker.guided import GuidedBatch, GuidedRegistry
-    from gpu_worker.lora import LoraContext
+    from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
+    from tandem_serve.gpu_worker.lora import LoraContext
 
 
 @dataclass

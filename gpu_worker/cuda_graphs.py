@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from gpu_worker.batch import DecodeBatch
-    from gpu_worker.lora import LoraContext
+    from tandem_serve.gpu_worker.batch import DecodeBatch
+    from tandem_serve.gpu_worker.lora import LoraContext
 
 log = logging.getLogger(__name__)
 

@@ -19,16 +19,16 @@ import os
 import time
 from typing import Any
 
-from gpu_worker import parallel
-from gpu_worker.batch import DecodeBatch, StepTensors
-from gpu_worker.main import build_runner
-from gpu_worker.publisher import TokenPublisher
-from gpu_worker.torch_trace import TorchTrace
-from ipc import faults
-from ipc.fanout import subscribe
-from ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
-from proto.config import ServerConfig, plans_address
-from proto.messages import Heartbeat, ProfileControl, PromptDetail, Shutdown, StepPlan
+from tandem_serve.gpu_worker import parallel
+from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
+from tandem_serve.gpu_worker.main import build_runner
+from tandem_serve.gpu_worker.publisher import TokenPublisher
+from tandem_serve.gpu_worker.torch_trace import TorchTrace
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.fanout import subscribe
+from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
+from tandem_serve.proto.config import ServerConfig, plans_address
+from tandem_serve.proto.messages import Heartbeat, ProfileControl, PromptDetail, Shutdown, StepPlan
 
 log = logging.getLogger("tandem.gpu_worker")
 

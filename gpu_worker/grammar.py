@@ -30,10 +30,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from proto.messages import GuidedGrammar
+from tandem_serve.proto.messages import GuidedGrammar
 
 if TYPE_CHECKING:
-    from gpu_worker.batch import RequestState
+    from tandem_serve.gpu_worker.batch import RequestState
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class GrammarRegistry:
         if self._tokenizer is None:
             import llguidance
 
-            from tokenization.tokenizer import Tokenizer
+            from tandem_serve.tokenization.tokenizer import Tokenizer
 
             tok = Tokenizer.from_dir(self.model_dir)
             # Ids past the tokenizer (a padded embedding) exist but are never allowed.

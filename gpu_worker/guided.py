@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from gpu_worker.batch import RequestState
-from gpu_worker.grammar import GrammarRegistry, GrammarRows
-from proto.messages import GuidedGrammar, GuidedKind, GuidedTable
+from tandem_serve.gpu_worker.batch import RequestState
+from tandem_serve.gpu_worker.grammar import GrammarRegistry, GrammarRows
+from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable
 
 # The live-token path pays while at most this share of the vocabulary is live: at V/3 its
 # broadcast add plus gather and index_add cost what the full gather does (measured on a CPU).

@@ -37,9 +37,15 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from adapters.peft import AdapterError, LoraAdapter, LoraModule, ModelShapes, read_adapter
-from gpu_worker.models.config import ModelArgs
-from gpu_worker.models.sharding import Shard, lora_part
+from tandem_serve.adapters.peft import (
+    AdapterError,
+    LoraAdapter,
+    LoraModule,
+    ModelShapes,
+    read_adapter,
+)
+from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.sharding import Shard, lora_part
 
 log = logging.getLogger(__name__)
 

@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_worker.publisher import TokenPublisher
-from gpu_worker.runner import ModelRunner
-from gpu_worker.torch_trace import TorchTrace
-from ipc import faults
-from ipc.channels import Receiver, Sender
-from ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, role_watch
-from ipc.process import StartupError, worker_threads
-from ipc.token_channel import TokenWriter
-from ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
-from proto.config import ServerConfig
-from proto.messages import (
+from tandem_serve.gpu_worker.publisher import TokenPublisher
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.torch_trace import TorchTrace
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.channels import Receiver, Sender
+from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, role_watch
+from tandem_serve.ipc.process import StartupError, worker_threads
+from tandem_serve.ipc.token_channel import TokenWriter
+from tandem_serve.ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import (
     Heartbeat,
     PlanEnding,
     ProfileControl,
@@ -39,7 +39,7 @@ from proto.messages import (
 )
 
 if TYPE_CHECKING:
-    from gpu_worker.parallel import Leader, TensorParallel
+    from tandem_serve.gpu_worker.parallel import Leader, TensorParallel
 
 log = logging.getLogger("tandem.gpu_worker")
 
@@ -71,7 +71,7 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
 
 def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
     if rank > 0:  # a tensor-parallel rank: rank 0 hands it the plans
-        from gpu_worker.follower import run_follower
+        from tandem_serve.gpu_worker.follower import run_follower
 
         run_follower(cfg, rank)
         return
@@ -83,7 +83,7 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
     ranks: Leader | None = None
     try:
         if cfg.tensor_parallel_size > 1:
-            from gpu_worker import parallel
+            from tandem_serve.gpu_worker import parallel
 
             ranks = parallel.Leader(cfg)  # bound first: the others subscribe as they start
             tp = parallel.start(cfg, 0)

@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gpu_worker.models.llama import CausalLM, DecoderLayer
-from gpu_worker.models.sharding import Shard, vocab_range
-from ipc.fanout import Fanout
-from ipc.peers import HEARTBEAT_INTERVAL, START_GRACE
-from ipc.process import PeerDied, StartupError
-from proto.config import ServerConfig, dist_host_port, plans_address
-from proto.messages import Heartbeat
+from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.sharding import Shard, vocab_range
+from tandem_serve.ipc.fanout import Fanout
+from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, START_GRACE
+from tandem_serve.ipc.process import PeerDied, StartupError
+from tandem_serve.proto.config import ServerConfig, dist_host_port, plans_address
+from tandem_serve.proto.messages import Heartbeat
 
 log = logging.getLogger("tandem.gpu_worker")
 

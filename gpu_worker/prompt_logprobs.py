@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from proto.messages import PromptDetail
+from tandem_serve.proto.messages import PromptDetail
 
 if TYPE_CHECKING:
-    from gpu_worker.batch import RequestState
-    from gpu_worker.models.llama import CausalLM
+    from tandem_serve.gpu_worker.batch import RequestState
+    from tandem_serve.gpu_worker.models.llama import CausalLM
 
 log = logging.getLogger(__name__)
 

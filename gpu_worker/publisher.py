@@ -26,8 +26,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gpu_worker.batch import DecodeBatch, StepTensors
-from proto.messages import PromptDetail, StepPlan, TokenBatch
+from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
+from tandem_serve.proto.messages import PromptDetail, StepPlan, TokenBatch
 
 Message = TokenBatch | PromptDetail
 Sink = Callable[[Message], None]

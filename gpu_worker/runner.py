@@ -17,16 +17,20 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from adapters.peft import AdapterError, ModelShapes
-from gpu_worker import prompt_logprobs
-from gpu_worker.attention import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
-from gpu_worker.guided import GuidedRegistry, batch_order
-from gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
-from gpu_worker.models.loader import load_model, load_model_args
-from gpu_worker.sampler import Sampler
-from ipc.tracing import TRACER
-from proto.messages import (
+from tandem_serve.adapters.peft import AdapterError, ModelShapes
+from tandem_serve.gpu_worker import prompt_logprobs
+from tandem_serve.gpu_worker.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+)
+from tandem_serve.gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
+from tandem_serve.gpu_worker.guided import GuidedRegistry, batch_order
+from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
+from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
+from tandem_serve.gpu_worker.sampler import Sampler
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto.messages import (
     AdapterFailed,
     FinishReason,
     NewRequest,
@@ -36,9 +40,9 @@ from proto.messages import (
 )
 
 if TYPE_CHECKING:
-    from gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
-    from gpu_worker.parallel import TensorParallel
-    from gpu_worker.publisher import TokenPublisher
+    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
+    from tandem_serve.gpu_worker.parallel import TensorParallel
+    from tandem_serve.gpu_worker.publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +113,7 @@ class ModelRunner:
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            from gpu_worker.cuda_graphs import DecodeGraphs
+            from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
                                        -(-self.max_model_len // block_size), block_size,

@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from gpu_worker.seeding import row_keys, row_uniform
+from tandem_serve.gpu_worker.seeding import row_keys, row_uniform
 
 __all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingTensors",
            "row_keys", "row_uniform"]

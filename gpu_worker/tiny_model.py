@@ -12,11 +12,12 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
+
+from tandem_serve.ipc.process import CLI
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def ensure_default_model(preset: str = "default", *, in_subprocess: bool = False
             os.replace(tmp, path / CHAT_TEMPLATE_FILE)
         return path
     if in_subprocess:
-        subprocess.run([sys.executable, "-m", "tandem.cli", "make-tiny-model", "--preset", preset],
+        subprocess.run([*CLI, "make-tiny-model", "--preset", preset],
                        check=True, stdout=subprocess.DEVNULL)
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

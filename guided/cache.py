@@ -25,8 +25,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from guided.spec import GuidedSpec, SpecKind
-from proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
 
 log = logging.getLogger("tandem.guided")
 

@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from guided.forms import FormError, explain_regex, grammar_lark, spec_regex
-from guided.spec import GuidedSpec, SpecKind
-from guided.table import NoOutput, build_table
-from guided.vocab import TokenVocabulary, ll_tokenizer
-from proto.messages import GuidedGrammar, GuidedTable
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.guided.forms import FormError, explain_regex, grammar_lark, spec_regex
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.table import NoOutput, build_table
+from tandem_serve.guided.vocab import TokenVocabulary, ll_tokenizer
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 
 class CompileError(ValueError):

@@ -25,7 +25,7 @@ import json
 import re
 from typing import Any
 
-from guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
 
 # Rust regex-syntax's meta characters (regex_syntax::is_meta_character).
 _RUST_META = set("\\.+*?()|[]{}^$#&-~")

@@ -15,10 +15,10 @@ import signal
 import time
 from typing import Any
 
-from guided.compile import CompileError
-from guided.spec import GuidedSpec
-from guided.wire import compiled_from, frame, spec_message, unframe_length, unpack
-from proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.guided.compile import CompileError
+from tandem_serve.guided.spec import GuidedSpec
+from tandem_serve.guided.wire import compiled_from, frame, spec_message, unframe_length, unpack
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
 
 log = logging.getLogger("tandem.guided")
 

@@ -18,12 +18,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from guided.cache import Compiled, DiskCache, MemoryCache, content_id
-from guided.compile import CompileError
-from guided.pool import CompilePool, CompilerUnavailable
-from guided.spec import GuidedSpec, SpecKind
-from guided.vocab import TokenVocabulary, UnsupportedTokenizer
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.guided.cache import Compiled, DiskCache, MemoryCache, content_id
+from tandem_serve.guided.compile import CompileError
+from tandem_serve.guided.pool import CompilePool, CompilerUnavailable
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.vocab import TokenVocabulary, UnsupportedTokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.guided")
 
@@ -81,7 +81,7 @@ class GuidedCompiler:
 
     def _worker_argv(self) -> list[str]:
         s = self.settings
-        return [sys.executable, "-m", "guided.worker", "--model", s.model,
+        return [sys.executable, "-m", "tandem_serve.guided.worker", "--model", s.model,
                 "--vocab-size", str(s.vocab_size), "--cache-dir", s.cache_dir,
                 "--fingerprint", self.fingerprint, "--parent-pid", str(os.getpid()),
                 "--log-level", s.log_level]

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 
-from guided.vocab import TokenVocabulary
-from proto.messages import GuidedTable
+from tandem_serve.guided.vocab import TokenVocabulary
+from tandem_serve.proto.messages import GuidedTable
 
 Rows = list[tuple[np.ndarray, np.ndarray]]  # per new state: (token ids, next new states)
 

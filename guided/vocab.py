@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from tokenization.byte_level import gpt2_byte_decoder
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tokenization.byte_level import gpt2_byte_decoder
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 

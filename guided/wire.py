@@ -12,8 +12,8 @@ from typing import Any, BinaryIO
 import msgpack
 import numpy as np
 
-from guided.spec import GuidedSpec, SpecKind
-from proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 1 << 30

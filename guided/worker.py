@@ -19,11 +19,11 @@ import signal
 import sys
 from typing import Any, BinaryIO
 
-from guided.cache import DiskCache
-from guided.compile import CompileError, Compiler
-from guided.wire import compiled_message, frame, read_message, spec_from
-from ipc.process import die_with_parent, set_title, setup_logging
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.guided.cache import DiskCache
+from tandem_serve.guided.compile import CompileError, Compiler
+from tandem_serve.guided.wire import compiled_message, frame, read_message, spec_from
+from tandem_serve.ipc.process import die_with_parent, set_title, setup_logging
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.guided")
 NICENESS = 10

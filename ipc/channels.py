@@ -23,8 +23,8 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
-from proto import codec
-from proto.messages import Heartbeat
+from tandem_serve.proto import codec
+from tandem_serve.proto.messages import Heartbeat
 
 log = logging.getLogger(__name__)
 

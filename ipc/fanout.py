@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from ipc.channels import DEFAULT_HWM, Receiver, _ipc_path, bind_address, stamped
+from tandem_serve.ipc.channels import DEFAULT_HWM, Receiver, _ipc_path, bind_address, stamped
 
 log = logging.getLogger(__name__)
 

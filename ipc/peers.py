@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ipc.channels import Sender, set_epoch
-from proto.messages import Heartbeat
+from tandem_serve.ipc.channels import Sender, set_epoch
+from tandem_serve.proto.messages import Heartbeat
 
 if TYPE_CHECKING:
-    from proto.config import ServerConfig
+    from tandem_serve.proto.config import ServerConfig
 
 HEARTBEAT_INTERVAL = 0.5
 PEER_TIMEOUT = 3.0

@@ -28,11 +28,14 @@ import sys
 import threading
 import time
 
-from proto.config import ServerConfig
-from proto.messages import ProcessFailed, WorkerHung
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import ProcessFailed, WorkerHung
 
 log = logging.getLogger("tandem.process")
 
+# The command line every process of ours starts with: each role, a tensor-parallel rank
+# and the benchmarks' servers run `tandem` under this interpreter.
+CLI = (sys.executable, "-m", "tandem_serve.tandem.cli")
 
 
 class StartupError(Exception):
@@ -108,7 +111,7 @@ def remove_run_files(run_dir: str, segments: tuple[str, ...]) -> None:
         if not name:
             continue
         try:
-            from ipc.shm_ring import unlink_segment
+            from tandem_serve.ipc.shm_ring import unlink_segment
 
             unlink_segment(name)
         except Exception as exc:  # an exit path: report, never mask the real exit reason
@@ -189,8 +192,8 @@ def report_failure(role: str, cfg: ServerConfig, exc: BaseException) -> None:
     try:
         import zmq
 
-        from ipc.channels import stamped
-        from ipc.shm_ring import RingReaderDied, RingWriterDied
+        from tandem_serve.ipc.channels import stamped
+        from tandem_serve.ipc.shm_ring import RingReaderDied, RingWriterDied
 
         startup = isinstance(exc, StartupError)
         error = str(exc) if startup else f"{type(exc).__name__}: {exc}"[:300]
@@ -283,7 +286,7 @@ def pin(role: str, cfg: ServerConfig, local_rank: int = 0) -> None:
 
 def init_child(role: str, cfg: ServerConfig, parent_pid: int | None,
                local_rank: int = 0) -> None:
-    from ipc import faults
+    from tandem_serve.ipc import faults
 
     set_title(f"tandem: {role}")
     setup_logging(role, cfg.log_level)

@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 
-from ipc.channels import Receiver, Sender
-from proto import codec
-from proto.config import Addresses
-from proto.messages import PromptDetail, TokenBatch
+from tandem_serve.ipc.channels import Receiver, Sender
+from tandem_serve.proto import codec
+from tandem_serve.proto.config import Addresses
+from tandem_serve.proto.messages import PromptDetail, TokenBatch
 
 
 def owner(request_id: int, num_workers: int) -> int:
@@ -51,7 +51,7 @@ class TokenWriter:
         self._ring = None
         self._senders: list[Sender] = []
         if addr.ring_name:
-            from ipc.shm_ring import RingWriter
+            from tandem_serve.ipc.shm_ring import RingWriter
 
             self._ring = RingWriter(addr.ring_name, self._n, addr.ring_doorbell, addr.ring_side)
             self._ready_timeout = ready_timeout
@@ -83,7 +83,7 @@ class TokenReader:
     """Postproc side of the ring; None when batches arrive in the inbox instead."""
 
     def __init__(self, addr: Addresses, index: int) -> None:
-        from ipc.shm_ring import RingReader
+        from tandem_serve.ipc.shm_ring import RingReader
 
         self.index = index
         self._n = len(addr.postproc_inboxes)

@@ -23,9 +23,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from openai_api.errors import ApiError
-from openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from openai_api.serving import Serving
+from tandem_serve.openai_api.errors import ApiError
+from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from tandem_serve.openai_api.serving import Serving
 
 log = logging.getLogger("tandem.http")
 

@@ -25,7 +25,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "chat_templates"

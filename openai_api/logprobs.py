@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 # JSON has no -inf; vLLM reports such logprobs as -9999 too.
 FLOOR = -9999.0

@@ -17,10 +17,10 @@ import math
 import random
 from dataclasses import dataclass
 
-from guided.spec import GuidedSpec, SpecKind
-from openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from proto.messages import OutputOptions, SamplingParams
-from rpc.validation import (
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from tandem_serve.proto.messages import OutputOptions, SamplingParams
+from tandem_serve.rpc.validation import (
     MAX_REPETITION_PENALTY,
     MAX_STOP_SEQUENCE_BYTES,
     MAX_STOP_SEQUENCES,

@@ -19,17 +19,17 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from openai_api import params as P
-from openai_api.chat_template import ChatTemplate, TemplateError
-from openai_api.errors import ApiError
-from openai_api.logprobs import TokenPieces
-from openai_api.models import Models
-from openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
-from proto.messages import OutputDelta
-from rpc.engine_client import EngineError
-from rpc.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
-from rpc.validation import Limits, ValidationError
+from tandem_serve.openai_api import params as P
+from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError
+from tandem_serve.openai_api.errors import ApiError
+from tandem_serve.openai_api.logprobs import TokenPieces
+from tandem_serve.openai_api.models import Models
+from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from tandem_serve.openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
+from tandem_serve.proto.messages import OutputDelta
+from tandem_serve.rpc.engine_client import EngineError
+from tandem_serve.rpc.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
+from tandem_serve.rpc.validation import Limits, ValidationError
 
 T = TypeVar("T")
 Shape = CompletionShape | ChatShape

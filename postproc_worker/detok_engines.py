@@ -11,8 +11,8 @@ import codecs
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from tokenization.byte_level import gpt2_byte_decoder
-from tokenization.tokenizer import Tokenizer, clean_up_tokenization
+from tandem_serve.tokenization.byte_level import gpt2_byte_decoder
+from tandem_serve.tokenization.tokenizer import Tokenizer, clean_up_tokenization
 
 _REPLACEMENT = "\ufffd"
 _SKIP = object()  # marks an id whose token decode drops (skipped special or unknown id)

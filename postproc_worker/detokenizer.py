@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from postproc_worker.detok_engines import (
+from tandem_serve.postproc_worker.detok_engines import (
     DECODER_CLEANUP_UNSAFE,
     ByteFallbackEngine,
     ByteFallbackTables,
@@ -46,7 +46,7 @@ from postproc_worker.detok_engines import (
     WindowEngine,
     byte_fallback_value,
 )
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 # ---- per-tokenizer plan ----------------------------------------------------------------------
 

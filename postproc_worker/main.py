@@ -10,15 +10,15 @@ from __future__ import annotations
 import logging
 import time
 
-from ipc import faults
-from ipc.channels import Receiver, Sender
-from ipc.peers import role_watch
-from ipc.shm_ring import RingClosed
-from ipc.token_channel import open_reader, owner
-from ipc.tracing import TRACER, on_profile_control, set_role
-from postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
-from proto.config import ServerConfig
-from proto.messages import (
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.channels import Receiver, Sender
+from tandem_serve.ipc.peers import role_watch
+from tandem_serve.ipc.shm_ring import RingClosed
+from tandem_serve.ipc.token_channel import open_reader, owner
+from tandem_serve.ipc.tracing import TRACER, on_profile_control, set_role
+from tandem_serve.postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import (
     FinishReason,
     ForgetRequest,
     Heartbeat,
@@ -34,7 +34,7 @@ from proto.messages import (
     StopHit,
     TokenBatch,
 )
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.postproc")
 

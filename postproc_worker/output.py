@@ -9,10 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from postproc_worker.detokenizer import IncrementalDetokenizer
-from postproc_worker.stops import StopChecker
-from proto.messages import FinishReason, OutputDelta, PromptDetail, RegisterRequest, TokenBatch
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer
+from tandem_serve.postproc_worker.stops import StopChecker
+from tandem_serve.proto.messages import (
+    FinishReason,
+    OutputDelta,
+    PromptDetail,
+    RegisterRequest,
+    TokenBatch,
+)
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 
 @dataclass

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import admin_pb2 as proto_dot_admin__pb2
+from tandem_serve.proto import admin_pb2 as tandem__serve_dot_proto_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/admin_pb2_grpc.py depends on'
+        + ' but the generated code in tandem_serve/proto/admin_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class AdminStub:
         """
         self.Stats = channel.unary_unary(
                 '/tandem.admin.Admin/Stats',
-                request_serializer=proto_dot_admin__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_admin__pb2.StatsResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_admin__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_admin__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Profile = channel.unary_unary(
                 '/tandem.admin.Admin/Profile',
-                request_serializer=proto_dot_admin__pb2.ProfileRequest.SerializeToString,
-                response_deserializer=proto_dot_admin__pb2.ProfileResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_admin__pb2.ProfileRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_admin__pb2.ProfileResponse.FromString,
                 _registered_method=True)
 
 
@@ -69,13 +69,13 @@ def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_admin__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_admin__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_admin__pb2.StatsRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_admin__pb2.StatsResponse.SerializeToString,
             ),
             'Profile': grpc.unary_unary_rpc_method_handler(
                     servicer.Profile,
-                    request_deserializer=proto_dot_admin__pb2.ProfileRequest.FromString,
-                    response_serializer=proto_dot_admin__pb2.ProfileResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_admin__pb2.ProfileRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_admin__pb2.ProfileResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Admin:
             request,
             target,
             '/tandem.admin.Admin/Stats',
-            proto_dot_admin__pb2.StatsRequest.SerializeToString,
-            proto_dot_admin__pb2.StatsResponse.FromString,
+            tandem__serve_dot_proto_dot_admin__pb2.StatsRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_admin__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Admin:
             request,
             target,
             '/tandem.admin.Admin/Profile',
-            proto_dot_admin__pb2.ProfileRequest.SerializeToString,
-            proto_dot_admin__pb2.ProfileResponse.FromString,
+            tandem__serve_dot_proto_dot_admin__pb2.ProfileRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_admin__pb2.ProfileResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from proto import messages
+from tandem_serve.proto import messages
 
 SCHEMA_VERSION = 1
 INLINE_LIMIT = 1024  # arrays at least this many bytes travel as their own frame

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto import generation_pb2 as proto_dot_generation__pb2
+from tandem_serve.proto import generation_pb2 as tandem__serve_dot_proto_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/generation_pb2_grpc.py depends on'
+        + ' but the generated code in tandem_serve/proto/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,23 +36,23 @@ class GenerationServiceStub:
         """
         self.Generate = channel.unary_unary(
                 '/fmaas.GenerationService/Generate',
-                request_serializer=proto_dot_generation__pb2.BatchedGenerationRequest.SerializeToString,
-                response_deserializer=proto_dot_generation__pb2.BatchedGenerationResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/fmaas.GenerationService/GenerateStream',
-                request_serializer=proto_dot_generation__pb2.SingleGenerationRequest.SerializeToString,
-                response_deserializer=proto_dot_generation__pb2.GenerationResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_generation__pb2.SingleGenerationRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_generation__pb2.GenerationResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/fmaas.GenerationService/Tokenize',
-                request_serializer=proto_dot_generation__pb2.BatchedTokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_generation__pb2.BatchedTokenizeResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/fmaas.GenerationService/ModelInfo',
-                request_serializer=proto_dot_generation__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=proto_dot_generation__pb2.ModelInfoResponse.FromString,
+                request_serializer=tandem__serve_dot_proto_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=tandem__serve_dot_proto_dot_generation__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
 
 
@@ -92,23 +92,23 @@ def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_generation__pb2.BatchedGenerationRequest.FromString,
-                    response_serializer=proto_dot_generation__pb2.BatchedGenerationResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=proto_dot_generation__pb2.SingleGenerationRequest.FromString,
-                    response_serializer=proto_dot_generation__pb2.GenerationResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_generation__pb2.SingleGenerationRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_generation__pb2.GenerationResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_generation__pb2.BatchedTokenizeRequest.FromString,
-                    response_serializer=proto_dot_generation__pb2.BatchedTokenizeResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=proto_dot_generation__pb2.ModelInfoRequest.FromString,
-                    response_serializer=proto_dot_generation__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=tandem__serve_dot_proto_dot_generation__pb2.ModelInfoRequest.FromString,
+                    response_serializer=tandem__serve_dot_proto_dot_generation__pb2.ModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,8 +136,8 @@ class GenerationService:
             request,
             target,
             '/fmaas.GenerationService/Generate',
-            proto_dot_generation__pb2.BatchedGenerationRequest.SerializeToString,
-            proto_dot_generation__pb2.BatchedGenerationResponse.FromString,
+            tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_generation__pb2.BatchedGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -163,8 +163,8 @@ class GenerationService:
             request,
             target,
             '/fmaas.GenerationService/GenerateStream',
-            proto_dot_generation__pb2.SingleGenerationRequest.SerializeToString,
-            proto_dot_generation__pb2.GenerationResponse.FromString,
+            tandem__serve_dot_proto_dot_generation__pb2.SingleGenerationRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_generation__pb2.GenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -190,8 +190,8 @@ class GenerationService:
             request,
             target,
             '/fmaas.GenerationService/Tokenize',
-            proto_dot_generation__pb2.BatchedTokenizeRequest.SerializeToString,
-            proto_dot_generation__pb2.BatchedTokenizeResponse.FromString,
+            tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_generation__pb2.BatchedTokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,8 +217,8 @@ class GenerationService:
             request,
             target,
             '/fmaas.GenerationService/ModelInfo',
-            proto_dot_generation__pb2.ModelInfoRequest.SerializeToString,
-            proto_dot_generation__pb2.ModelInfoResponse.FromString,
+            tandem__serve_dot_proto_dot_generation__pb2.ModelInfoRequest.SerializeToString,
+            tandem__serve_dot_proto_dot_generation__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -11,8 +11,8 @@ from enum import IntEnum
 
 import numpy as np
 
-from proto.adapter_messages import AdapterFailed, AdapterLoad
-from proto.monitor_messages import (
+from tandem_serve.proto.adapter_messages import AdapterFailed, AdapterLoad
+from tandem_serve.proto.monitor_messages import (
     EngineStats,
     Heartbeat,
     PostprocStats,

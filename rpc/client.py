@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto import admin_pb2, admin_pb2_grpc
-from proto import generation_pb2 as pb
-from proto import generation_pb2_grpc as pb_grpc
+from tandem_serve.proto import admin_pb2, admin_pb2_grpc
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.proto import generation_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "fmaas.GenerationService"
 

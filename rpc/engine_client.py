@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ipc.channels import AsyncReceiver, Sender
-from ipc.token_channel import owner
-from ipc.tracing import TRACER, ProfileWindow, set_role
-from proto.config import ServerConfig
-from proto.messages import (
+from tandem_serve.ipc.channels import AsyncReceiver, Sender
+from tandem_serve.ipc.token_channel import owner
+from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import (
     AbortRequest,
     AddRequest,
     EngineStats,
@@ -44,8 +44,8 @@ from proto.messages import (
     SamplingParams,
     WorkerReady,
 )
-from rpc import metrics
-from rpc.stream_buffer import StreamBuffer
+from tandem_serve.rpc import metrics
+from tandem_serve.rpc.stream_buffer import StreamBuffer
 
 log = logging.getLogger("tandem.frontend")
 

@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from guided.service import GuidedCompiler
-from ipc.tracing import TRACER
-from proto.messages import OutputDelta
-from rpc import metrics
-from rpc.adapter_store import AdapterStore
-from rpc.engine_client import EngineClient, EngineError
-from rpc.guided import Compiled, attach, compile_spec
-from rpc.validation import Limits, Request
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.guided.service import GuidedCompiler
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto.messages import OutputDelta
+from tandem_serve.rpc import metrics
+from tandem_serve.rpc.adapter_store import AdapterStore
+from tandem_serve.rpc.engine_client import EngineClient, EngineError
+from tandem_serve.rpc.guided import Compiled, attach, compile_spec
+from tandem_serve.rpc.validation import Limits, Request
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.frontend")
 

@@ -8,14 +8,14 @@ compiling at once is RESOURCE_EXHAUSTED (429); no compile worker is UNAVAILABLE 
 """
 from __future__ import annotations
 
-from guided.compile import CompileError
-from guided.pool import CompilerUnavailable
-from guided.service import CompileBusy, GuidedCompiler, GuidedSettings
-from guided.spec import GuidedSpec
-from guided.vocab import UnsupportedTokenizer
-from proto.config import ServerConfig
-from proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
-from rpc.engine_client import EngineError
+from tandem_serve.guided.compile import CompileError
+from tandem_serve.guided.pool import CompilerUnavailable
+from tandem_serve.guided.service import CompileBusy, GuidedCompiler, GuidedSettings
+from tandem_serve.guided.spec import GuidedSpec
+from tandem_serve.guided.vocab import UnsupportedTokenizer
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.rpc.engine_client import EngineError
 
 Compiled = GuidedTable | GuidedGrammar
 

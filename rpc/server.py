@@ -16,15 +16,21 @@ from typing import Any, cast
 
 import grpc
 
-from ipc.tracing import TRACER
-from proto import admin_pb2, admin_pb2_grpc
-from proto import generation_pb2 as pb
-from proto import generation_pb2_grpc as pb_grpc
-from proto.messages import FinishReason, OutputDelta
-from rpc.adapter_store import AdapterStore
-from rpc.engine_client import EngineClient, EngineError, ProfileBusy
-from rpc.frontend import THREAD_ENCODE_CHARS, Frontend, Prepared, RequestLog, request_log
-from rpc.validation import (
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto import admin_pb2, admin_pb2_grpc
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.proto import generation_pb2_grpc as pb_grpc
+from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.rpc.adapter_store import AdapterStore
+from tandem_serve.rpc.engine_client import EngineClient, EngineError, ProfileBusy
+from tandem_serve.rpc.frontend import (
+    THREAD_ENCODE_CHARS,
+    Frontend,
+    Prepared,
+    RequestLog,
+    request_log,
+)
+from tandem_serve.rpc.validation import (
     Limits,
     UnsupportedError,
     ValidationError,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 
-from proto.messages import FinishReason, OutputDelta
+from tandem_serve.proto.messages import FinishReason, OutputDelta
 
 FOLD_AFTER = 16  # queued deltas before new ones fold into the last
 _LISTS = ("token_ids", "token_texts", "logprobs", "ranks", "top_ids", "top_texts",

@@ -9,10 +9,10 @@ import math
 import random
 from dataclasses import dataclass
 
-from guided.forms import FormError, parse_schema
-from guided.spec import GuidedSpec, SpecKind
-from proto import generation_pb2 as pb
-from proto.messages import OutputOptions, SamplingParams
+from tandem_serve.guided.forms import FormError, parse_schema
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.proto.messages import OutputOptions, SamplingParams
 
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from proto import generation_pb2 as pb
+from tandem_serve.proto import generation_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     AdapterFailed,
     AdapterLoad,
     AddRequest,
@@ -34,9 +34,9 @@ from proto.messages import (
     StepPlan,
     StopHit,
 )
-from scheduler.block_manager import adapter_salt, prompt_block_hashes
-from scheduler.requests import Request, RequestStatus
-from scheduler.state import (
+from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
+from tandem_serve.scheduler.requests import Request, RequestStatus
+from tandem_serve.scheduler.state import (
     MAX_OUTSTANDING_ASYNC,
     PlanProgress,
     SchedulerParams,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto.messages import AddRequest, GuidedGrammar, GuidedKind, GuidedTable
+from tandem_serve.proto.messages import AddRequest, GuidedGrammar, GuidedKind, GuidedTable
 
 Constraint = GuidedTable | GuidedGrammar
 

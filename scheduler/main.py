@@ -12,13 +12,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ipc import faults
-from ipc.channels import Receiver, Sender
-from ipc.peers import role_watch
-from ipc.process import PlanWatchdog
-from ipc.tracing import TRACER, on_profile_control, set_role
-from proto.config import ServerConfig
-from proto.messages import (
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.channels import Receiver, Sender
+from tandem_serve.ipc.peers import role_watch
+from tandem_serve.ipc.process import PlanWatchdog
+from tandem_serve.ipc.tracing import TRACER, on_profile_control, set_role
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import (
     AbortRequest,
     AdapterFailed,
     AddRequest,
@@ -32,7 +32,7 @@ from proto.messages import (
     StopHit,
     WorkerReady,
 )
-from scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
 log = logging.getLogger("tandem.scheduler")
 

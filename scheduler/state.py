@@ -12,11 +12,11 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from proto.messages import FinishReason, GuidedKind, RequestFailed
-from scheduler.block_manager import BlockManager
-from scheduler.guided import WorkerConstraints
-from scheduler.lora_slots import LoraSlots
-from scheduler.requests import Request, RequestStatus, TokenLedger
+from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed
+from tandem_serve.scheduler.block_manager import BlockManager
+from tandem_serve.scheduler.guided import WorkerConstraints
+from tandem_serve.scheduler.lora_slots import LoraSlots
+from tandem_serve.scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
 # scheduler, and a finish learned from StepDone(n) can only be inside the queued plan n+1.

@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from proto.config import Addresses, ServerConfig
+from tandem_serve.proto.config import Addresses, ServerConfig
 
 ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host", "port",
                                                                  "log_level", "fault")}
@@ -205,7 +205,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(2) from None
     if cfg.model:
         return cfg
-    from gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
 
     return cfg.replace(model=str(ensure_default_model(in_subprocess=True)))
 
@@ -214,18 +214,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ipc.process import set_title, setup_logging
+    from tandem_serve.ipc.process import set_title, setup_logging
 
     setup_logging("frontend", args.log_level)
     set_title("tandem: frontend")
     cfg = config_from_args(args)
-    from tandem.launcher import serve
+    from tandem_serve.tandem.launcher import serve
 
     return serve(cfg)
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
-    from ipc.process import exit_now, init_child
+    from tandem_serve.ipc.process import exit_now, init_child
 
     if args.config_file:  # started by the launcher
         with open(args.config_file) as f:
@@ -233,8 +233,8 @@ def cmd_run_role(args: argparse.Namespace) -> int:
     else:
         cfg = role_config(args)
     if args.role == "frontend":
-        from ipc.process import set_title, setup_logging
-        from tandem.launcher import serve
+        from tandem_serve.ipc.process import set_title, setup_logging
+        from tandem_serve.tandem.launcher import serve
 
         setup_logging("frontend", cfg.log_level)
         set_title("tandem: frontend")
@@ -244,7 +244,7 @@ def cmd_run_role(args: argparse.Namespace) -> int:
     if args.role == "gpu-worker":
         if not args.config_file:  # on its own: this host's tensor-parallel rank(s)
             if cfg.ranks_per_node > 1:
-                from tandem.tp_node import run_node  # each rank a process of its own
+                from tandem_serve.tandem.tp_node import run_node  # each rank a process of its own
 
                 return run_node(cfg)
             rank = cfg.node_rank
@@ -256,20 +256,20 @@ def cmd_run_role(args: argparse.Namespace) -> int:
 
 def _run_child(args: argparse.Namespace, cfg: ServerConfig, role: str, rank: int) -> int:
     """Run a scheduler, gpu worker or postproc worker until it ends; its exit status."""
-    from ipc.peers import PeerLost
-    from ipc.process import StartupError, report_failure
+    from tandem_serve.ipc.peers import PeerLost
+    from tandem_serve.ipc.process import StartupError, report_failure
 
     try:
         if args.role == "scheduler":
-            from scheduler.main import run_scheduler
+            from tandem_serve.scheduler.main import run_scheduler
 
             run_scheduler(cfg)
         elif args.role == "gpu-worker":
-            from gpu_worker.main import run_gpu_worker
+            from tandem_serve.gpu_worker.main import run_gpu_worker
 
             run_gpu_worker(cfg, rank)
         elif args.role == "postproc":
-            from postproc_worker.main import run_postproc
+            from tandem_serve.postproc_worker.main import run_postproc
 
             run_postproc(cfg, args.index)
     except SystemExit as exc:  # SIGTERM: clean exit after the finally blocks ran
@@ -293,26 +293,26 @@ def _run_child(args: argparse.Namespace, cfg: ServerConfig, role: str, rank: int
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from gpu_worker import tiny_model
+    from tandem_serve.gpu_worker import tiny_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return tiny_model.main(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tandem.client_cli import generate_main
+    from tandem_serve.tandem.client_cli import generate_main
 
     return generate_main(args)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from tandem.client_cli import health_main
+    from tandem_serve.tandem.client_cli import health_main
 
     return health_main(args)
 
 
 def cmd_bench_ipc(args: argparse.Namespace) -> int:
-    from bench import ipc as bench_ipc
+    from tandem_serve.bench import ipc as bench_ipc
 
     return bench_ipc.main(args.rest)
 
@@ -350,12 +350,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run_role)
 
     p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
-    from gpu_worker.tiny_model import add_arguments
+    from tandem_serve.gpu_worker.tiny_model import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_make_tiny_model)
 
-    from tandem.client_cli import add_generate_arguments, add_health_arguments
+    from tandem_serve.tandem.client_cli import add_generate_arguments, add_health_arguments
 
     p = sub.add_parser("generate", help="send a prompt and stream the answer")
     add_generate_arguments(p)
@@ -365,7 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_health_arguments(p)
     p.set_defaults(func=cmd_health)
 
-    from tandem import profile_cli
+    from tandem_serve.tandem import profile_cli
 
     p = sub.add_parser("profile", help="record spans in every process; trace, summary, PNG")
     profile_cli.add_arguments(p)
@@ -374,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
     for name, module_name, help_text in BENCHMARKS:
-        module = importlib.import_module(f"bench.{module_name}")
+        module = importlib.import_module(f"tandem_serve.bench.{module_name}")
         p = bench.add_parser(name, help=help_text)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
@@ -387,7 +387,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
-    from ipc.process import StartupError
+    from tandem_serve.ipc.process import StartupError
 
     try:
         return func(args)

@@ -9,8 +9,8 @@ import time
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions, TandemClient
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions, TandemClient
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:

@@ -27,7 +27,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -37,29 +36,29 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from guided.service import GuidedCompiler
-from ipc import faults
-from ipc.channels import AsyncReceiver
-from ipc.process import StartupError, pin, split_cpus
-from proto.config import Addresses, ServerConfig
-from proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
-from rpc import guided
-from rpc.engine_client import EngineClient
-from rpc.frontend import Frontend
-from rpc.metrics import serve_metrics
-from rpc.server import SERVICE_NAME
-from rpc.validation import Limits
-from tandem.grpc_server import add_services, bound_grpc_server, set_health
-from tandem.preflight import (
+from tandem_serve.guided.service import GuidedCompiler
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.channels import AsyncReceiver
+from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
+from tandem_serve.proto.config import Addresses, ServerConfig
+from tandem_serve.proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
+from tandem_serve.rpc import guided
+from tandem_serve.rpc.engine_client import EngineClient
+from tandem_serve.rpc.frontend import Frontend
+from tandem_serve.rpc.metrics import serve_metrics
+from tandem_serve.rpc.server import SERVICE_NAME
+from tandem_serve.rpc.validation import Limits
+from tandem_serve.tandem.grpc_server import add_services, bound_grpc_server, set_health
+from tandem_serve.tandem.preflight import (
     adapter_store,
     bound_socket,
     check_model,
     check_ports,
     load_tokenizer,
 )
-from tandem.standalone import SetKeeper
-from tandem.tp_node import free_local_addr
-from tokenization.tokenizer import Tokenizer
+from tandem_serve.tandem.standalone import SetKeeper
+from tandem_serve.tandem.tp_node import free_local_addr
+from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
 
@@ -130,7 +129,7 @@ class Launcher:
         roles = [("scheduler", 0)] + [("gpu-worker", r) for r in self.cfg.node_ranks()] + [
             ("postproc", i) for i in range(self.cfg.num_postproc_workers)]
         for role, index in roles:
-            cmd = [sys.executable, "-m", "tandem.cli", "run-role", role, "--config-file", path,
+            cmd = [*CLI, "run-role", role, "--config-file", path,
                    "--index", str(index), "--parent-pid", str(os.getpid())]
             # From the main thread: PR_SET_PDEATHSIG fires when the creating *thread* exits.
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
@@ -215,7 +214,7 @@ class Launcher:
         self.stop_children(timeout)
         # A child killed by SIGKILL could not remove its own segment or socket files.
         if self.cfg.addresses.ring_name:
-            from ipc.shm_ring import unlink_segment
+            from tandem_serve.ipc.shm_ring import unlink_segment
 
             unlink_segment(self.cfg.addresses.ring_name)
         if self.run_dir:
@@ -249,7 +248,7 @@ class Launcher:
         await server.start()
         http = None
         if http_sock is not None:
-            from openai_api.server import create_http_server
+            from tandem_serve.openai_api.server import create_http_server
 
             http = create_http_server(self.cfg, frontend, http_sock)
             await http.start()

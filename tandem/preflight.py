@@ -14,11 +14,11 @@ import os
 import socket
 from typing import Any
 
-from adapters.peft import ModelShapes
-from ipc.process import StartupError
-from proto.config import ServerConfig
-from rpc.adapter_store import AdapterStore
-from tokenization.tokenizer import Tokenizer, TokenizerLoadError
+from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.ipc.process import StartupError
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.rpc.adapter_store import AdapterStore
+from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
 
@@ -43,8 +43,8 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
         raise StartupError(f"--model {model!r}: config.json is not a JSON object")
     # Parsing the config here (torch-free) names an unsupported architecture or rope type
     # before any process starts.
-    from gpu_worker.models.config import ModelArgs
-    from gpu_worker.models.sharding import split_problems
+    from tandem_serve.gpu_worker.models.config import ModelArgs
+    from tandem_serve.gpu_worker.models.sharding import split_problems
 
     try:
         args = ModelArgs.from_hf_config(config)
@@ -64,7 +64,7 @@ def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | N
     if not os.path.isdir(cfg.adapter_cache):
         raise StartupError(f"--adapter-cache {cfg.adapter_cache!r} is not a folder; expected "
                            "the folder holding one PEFT adapter folder per adapter id")
-    from gpu_worker.models.config import ModelArgs
+    from tandem_serve.gpu_worker.models.config import ModelArgs
 
     shapes = ModelShapes.of(ModelArgs.from_hf_config(config))
     return AdapterStore(cfg.adapter_cache, shapes, cfg.max_lora_rank)

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from proto import admin_pb2, admin_pb2_grpc
-from rpc.client import make_channel
-from tandem import profile_report
+from tandem_serve.ipc.process import CLI
+from tandem_serve.proto import admin_pb2, admin_pb2_grpc
+from tandem_serve.rpc.client import make_channel
+from tandem_serve.tandem import profile_report
 
 DEFAULT_DURATION = 5.0  # seconds, when neither --duration nor --plans is given
 PLANS_DEADLINE = 120.0  # upper bound for --plans without --duration (an idle server)
@@ -77,7 +78,7 @@ def _start_workload(args: argparse.Namespace) -> subprocess.Popen | None:
     workload = [a for a in args.workload if a != "--"]
     if not workload:
         return None
-    cmd = [sys.executable, "-m", "tandem.cli", *workload]
+    cmd = [*CLI, *workload]
     if "--port" not in workload and workload[:2] == ["bench", "serve"]:
         cmd += ["--port", str(args.port)]
     proc = subprocess.Popen(cmd)

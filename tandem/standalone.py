@@ -16,10 +16,10 @@ from collections.abc import Awaitable, Callable
 
 from grpc_health.v1 import health_pb2
 
-from ipc.peers import frontend_watch
-from proto.config import ServerConfig
-from rpc.frontend import Frontend
-from rpc.server import SERVICE_NAME
+from tandem_serve.ipc.peers import frontend_watch
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.rpc.frontend import Frontend
+from tandem_serve.rpc.server import SERVICE_NAME
 
 log = logging.getLogger("tandem.launcher")
 

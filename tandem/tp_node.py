@@ -18,12 +18,11 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
-from ipc.process import set_title, setup_logging, split_cpus
-from proto.config import ServerConfig
+from tandem_serve.ipc.process import CLI, set_title, setup_logging, split_cpus
+from tandem_serve.proto.config import ServerConfig
 
 log = logging.getLogger("tandem.node")
 
@@ -48,7 +47,7 @@ def node_config(cfg: ServerConfig, run_dir: str) -> ServerConfig:
 
 
 def start_rank(path: str, rank: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tandem.cli", "run-role", "gpu-worker", "--config-file", path,
+    cmd = [*CLI, "run-role", "gpu-worker", "--config-file", path,
            "--index", str(rank), "--parent-pid", str(os.getpid())]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 

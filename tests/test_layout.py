@@ -19,12 +19,14 @@ Imports inside functions count too: a lazy import is still a dependency.
 from __future__ import annotations
 
 import ast
+import configparser
 import pathlib
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LINES = 500
+ROOT_NAME = "tandem_serve"  # setup.cfg installs folder X as tandem_serve.X
 # Generated gRPC stubs are not written by hand.
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
@@ -51,15 +53,42 @@ def _sources(package: str) -> list[pathlib.Path]:
     return sorted(p for p in (ROOT / package).rglob("*.py") if not p.name.endswith(GENERATED))
 
 
-def _imported_packages(path: pathlib.Path) -> set[str]:
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    """Every absolute module name the file imports, lazy imports included."""
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out.update(alias.name.split(".")[0] for alias in node.names)
+            out.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module.split(".")[0])
-    return out & OURS
+            out.add(node.module)
+    return out
+
+
+def _imported_packages(path: pathlib.Path) -> set[str]:
+    return {m.split(".")[1] for m in _imported_modules(path)
+            if m.startswith(ROOT_NAME + ".")} & OURS
+
+
+@pytest.mark.parametrize("package", [*_packages(), "tests"])
+def test_every_import_goes_through_the_root_name(package: str) -> None:
+    """`import proto` would be proto-plus's (or nothing) once installed: setup.cfg installs
+    each folder X as tandem_serve.X only."""
+    bad = [f"{path.relative_to(ROOT)}: {m}" for path in _sources(package)
+           for m in _imported_modules(path) if m.split(".")[0] in OURS]
+    assert not bad, f"import these as {ROOT_NAME}.<package>:\n" + "\n".join(bad)
+
+
+def test_setup_cfg_installs_every_package() -> None:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    mapped = {line.split("=")[0].strip() for line in
+              cfg["options"]["package_dir"].strip().splitlines()}
+    listed = set(cfg["options"]["packages"].split())
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for package in _packages()
+               for p in (ROOT / package).rglob("__init__.py")}
+    assert mapped == {f"{ROOT_NAME}.{p}" for p in _packages()}
+    assert listed == {f"{ROOT_NAME}.{p}" for p in folders}
 
 
 def test_every_package_has_a_rule() -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.config import ModelArgs
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

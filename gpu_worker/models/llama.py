@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.attention import (
+from tandem_serve.gpu_worker.attention import (
     AttentionMetadata,
     AttentionPlan,
     KVCache,
     paged_attention,
     prepare_attention,
 )
-from gpu_worker.models.config import ModelArgs
-from gpu_worker.models.layers import (
+from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.layers import (
     ACTIVATIONS,
     apply_rope,
     linear,
@@ -38,7 +38,7 @@ from gpu_worker.models.layers import (
 )
 
 if TYPE_CHECKING:
-    from gpu_worker.lora import LoraContext
+    from tandem_serve.gpu_worker.lora import LoraContext
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ import zlib
 
 import torch
 
-from gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
-from gpu_worker.models.llama import CausalLM
-from gpu_worker.models.sharding import Shard, checkpoint_part, local_args
-from gpu_worker.weights import SafetensorsCheckpoint, read_json
+from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from tandem_serve.gpu_worker.models.llama import CausalLM
+from tandem_serve.gpu_worker.models.sharding import Shard, checkpoint_part, local_args
+from tandem_serve.gpu_worker.weights import SafetensorsCheckpoint, read_json
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
 

@@ -35,7 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.config import ModelArgs
 
 FLAG = "--tensor-parallel-size"
 

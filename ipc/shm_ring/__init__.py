@@ -39,7 +39,7 @@ pid namespaces cannot see each other's pids; the check is skipped then.
 """
 from __future__ import annotations
 
-from ipc.shm_ring.layout import (
+from tandem_serve.ipc.shm_ring.layout import (
     DEFAULT_SPIN_S,
     MAX_READERS,
     Frame,
@@ -51,8 +51,8 @@ from ipc.shm_ring.layout import (
     unlink_ipc_file,
     unlink_segment,
 )
-from ipc.shm_ring.reader import RingReader
-from ipc.shm_ring.writer import RingWriter
+from tandem_serve.ipc.shm_ring.reader import RingReader
+from tandem_serve.ipc.shm_ring.writer import RingWriter
 
 __all__ = [
     "DEFAULT_SPIN_S", "MAX_READERS", "Frame", "RingClosed", "RingError", "RingReader",

@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from ipc.shm_ring.layout import (
+from tandem_serve.ipc.shm_ring.layout import (
     _H_MAGIC,
     _H_READERS,
     _H_SLOT_SIZE,

@@ -14,7 +14,7 @@ from multiprocessing import shared_memory
 
 import zmq
 
-from ipc.shm_ring.layout import (
+from tandem_serve.ipc.shm_ring.layout import (
     _H_MAGIC,
     _H_READERS,
     _H_SLOT_SIZE,

@@ -13,8 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters.peft import AdapterError, ModelShapes, adapter_folder, pattern_key, read_adapter
-from gpu_worker.models.loader import load_model_args
+from tandem_serve.adapters.peft import (
+    AdapterError,
+    ModelShapes,
+    adapter_folder,
+    pattern_key,
+    read_adapter,
+)
+from tandem_serve.gpu_worker.models.loader import load_model_args
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.lora_utils import make_adapters
 
@@ -185,7 +191,7 @@ def test_an_adapter_for_another_model_is_refused(cache: Path, model: str,
 
 
 def test_find_adapters_walks_the_cache_in_id_order_and_within_bounds(tmp_path: Path) -> None:
-    from adapters.peft import find_adapters
+    from tandem_serve.adapters.peft import find_adapters
 
     def adapter(rel: str) -> None:
         (tmp_path / rel).mkdir(parents=True)

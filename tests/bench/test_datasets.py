@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.datasets import (
+from tandem_serve.bench.datasets import (
     BenchItem,
     allowed_token_ids,
     arrival_offsets,
@@ -21,7 +21,7 @@ from bench.datasets import (
 )
 
 try:
-    from tokenization.tokenizer import Tokenizer
+    from tandem_serve.tokenization.tokenizer import Tokenizer
 except ImportError:  # another engineer's module; the datasets cannot be tested without it
     pytest.skip("tokenization/tokenizer.py is not there yet", allow_module_level=True)
 

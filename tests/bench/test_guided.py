@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench import guided as bg
-from bench.backends import BackendOptions, TandemBackend
-from bench.datasets import BenchItem
-from bench.metrics import RequestRecord
-from guided.compile import Compiler
-from guided.spec import GuidedSpec, SpecKind
+from tandem_serve.bench import guided as bg
+from tandem_serve.bench.backends import BackendOptions, TandemBackend
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.metrics import RequestRecord
+from tandem_serve.guided.compile import Compiler
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 ITEMS = [BenchItem(i, f"prompt {i}", 3, 16) for i in range(20)]
 
@@ -72,7 +72,7 @@ def test_summary_reports_the_first_request_apart() -> None:
 def test_bench_guided_names_an_unknown_kind() -> None:
     import argparse
 
-    from bench import guided_serve
+    from tandem_serve.bench import guided_serve
 
     p = argparse.ArgumentParser()
     guided_serve.add_arguments(p)
@@ -81,7 +81,7 @@ def test_bench_guided_names_an_unknown_kind() -> None:
 
 
 def test_bench_guided_refuses_a_run_with_failed_guided_requests() -> None:
-    from bench.guided_serve import check
+    from tandem_serve.bench.guided_serve import check
 
     check("regex", {"completed": 8, "guided_failed": 0}, 8)
     with pytest.raises(SystemExit, match="regex: 1 requests failed: .*bad regex"):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pathlib
 
-from adapters.peft import ModelShapes, read_adapter
-from bench.ab_tables import paired_ratio, paired_table
-from bench.lora import COLUMNS, write_adapter
+from tandem_serve.adapters.peft import ModelShapes, read_adapter
+from tandem_serve.bench.ab_tables import paired_ratio, paired_table
+from tandem_serve.bench.lora import COLUMNS, write_adapter
 
 
 def test_written_adapters_read_back_at_their_rank(tmp_path: pathlib.Path) -> None:

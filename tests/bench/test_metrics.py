@@ -13,12 +13,17 @@ import time
 
 import pytest
 
-from bench.backends import Backend, BackendOptions, TandemBackend
-from bench.datasets import BenchItem
-from bench.http_sse import read_http_response, sse_events
-from bench.metrics import RequestRecord, calculate_metrics, format_result, peak_output_rate
-from bench.peer_backends import TransformersServeBackend
-from bench.serve import BenchConfig, add_arguments, config_from_args, run_benchmark
+from tandem_serve.bench.backends import Backend, BackendOptions, TandemBackend
+from tandem_serve.bench.datasets import BenchItem
+from tandem_serve.bench.http_sse import read_http_response, sse_events
+from tandem_serve.bench.metrics import (
+    RequestRecord,
+    calculate_metrics,
+    format_result,
+    peak_output_rate,
+)
+from tandem_serve.bench.peer_backends import TransformersServeBackend
+from tandem_serve.bench.serve import BenchConfig, add_arguments, config_from_args, run_benchmark
 
 VLLM_KEYS = {
     "duration", "completed", "total_input_tokens", "total_output_tokens",

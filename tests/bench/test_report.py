@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
-import sys
+
+from tandem_serve.ipc.process import CLI
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
@@ -13,7 +14,7 @@ def test_report_rewrites_one_section_and_keeps_the_others(tmp_path: pathlib.Path
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "soak.md").write_text("soak figures from an earlier run\n")
     (tmp_path / "bench" / "machine.md").write_text("stale machine line\n")
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "report", "--docs",
+    proc = subprocess.run([*CLI, "bench", "report", "--docs",
                            str(tmp_path), "--only", "machine"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -25,7 +26,7 @@ def test_report_rewrites_one_section_and_keeps_the_others(tmp_path: pathlib.Path
 
 
 def test_report_rejects_an_unknown_section(tmp_path: pathlib.Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "tandem.cli", "bench", "report", "--docs",
+    proc = subprocess.run([*CLI, "bench", "report", "--docs",
                            str(tmp_path), "--only", "nope"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "unknown section 'nope'" in proc.stderr

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from bench.soak_mix import DEFAULT_MIX, GUIDED, build, choose, parse_mix
+from tandem_serve.bench.soak_mix import DEFAULT_MIX, GUIDED, build, choose, parse_mix
 
 
 def test_the_guided_share_is_of_all_requests_and_the_rest_keep_their_weights() -> None:
@@ -30,7 +30,7 @@ def test_bad_mixes_name_the_problem(text: str, share: float, message: str) -> No
 
 
 def test_each_kind_asks_for_its_output_path() -> None:
-    from proto import generation_pb2 as pb
+    from tandem_serve.proto import generation_pb2 as pb
 
     def req(kind: str, seed: int = 1) -> pb.SingleGenerationRequest:
         return build(kind, random.Random(seed), seed, 64)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from tandem.cli import build_parser
+from tandem_serve.tandem.cli import build_parser
 
 DOCKER = pathlib.Path(__file__).resolve().parents[2] / "docker"
 

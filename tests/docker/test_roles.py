@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from bench.roles import ROLES, RoleSet, wait_health, wait_serving_anew
-from rpc.client import GenerateOptions, TandemClient
+from tandem_serve.bench.roles import ROLES, RoleSet, wait_health, wait_serving_anew
+from tandem_serve.rpc.client import GenerateOptions, TandemClient
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow

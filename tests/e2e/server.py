@@ -7,7 +7,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -15,9 +14,10 @@ from collections.abc import Iterator
 
 import grpc
 
-from bench.soak import free_port  # noqa: F401  (tests import it from here)
-from bench.soak import tree_pids as process_tree
-from rpc.client import GenerateOptions, TandemClient
+from tandem_serve.bench.soak import free_port  # noqa: F401  (tests import it from here)
+from tandem_serve.bench.soak import tree_pids as process_tree
+from tandem_serve.ipc.process import CLI
+from tandem_serve.rpc.client import GenerateOptions, TandemClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -59,7 +59,7 @@ class Server:
         # it off by default: many servers run at once). Servers compile format=JSON at
         # start-up only in the tests that ask for it.
         self.http_port = free_port() if http else 0
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
+        cmd = [*CLI, "serve", "--model", model,
                "--port", str(self.port), "--http-port", str(self.http_port),
                "--log-level", "WARNING", "--guided-cache-dir", guided_cache_dir(),
                "--no-guided-precompile-json", *flags]

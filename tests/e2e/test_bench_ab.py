@@ -6,9 +6,10 @@ import importlib.util
 import json
 import pathlib
 import subprocess
-import sys
 
 import pytest
+
+from tandem_serve.ipc.process import CLI
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 HAVE_TRANSFORMERS_SERVE = all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn",
@@ -17,7 +18,7 @@ HAVE_TRANSFORMERS_SERVE = all(importlib.util.find_spec(m) for m in ("fastapi", "
 
 def run_ab(model: pathlib.Path, out: pathlib.Path, peers: str,
            *extra: str) -> tuple[dict, str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "bench", "ab", "--model", str(model),
+    cmd = [*CLI, "bench", "ab", "--model", str(model),
            "--steps", "1,2", "--num-prompts", "6", "--input-len", "16", "--output-len", "8",
            "--max-concurrency", "3", "--peers", peers, *extra,
            "--output-json", str(out / "ab.json"), "--png", str(out / "ab.png")]
@@ -54,7 +55,7 @@ def test_bench_ab_runs_every_arm_and_the_generate_bound(fast_model_dir: pathlib.
 @pytest.mark.skipif(not HAVE_TRANSFORMERS_SERVE, reason="needs the bench extra")
 def test_bench_ab_drives_transformers_serve_on_the_same_checkpoint(
         fast_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    cmd = [sys.executable, "-m", "tandem.cli", "bench", "ab", "--model", str(fast_model_dir),
+    cmd = [*CLI, "bench", "ab", "--model", str(fast_model_dir),
            "--steps", "1", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
            "--max-concurrency", "2", "--peers", "transformers-serve",
            "--output-json", str(tmp_path / "ab.json"), "--png", str(tmp_path / "ab.png")]

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from proto import admin_pb2
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions, TandemClient
+from tandem_serve.proto import admin_pb2
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions, TandemClient
 from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from guided.worker import TITLE
-from rpc.client import GenerateOptions
+from tandem_serve.guided.worker import TITLE
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, Stream, alive, cmdline, tree_pids
 
 pytestmark = pytest.mark.slow

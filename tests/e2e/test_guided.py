@@ -31,9 +31,9 @@ import openai
 import pytest
 import torch
 
-from bench.guided_tables import choice_regex
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions
+from tandem_serve.bench.guided_tables import choice_regex
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 from tests.gpu_worker.guided_utils import hf_guided
 from tests.hf_reference import hf_greedy

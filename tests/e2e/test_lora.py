@@ -21,7 +21,7 @@ import openai
 import pytest
 import torch
 
-from rpc.client import GenerateOptions
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 from tests.hf_reference import hf_greedy
 from tests.lora_utils import ADAPTERS, make_adapter, make_adapters
@@ -150,7 +150,7 @@ def test_bad_adapters_are_invalid_while_others_complete(server: Server, bad: str
 
 def test_prefix_id_is_the_older_name_and_tokenize_uses_the_base_tokenizer(
         server: Server, expected: dict[str | None, list[str]]) -> None:
-    from proto import generation_pb2 as pb
+    from tandem_serve.proto import generation_pb2 as pb
 
     text, n = PROMPTS[1]
     req = pb.SingleGenerationRequest(

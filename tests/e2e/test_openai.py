@@ -287,7 +287,7 @@ def test_a_client_that_disconnects_frees_its_blocks(client: openai.OpenAI,
 @pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
 def test_bench_serve_drives_the_http_api(server: Server, tiny_model_dir: pathlib.Path,
                                          backend: str) -> None:
-    from bench.serve import BenchConfig, run_benchmark
+    from tandem_serve.bench.serve import BenchConfig, run_benchmark
 
     cfg = BenchConfig(backend=backend, base_url=f"http://127.0.0.1:{server.http_port}",
                       model=str(tiny_model_dir), num_prompts=4, input_len=16, output_len=8,

@@ -7,14 +7,14 @@ import json
 import pathlib
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions, TandemClient
+from tandem_serve.ipc.process import CLI
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions, TandemClient
 from tests.e2e.server import ROOT, Server, free_port
 
 pytestmark = [pytest.mark.slow,
@@ -78,7 +78,7 @@ def server(tiny_model_dir: pathlib.Path, certs: pathlib.Path) -> Iterator[Server
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", *args], cwd=ROOT, text=True,
+    return subprocess.run([*CLI, *args], cwd=ROOT, text=True,
                           capture_output=True, timeout=60)
 
 

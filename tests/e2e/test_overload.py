@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from bench.robustness import burst, overload_jobs, summarize_overload, wait_idle
+from tandem_serve.bench.robustness import burst, overload_jobs, summarize_overload, wait_idle
 from tests.e2e.server import running
 from tests.hf_reference import hf_greedy
 

@@ -6,7 +6,6 @@ import argparse
 import json
 import pathlib
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,9 +16,10 @@ from typing import Any
 import grpc
 import pytest
 
-from rpc.client import GenerateOptions
-from tandem import profile_cli, profile_report
-from tandem.profile_cli import record
+from tandem_serve.ipc.process import CLI
+from tandem_serve.rpc.client import GenerateOptions
+from tandem_serve.tandem import profile_cli, profile_report
+from tandem_serve.tandem.profile_cli import record
 from tests.e2e.server import ROOT, Server, free_port
 
 pytestmark = pytest.mark.slow
@@ -136,7 +136,7 @@ def test_profile_cli_records_twenty_plans(server: Server, tmp_path: pathlib.Path
     trace_path, summary_path = tmp_path / "trace.json", tmp_path / "summary.json"
     with load(server):
         run = subprocess.run(
-            [sys.executable, "-m", "tandem.cli", "profile", "--port", str(server.port),
+            [*CLI, "profile", "--port", str(server.port),
              "--plans", "20", "--duration", "90", "--output", str(trace_path),
              "--summary-json", str(summary_path)],
             cwd=ROOT, capture_output=True, text=True, timeout=180)
@@ -258,8 +258,8 @@ def test_metrics_endpoint_fills_histograms(server: Server) -> None:
 
 def test_a_recording_the_client_gave_up_on_leaves_nobody_recording(
         server: Server, tmp_path: pathlib.Path) -> None:
-    from proto import admin_pb2, admin_pb2_grpc
-    from rpc.client import make_channel
+    from tandem_serve.proto import admin_pb2, admin_pb2_grpc
+    from tandem_serve.rpc.client import make_channel
 
     torch_trace = tmp_path / "abandoned.json"
     channel = make_channel(f"127.0.0.1:{server.port}")

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from rpc.client import GenerateOptions
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow

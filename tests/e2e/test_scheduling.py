@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rpc.client import GenerateOptions
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server
 from tests.hf_reference import hf_greedy
 

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow

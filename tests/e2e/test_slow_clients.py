@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.robustness import finish_stalled, stalled_streams, vanish, wait_idle
-from rpc.client import GenerateOptions
+from tandem_serve.bench.robustness import finish_stalled, stalled_streams, vanish, wait_idle
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow

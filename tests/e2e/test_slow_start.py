@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-from rpc.client import GenerateOptions
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow

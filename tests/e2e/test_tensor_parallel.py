@@ -18,14 +18,14 @@ import pathlib
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from rpc.client import GenerateOptions
+from tandem_serve.ipc.process import CLI
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import ROOT, Server, free_port, running
 from tests.e2e.test_failures import (
     EXIT_WITHIN,
@@ -146,7 +146,7 @@ def test_a_hung_rank_is_dumped_and_the_set_is_stopped(tiny_model_dir: pathlib.Pa
 def start_node(model: str, addr: str) -> subprocess.Popen[str]:
     """The second host's rank, as an operator starts it there."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "run-role", "gpu-worker", "--model", model,
+        [*CLI, "run-role", "gpu-worker", "--model", model,
          "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1",
          "--dist-init-addr", addr, "--reserved-cpus", "0", "--torch-threads", "1",
          "--log-level", "WARNING"],

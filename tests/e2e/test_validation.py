@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
-from proto import generation_pb2 as pb
+from tandem_serve.proto import generation_pb2 as pb
 
 FD = FieldDescriptor
 MAX_DEPTH = 4

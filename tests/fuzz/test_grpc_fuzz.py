@@ -25,8 +25,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
-from proto import generation_pb2 as pb
-from rpc.client import GenerateOptions, make_channel
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.client import GenerateOptions, make_channel
 from tests.e2e.server import Server, running
 from tests.fuzz.strategies import METHODS, Call, calls, inject, string_paths
 from tests.hf_reference import hf_greedy

@@ -23,7 +23,7 @@ import pytest
 from hypothesis import given, seed
 from hypothesis import strategies as st
 
-from rpc.client import GenerateOptions
+from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
 from tests.fuzz.strategies import OPENAI_ROUTES
 from tests.fuzz.test_grpc_fuzz import FLAGS, FUZZ, SEED

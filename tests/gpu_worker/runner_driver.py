@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from gpu_worker.publisher import TokenPublisher
-from gpu_worker.runner import ModelRunner
-from proto.messages import (
+from tandem_serve.gpu_worker.publisher import TokenPublisher
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.messages import (
     AdapterLoad,
     ContinueRequest,
     FinishReason,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from gpu_worker.attention import (
+from tandem_serve.gpu_worker.attention import (
     AttentionMetadata,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
@@ -231,7 +231,7 @@ def test_plan_shared_across_layers_and_windows() -> None:
 
 
 def test_decode_does_not_sync_host() -> None:
-    guard = pytest.importorskip("gpu_worker.sync_guard")
+    guard = pytest.importorskip("tandem_serve.gpu_worker.sync_guard")
     sc = Scenario(4, 2, 16, 8, seed=5)
     seqs = [sc.add(n, 1) for n in (5, 30)]
     meta = AttentionMetadata(

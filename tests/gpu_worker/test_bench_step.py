@@ -12,7 +12,7 @@ def test_bench_step_runs(llama: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     import argparse
     import json
 
-    from bench import step as bench_step
+    from tandem_serve.bench import step as bench_step
 
     parser = argparse.ArgumentParser()
     bench_step.add_arguments(parser)
@@ -33,8 +33,8 @@ def test_bench_step_trace_reports_span_costs(llama: str, tmp_path: Path,
     import argparse
     import json
 
-    from bench import step as bench_step
-    from ipc.tracing import TRACER
+    from tandem_serve.bench import step as bench_step
+    from tandem_serve.ipc.tracing import TRACER
 
     parser = argparse.ArgumentParser()
     bench_step.add_arguments(parser)
@@ -57,7 +57,7 @@ def test_bench_step_guided_compares_each_kind_to_unguided(
     import argparse
     import json
 
-    from bench import step as bench_step
+    from tandem_serve.bench import step as bench_step
     from tests.gpu_worker.guided_utils import guided_checkpoint
 
     model = guided_checkpoint(tmp_path)  # has a tokenizer: the tables need one

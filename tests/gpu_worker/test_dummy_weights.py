@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.models.loader import load_model
 
 
 def test_dummy_weights_need_only_the_config_and_are_reproducible(

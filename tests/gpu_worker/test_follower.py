@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker import follower, parallel
-from proto.config import Addresses, ServerConfig, plans_address
+from tandem_serve.gpu_worker import follower, parallel
+from tandem_serve.proto.config import Addresses, ServerConfig, plans_address
 
 
 def test_each_rank_writes_its_own_torch_trace() -> None:

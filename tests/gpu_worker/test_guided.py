@@ -16,13 +16,13 @@ import jsonschema
 import pytest
 import torch
 
-from bench.guided_tables import choice_regex, json_schema_regex
-from gpu_worker import guided as device_guided
-from gpu_worker.batch import RequestState
-from gpu_worker.guided import GuidedBatch
-from gpu_worker.runner import ModelRunner
-from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
-from proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.bench.guided_tables import choice_regex, json_schema_regex
+from tandem_serve.gpu_worker import guided as device_guided
+from tandem_serve.gpu_worker.batch import RequestState
+from tandem_serve.gpu_worker.guided import GuidedBatch
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
+from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
     VOCAB,
     grammar,
@@ -293,7 +293,7 @@ def _graph_run(path: str, runner: Any) -> dict[int, list[int]]:
 
 def test_guided_rows_on_the_graph_plumbing_on_cpu(path: str) -> None:
     """Replayed 'graphs' (eager on CPU) hand the guided mask the static logits buffer."""
-    from gpu_worker.cuda_graphs import DecodeGraphs
+    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
     from tests.gpu_worker.test_runner_graphs import EagerReplay
 
     class CpuGraphs(DecodeGraphs):

@@ -14,13 +14,13 @@ import pathlib
 
 import jsonschema
 
-from guided.compile import Compiler
-from guided.forms import spec_regex
-from guided.spec import GuidedSpec, SpecKind
-from proto.messages import FinishReason, GuidedTable
+from tandem_serve.guided.compile import Compiler
+from tandem_serve.guided.forms import spec_regex
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto.messages import FinishReason, GuidedTable
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.guided_utils import guided, hf_guided
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
-from tokenization.tokenizer import Tokenizer
 
 PROMPTS = ["Once upon a time", "The quick brown fox jumps over", "1, 2, 3, 4,",
            "My phone number is", "Tandem runs the model while"]

@@ -14,8 +14,9 @@ import jsonschema
 import llguidance
 import pytest
 
-from gpu_worker.sync_guard import forbid_host_sync
-from proto.messages import FinishReason, GuidedGrammar
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.proto.messages import FinishReason, GuidedGrammar
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.guided_utils import (
     grammar,
     guided,
@@ -26,7 +27,6 @@ from tests.gpu_worker.guided_utils import (
 )
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
-from tokenization.tokenizer import Tokenizer
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 # Brackets nested at least twice, matched by kind around one to three letters.

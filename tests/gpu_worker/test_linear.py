@@ -12,8 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_worker.models.layers import linear, onednn_fp32_usable, onednn_rows, pack_linear
-from gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.models.layers import (
+    linear,
+    onednn_fp32_usable,
+    onednn_rows,
+    pack_linear,
+)
+from tandem_serve.gpu_worker.models.loader import load_model
 from tests.gpu_worker.model_utils import PagedDriver, make_tiny_checkpoint, random_prompts
 
 needs_onednn = pytest.mark.skipif(not onednn_fp32_usable(), reason="no fp32 oneDNN here")
@@ -115,8 +120,8 @@ def test_no_onednn_keeps_plain_linear_with_the_same_logits(
 
 
 def test_worker_config_reaches_the_model(tmp_path: Path) -> None:
-    from gpu_worker.main import build_runner
-    from proto.config import ServerConfig
+    from tandem_serve.gpu_worker.main import build_runner
+    from tandem_serve.proto.config import ServerConfig
 
     path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
     cfg = ServerConfig(model=path, device="cpu", num_kv_blocks=8, max_num_seqs=2,

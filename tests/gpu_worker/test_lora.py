@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.sync_guard import forbid_host_sync
-from proto.messages import FinishReason
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.proto.messages import FinishReason
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
 from tests.lora_utils import ADAPTERS, make_adapters, peft_greedy
@@ -69,7 +69,7 @@ def run_mix(d: Driver) -> None:
 
 
 def sampling(n: int = NEW) -> Any:
-    from proto.messages import SamplingParams
+    from tandem_serve.proto.messages import SamplingParams
 
     return SamplingParams(max_new_tokens=n, min_new_tokens=n, stop_token_ids=[EOS_ID])
 
@@ -141,7 +141,7 @@ def test_a_failed_load_fails_its_requests_and_nobody_else(model: str, cache: Pat
 def test_graph_path_applies_every_slot(model: str, cache: Path,
                                        expected: dict[int, list[int]]) -> None:
     """The CUDA-graph plumbing (static slot buffer, all slots and modules), replayed on CPU."""
-    from gpu_worker.cuda_graphs import DecodeGraphs
+    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
 
     class CpuGraphs(DecodeGraphs):
         def _record(self, run: Any) -> tuple[Any, torch.Tensor]:
@@ -201,7 +201,7 @@ def test_segment_and_masked_forms_add_the_same_deltas(model: str, cache: Path) -
 @pytest.mark.gpu
 def test_cuda_graphs_with_adapters_match_eager_and_peft(model: str, cache: Path,
                                                         expected: dict[int, list[int]]) -> None:
-    from gpu_worker.runner import ModelRunner
+    from tandem_serve.gpu_worker.runner import ModelRunner
 
     def run(graphs: bool) -> tuple[Any, dict[int, list[int]]]:
         runner = ModelRunner(model, device="cuda", dtype="float32", block_size=16,
@@ -224,7 +224,7 @@ def test_seeded_sampling_and_logprobs_under_an_adapter_ignore_the_batch(model: s
                                                                        cache: Path) -> None:
     """A seeded sampled request on an adapter draws the same tokens alone and in a mixed
     batch, and its logprobs come from its adapter's distribution (rank 1 when greedy)."""
-    from proto.messages import SamplingParams, TokenBatch
+    from tandem_serve.proto.messages import SamplingParams, TokenBatch
     from tests.gpu_worker.runner_driver import sampled
 
     def run(mixed: bool) -> tuple[list[int], list[TokenBatch]]:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.prompt_logprobs import ROWS_PER_SLICE
-from ipc.channels import Receiver
-from ipc.token_channel import TokenReader, TokenWriter, detail_for
-from proto.config import Addresses
-from proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tandem_serve.gpu_worker.prompt_logprobs import ROWS_PER_SLICE
+from tandem_serve.ipc.channels import Receiver
+from tandem_serve.ipc.token_channel import TokenReader, TokenWriter, detail_for
+from tandem_serve.proto.config import Addresses
+from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
 from tests.gpu_worker.model_utils import (
     EOS_ID,
     HFReference,

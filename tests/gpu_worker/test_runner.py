@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-import gpu_worker.runner as runner_module
-from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
-from proto.messages import FinishReason, SamplingParams, TokenBatch
+import tandem_serve.gpu_worker.runner as runner_module
+from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
+from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import (
     CONFIGS,

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.runner import ModelRunner
-from gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
 
@@ -28,7 +28,7 @@ class EagerReplay:
 
 def test_graph_plumbing_padding_and_buckets_on_cpu(llama: str) -> None:
     """Static buffers, padded rows and bucket choice of DecodeGraphs, replayed eagerly."""
-    from gpu_worker.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
+    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
 
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(5) == [1, 2, 4, 5] and width_buckets(40) == [1, 2, 4, 8, 16, 32, 40]

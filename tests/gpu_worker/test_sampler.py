@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import Tensor
 
-import gpu_worker.sampler as sampler_mod
-from gpu_worker.sampler import Sampler, SamplerHints
+import tandem_serve.gpu_worker.sampler as sampler_mod
+from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints
 from tests.gpu_worker.sampler_utils import (
     DEFAULTS,
     MIXED_ROWS,
@@ -138,7 +138,7 @@ def test_hints_skip_only_unused_work() -> None:
 
 
 def test_hints_from_params_objects() -> None:
-    from proto.messages import SamplingParams
+    from tandem_serve.proto.messages import SamplingParams
 
     params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(),
               SamplingParams(temperature=1.0, top_k=50, typical_p=0.5, min_new_tokens=3)]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from gpu_worker.sampler import Sampler, SamplerHints, apply_penalties
-from proto.messages import SamplingParams
+from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints, apply_penalties
+from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
 from tests.gpu_worker.sampler_utils import make_rows

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from gpu_worker.sampler import Sampler, SamplerHints, row_keys, row_uniform
-from gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints, row_keys, row_uniform
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.sampler_utils import (
     MIXED_ROWS,
     NO_IDS,

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_worker.models.config import ModelArgs
-from gpu_worker.models.llama import CausalLM, DecoderLayer
-from gpu_worker.models.loader import load_model
-from gpu_worker.models.sharding import (
+from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.models.sharding import (
     WHOLE,
     Part,
     Shard,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.sync_guard import HostSyncError, _why_forbidden, forbid_host_sync
+from tandem_serve.gpu_worker.sync_guard import HostSyncError, _why_forbidden, forbid_host_sync
 
 aten = torch.ops.aten
 

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from bench.soak import free_port
-from gpu_worker import parallel
-from gpu_worker.models.loader import load_model
-from gpu_worker.parallel import TensorParallel
-from gpu_worker.runner import ModelRunner
-from gpu_worker.sync_guard import HostSyncError, forbid_host_sync
-from proto.config import ServerConfig
-from proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tandem_serve.bench.soak import free_port
+from tandem_serve.gpu_worker import parallel
+from tandem_serve.gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.parallel import TensorParallel
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled

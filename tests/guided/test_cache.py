@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from guided.cache import DiskCache, MemoryCache, check_table, content_id, nbytes
-from guided.spec import GuidedSpec, SpecKind
-from proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.guided.cache import DiskCache, MemoryCache, check_table, content_id, nbytes
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
 
 V = 50
 

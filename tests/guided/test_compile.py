@@ -6,14 +6,14 @@ import functools
 import numpy as np
 import pytest
 
-from guided.compile import CompileError, Compiler
-from guided.forms import choice_regex, escape_rust, grammar_lark, is_gbnf
-from guided.spec import GuidedSpec, SpecKind
-from guided.table import advance, allowed, done_state
-from guided.vocab import TokenVocabulary
-from proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.guided.compile import CompileError, Compiler
+from tandem_serve.guided.forms import choice_regex, escape_rust, grammar_lark, is_gbnf
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.table import advance, allowed, done_state
+from tandem_serve.guided.vocab import TokenVocabulary
+from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 ARITHMETIC_GBNF = 'root ::= expr\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+\n'
 ARITHMETIC_LARK = 'start: expr\nexpr: term (("+" | "-") term)*\nterm: /[0-9]+/\n'

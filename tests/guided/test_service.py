@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from guided.compile import CompileError
-from guided.pool import CompilerUnavailable, CompileTimeout
-from guided.service import GuidedCompiler, GuidedSettings
-from guided.spec import GuidedSpec, SpecKind
-from guided.vocab import UnsupportedTokenizer
-from proto.messages import GuidedTable
+from tandem_serve.guided.compile import CompileError
+from tandem_serve.guided.pool import CompilerUnavailable, CompileTimeout
+from tandem_serve.guided.service import GuidedCompiler, GuidedSettings
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.vocab import UnsupportedTokenizer
+from tandem_serve.proto.messages import GuidedTable
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir, wordpiece_dir
-from tokenization.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 DIGITS = GuidedSpec(SpecKind.REGEX, "[0-9]{3}", field="params.decoding.regex")
@@ -148,9 +148,9 @@ def test_the_frontend_and_the_compiler_load_neither_torch_nor_transformers() -> 
     code = (
         "import sys\n"
         "import tandem.launcher, rpc.server, rpc.guided, guided.service, guided.worker\n"
-        "from guided.compile import Compiler\n"
-        "from guided.spec import GuidedSpec, SpecKind\n"
-        "from tokenization.tokenizer import Tokenizer\n"
+        "from tandem_serve.guided.compile import Compiler\n"
+        "from tandem_serve.guided.spec import GuidedSpec, SpecKind\n"
+        "from tandem_serve.tokenization.tokenizer import Tokenizer\n"
         f"tok = Tokenizer.from_dir({str(sentencepiece_dir())!r})\n"
         "c = Compiler(tok, tok.vocab_size)\n"
         "c.compile(GuidedSpec(SpecKind.JSON_SCHEMA, '{\"type\": \"boolean\"}'), 'k')\n"
@@ -166,7 +166,7 @@ def test_precompiling_json_warms_the_memory_cache(tmp_path: Path,
     """At start-up the launcher runs precompile_json(); a table on disk costs no compile."""
     import numpy as np
 
-    from guided.service import JSON_OBJECT
+    from tandem_serve.guided.service import JSON_OBJECT
 
     c = make(tmp_path)
     key = c.key(JSON_OBJECT)

@@ -8,12 +8,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guided import table as gt
-from guided.forms import choice_regex, schema_regex
-from guided.table import NoOutput, advance, allowed, build_table, compress, done_state
-from guided.vocab import TokenVocabulary
+from tandem_serve.guided import table as gt
+from tandem_serve.guided.forms import choice_regex, schema_regex
+from tandem_serve.guided.table import NoOutput, advance, allowed, build_table, compress, done_state
+from tandem_serve.guided.vocab import TokenVocabulary
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 EOS = 9
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from guided.vocab import TokenVocabulary, UnsupportedTokenizer, ll_tokenizer
+from tandem_serve.guided.vocab import TokenVocabulary, UnsupportedTokenizer, ll_tokenizer
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import (
     BPE_PLAIN_ADDED_TOKEN,
     BPE_SPECIAL_TOKENS,
@@ -18,7 +19,6 @@ from tests.tokenizer_utils import (
     sentencepiece_dir,
     wordpiece_dir,
 )
-from tokenization.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 FAMILIES = {"sentencepiece": sentencepiece_dir, "byte_level": byte_level_bpe_dir}
@@ -107,8 +107,9 @@ def test_fingerprint_changes_with_what_a_table_depends_on() -> None:
 
 def test_fingerprint_is_the_same_in_another_process() -> None:
     _, _, vocab = _loaded("byte_level")
-    code = ("from guided.vocab import TokenVocabulary; from tokenization.tokenizer import "
-            f"Tokenizer; t = Tokenizer.from_dir({str(byte_level_bpe_dir())!r}); "
+    code = ("from tandem_serve.guided.vocab import TokenVocabulary; "
+            "from tandem_serve.tokenization.tokenizer import Tokenizer; "
+            f"t = Tokenizer.from_dir({str(byte_level_bpe_dir())!r}); "
             f"print(TokenVocabulary.from_tokenizer(t, t.vocab_size + {EXTRA}).fingerprint())")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, check=True, timeout=120).stdout.strip()

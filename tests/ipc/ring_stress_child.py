@@ -15,7 +15,7 @@ import sys
 import time
 import zlib
 
-from ipc.shm_ring import RingClosed, RingReader, RingWriter
+from tandem_serve.ipc.shm_ring import RingClosed, RingReader, RingWriter
 
 HEADER = struct.Struct("<QII")
 END = b"END"

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ipc import channels
-from ipc.channels import Receiver, Sender, set_epoch
-from proto.messages import AbortRequest, Heartbeat
+from tandem_serve.ipc import channels
+from tandem_serve.ipc.channels import Receiver, Sender, set_epoch
+from tandem_serve.proto.messages import AbortRequest, Heartbeat
 
 _senders: list[Sender] = []
 

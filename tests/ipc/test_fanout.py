@@ -9,15 +9,15 @@ import time
 
 import pytest
 
-from ipc.fanout import Fanout, subscribe
-from proto.messages import Heartbeat, Shutdown
+from tandem_serve.ipc.fanout import Fanout, subscribe
+from tandem_serve.proto.messages import Heartbeat, Shutdown
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 RECEIVER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[2])
-from ipc.fanout import subscribe
+from tandem_serve.ipc.fanout import subscribe
 rx = subscribe(sys.argv[1])
 print("subscribed", flush=True)
 rx.get(timeout=30)  # then dies without closing anything

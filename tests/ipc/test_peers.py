@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ipc import channels
-from ipc.peers import PeerLost, RoleWatch, SetWatch
-from proto.messages import Heartbeat
+from tandem_serve.ipc import channels
+from tandem_serve.ipc.peers import PeerLost, RoleWatch, SetWatch
+from tandem_serve.proto.messages import Heartbeat
 
 EXPECTED = ["scheduler", "gpu-worker", "postproc 0"]
 ROLES = [("scheduler", 0), ("gpu-worker", 0), ("postproc", 0)]

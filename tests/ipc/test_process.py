@@ -14,16 +14,16 @@ import time
 
 import pytest
 
-from ipc import faults
-from ipc.process import ORPHAN_GRACE_S, PlanWatchdog, remove_run_files
+from tandem_serve.ipc import faults
+from tandem_serve.ipc.process import ORPHAN_GRACE_S, PlanWatchdog, remove_run_files
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 CHILD = r"""
 import os, signal, sys, time
 sys.path.insert(0, sys.argv[5])
-from proto.config import Addresses, ServerConfig
-from ipc.process import init_child
+from tandem_serve.proto.config import Addresses, ServerConfig
+from tandem_serve.ipc.process import init_child
 run_dir, segment, mode, parent = sys.argv[1:5]
 cfg = ServerConfig(model="", run_dir=run_dir, log_level="WARNING",
                    addresses=Addresses("", "", "", (), "", ring_name=segment))
@@ -33,7 +33,7 @@ if mode == "torch":
     a = torch.randn(256, 256)
 print("ready", flush=True)
 if mode == "zmq":  # blocked in zmq_poll with no timeout
-    from ipc.channels import Receiver
+    from tandem_serve.ipc.channels import Receiver
     Receiver(f"ipc://{run_dir}/inbox").get(timeout=None)
 elif mode == "torch":  # busy in torch ops
     while True:
@@ -232,10 +232,10 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
     """The frontend's per-request queue stays short when the client does not read."""
     import asyncio
 
-    from proto.config import Addresses, ServerConfig
-    from proto.messages import FinishReason, OutputDelta
-    from rpc.engine_client import EngineClient, _Stream
-    from rpc.stream_buffer import StreamBuffer
+    from tandem_serve.proto.config import Addresses, ServerConfig
+    from tandem_serve.proto.messages import FinishReason, OutputDelta
+    from tandem_serve.rpc.engine_client import EngineClient, _Stream
+    from tandem_serve.rpc.stream_buffer import StreamBuffer
 
     async def main() -> list[object]:
         cfg = ServerConfig(model="", addresses=Addresses.local(str(tmp_path), "t", 1, False))
@@ -270,8 +270,8 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
 
 def _placement(monkeypatch: pytest.MonkeyPatch, cores: set[int], cuda: bool = False,
                **cfg: object) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    from ipc import process
-    from proto.config import ServerConfig
+    from tandem_serve.ipc import process
+    from tandem_serve.proto.config import ServerConfig
 
     monkeypatch.setattr(process.os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(process, "_cuda_present", lambda: cuda)
@@ -298,7 +298,7 @@ def test_nothing_is_pinned_with_an_accelerator_one_core_or_when_disabled(
 
 
 def test_placement_survives_the_config_file_round_trip() -> None:
-    from proto.config import ServerConfig
+    from tandem_serve.proto.config import ServerConfig
 
     cfg = ServerConfig(model="m", worker_cpus=(0, 1), service_cpus=(2,))
     assert ServerConfig.from_json(cfg.to_json()) == cfg
@@ -307,8 +307,8 @@ def test_placement_survives_the_config_file_round_trip() -> None:
 def test_tensor_parallel_ranks_split_the_worker_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank gets its own cores (a preempted rank stalls every rank at the next
     collective), one torch thread per core; fewer cores than ranks: one core each, shared."""
-    from ipc import process
-    from proto.config import ServerConfig
+    from tandem_serve.ipc import process
+    from tandem_serve.proto.config import ServerConfig
 
     monkeypatch.setattr(process.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
 

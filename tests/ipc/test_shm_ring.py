@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from ipc.shm_ring import (
+from tandem_serve.ipc.shm_ring import (
     RingClosed,
     RingError,
     RingReader,

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from ipc import tracing
-from ipc.tracing import TRACER
-from proto.messages import ProfileControl, ProfileData
+from tandem_serve.ipc import tracing
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto.messages import ProfileControl, ProfileData
 
 
 class Inbox:

@@ -15,18 +15,18 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from adapters.peft import ModelShapes
-from openai_api.app import build_app
-from openai_api.server import HTTPServer
-from openai_api.serving import Serving
-from proto.config import ServerConfig
-from proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
-from rpc.adapter_store import AdapterStore
-from rpc.engine_client import EngineError
-from rpc.frontend import Frontend
-from rpc.validation import Limits
+from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.openai_api.app import build_app
+from tandem_serve.openai_api.server import HTTPServer
+from tandem_serve.openai_api.serving import Serving
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
+from tandem_serve.rpc.adapter_store import AdapterStore
+from tandem_serve.rpc.engine_client import EngineError
+from tandem_serve.rpc.frontend import Frontend
+from tandem_serve.rpc.validation import Limits
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 LIMITS = Limits(max_model_len=256, max_new_tokens=64, default_max_new_tokens=16,
                 vocab_size=32000, eos_token_ids=(2,), include_stop_sequence=True)

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.tiny_model import CHAT_TEMPLATE
-from openai_api.chat_template import ChatTemplate, TemplateError, find_template
-from openai_api.logprobs import TokenPieces
+from tandem_serve.gpu_worker.tiny_model import CHAT_TEMPLATE
+from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError, find_template
+from tandem_serve.openai_api.logprobs import TokenPieces
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 # ChatML with the helpers real templates use: namespace, loop controls, tojson with
 # options, strftime_now, and the tokens as variables.

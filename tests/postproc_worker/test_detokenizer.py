@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from postproc_worker import detokenizer as detok_mod
-from postproc_worker.detok_engines import DECODER_CLEANUP_UNSAFE, WindowEngine
-from postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
+from tandem_serve.postproc_worker import detokenizer as detok_mod
+from tandem_serve.postproc_worker.detok_engines import DECODER_CLEANUP_UNSAFE, WindowEngine
+from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import (
     BPE_SPECIAL_TOKENS,
     byte_level_bpe_dir,
@@ -18,7 +19,6 @@ from tests.tokenizer_utils import (
     sentencepiece_dir,
     wordpiece_dir,
 )
-from tokenization.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 

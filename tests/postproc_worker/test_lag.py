@@ -1,9 +1,9 @@
 """The postproc worker's lag: a profile counter per batch, an on-change report per interval."""
 from __future__ import annotations
 
-from ipc.tracing import TRACER
-from postproc_worker.main import STATS_INTERVAL, LagMeter
-from proto.messages import PostprocStats
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.postproc_worker.main import STATS_INTERVAL, LagMeter
+from tandem_serve.proto.messages import PostprocStats
 
 
 def test_reports_the_interval_peak_only_when_it_changes() -> None:

@@ -4,10 +4,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from postproc_worker.main import Postprocessor
-from proto.messages import FinishReason, ForgetRequest, OutputOptions, RegisterRequest, TokenBatch
+from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.proto.messages import (
+    FinishReason,
+    ForgetRequest,
+    OutputOptions,
+    RegisterRequest,
+    TokenBatch,
+)
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 
 def batch(plan: int, step: int, rows: list[tuple[int, int, int]],

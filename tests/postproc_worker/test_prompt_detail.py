@@ -6,11 +6,17 @@ import math
 import numpy as np
 import pytest
 
-from postproc_worker.main import Postprocessor
-from proto.messages import FinishReason, OutputDelta, OutputOptions, PromptDetail, RegisterRequest
+from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.proto.messages import (
+    FinishReason,
+    OutputDelta,
+    OutputOptions,
+    PromptDetail,
+    RegisterRequest,
+)
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.postproc_worker.test_postprocessor import batch
 from tests.tokenizer_utils import sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 PROMPT = [1, 100, 200, 300, 400, 500]  # 6 positions; position 0 (BOS) has no score
 TOP_K = 3

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from postproc_worker.detokenizer import IncrementalDetokenizer
-from postproc_worker.stops import StopChecker
+from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer
+from tandem_serve.postproc_worker.stops import StopChecker
+from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
-from tokenization.tokenizer import Tokenizer
 
 
 def reference(text: str, stops: Sequence[str], include: bool) -> tuple[str, str | None]:

@@ -5,8 +5,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from proto import codec
-from proto.messages import (
+from tandem_serve.proto import codec
+from tandem_serve.proto.messages import (
     AdapterFailed,
     AdapterLoad,
     FinishReason,

@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from adapters import peft
-from adapters.peft import ModelShapes
-from rpc import adapter_store
-from rpc.adapter_store import AdapterStore
-from rpc.validation import ValidationError
+from tandem_serve.adapters import peft
+from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.rpc import adapter_store
+from tandem_serve.rpc.adapter_store import AdapterStore
+from tandem_serve.rpc.validation import ValidationError
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.lora_utils import ADAPTERS, make_adapter
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ModelShapes]:
-    from gpu_worker.models.loader import load_model_args
+    from tandem_serve.gpu_worker.models.loader import load_model_args
 
     model = make_tiny_checkpoint(tmp_path_factory.mktemp("store-ckpt"), "llama",
                                  tokenizer=False)

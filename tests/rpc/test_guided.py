@@ -7,15 +7,15 @@ import grpc
 import numpy as np
 import pytest
 
-from guided.compile import CompileError
-from guided.pool import CompilerUnavailable, CompileTimeout
-from guided.service import CompileBusy
-from guided.spec import GuidedSpec, SpecKind
-from guided.vocab import UnsupportedTokenizer
-from proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
-from rpc.client import GenerateOptions
-from rpc.engine_client import EngineError
-from rpc.guided import attach, compile_spec
+from tandem_serve.guided.compile import CompileError
+from tandem_serve.guided.pool import CompilerUnavailable, CompileTimeout
+from tandem_serve.guided.service import CompileBusy
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.guided.vocab import UnsupportedTokenizer
+from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.rpc.client import GenerateOptions
+from tandem_serve.rpc.engine_client import EngineError
+from tandem_serve.rpc.guided import attach, compile_spec
 
 SPEC = GuidedSpec(SpecKind.REGEX, "(", field="params.decoding.regex")
 TABLE = GuidedTable("t1", np.zeros((2, 1), np.int32), np.zeros(4, np.int32))

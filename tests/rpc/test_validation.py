@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import pytest
 
-from guided.spec import GuidedSpec, SpecKind
-from proto import generation_pb2 as pb
-from rpc.validation import (
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.validation import (
     MAX_GUIDED_BYTES,
     Limits,
     UnsupportedError,

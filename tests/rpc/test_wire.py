@@ -1,8 +1,8 @@
 """Request bytes that do not parse are the client's error (INVALID_ARGUMENT), not INTERNAL."""
 from __future__ import annotations
 
-from proto import generation_pb2 as pb
-from rpc.wire import Unparseable, lenient
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.rpc.wire import Unparseable, lenient
 from tests.fuzz.strategies import inject, string_paths
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     FinishReason,
     GuidedKind,
     GuidedTable,
@@ -26,7 +26,7 @@ from proto.messages import (
     StepPlan,
     StopHit,
 )
-from scheduler.core import SchedulerParams
+from tandem_serve.scheduler.core import SchedulerParams
 
 VOCAB = 50
 MOD = (1 << 61) - 1

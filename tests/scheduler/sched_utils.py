@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.messages import AddRequest, FinishReason, SamplingParams, StepDone
-from scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.proto.messages import AddRequest, FinishReason, SamplingParams, StepDone
+from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
 
 def add(sched: Scheduler, rid: int, prompt: list[int] | int, max_new: int = 8) -> None:

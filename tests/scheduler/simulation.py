@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     AddRequest,
     FinishReason,
     GuidedGrammar,
@@ -22,7 +22,7 @@ from proto.messages import (
     StepPlan,
     StopHit,
 )
-from scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tests.scheduler.fake_workers import VOCAB, FakePostproc, FakeWorker, PostprocState, Row
 
 # Guided constraints the simulated requests share (ids as the compiler would name them).

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     AddRequest,
     FinishReason,
     PlanEnding,
@@ -15,7 +15,7 @@ from proto.messages import (
     SamplingParams,
     StopHit,
 )
-from scheduler.core import Scheduler
+from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params, step_done
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     AddRequest,
     FinishReason,
     GuidedGrammar,
@@ -17,7 +17,7 @@ from proto.messages import (
     SamplingParams,
     StepPlan,
 )
-from scheduler.core import Scheduler
+from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params, step_done
 
 VOCAB = 8

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from proto.messages import (
+from tandem_serve.proto.messages import (
     AdapterFailed,
     AdapterLoad,
     AddRequest,
@@ -12,8 +12,8 @@ from proto.messages import (
     PlanProcessed,
     SamplingParams,
 )
-from scheduler.core import Scheduler
-from scheduler.lora_slots import LoraSlots
+from tandem_serve.scheduler.core import Scheduler
+from tandem_serve.scheduler.lora_slots import LoraSlots
 from tests.scheduler.sched_utils import params, step_done
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from proto.messages import AddRequest, PlanProcessed, SamplingParams
-from scheduler.core import Scheduler
+from tandem_serve.proto.messages import AddRequest, PlanProcessed, SamplingParams
+from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import params, step_done
 
 

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from proto.config import ServerConfig
-from tandem.launcher import Child, Launcher
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.tandem.launcher import Child, Launcher
 
 
 @dataclass

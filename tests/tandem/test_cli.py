@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tandem.cli import build_parser, config_from_args
+from tandem_serve.tandem.cli import build_parser, config_from_args
 
 
 def serve_config(argv: list[str]):  # type: ignore[no-untyped-def]
@@ -89,7 +89,7 @@ def test_default_model_is_built_without_loading_torch_into_the_frontend(tmp_path
     import subprocess
     import sys
 
-    code = ("import sys; from tandem.cli import build_parser, config_from_args; "
+    code = ("import sys; from tandem_serve.tandem.cli import build_parser, config_from_args; "
             "cfg = config_from_args(build_parser().parse_args(['serve'])); "
             "print(cfg.model, 'torch' in sys.modules, 'transformers' in sys.modules)")
     env = {**os.environ, "TANDEM_CACHE_DIR": str(tmp_path)}

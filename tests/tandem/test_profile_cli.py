@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from tandem import profile_cli
+from tandem_serve.tandem import profile_cli
 from tests.e2e.server import free_port
 
 

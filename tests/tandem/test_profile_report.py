@@ -6,8 +6,8 @@ import pathlib
 
 import pytest
 
-from ipc.tracing import Tracer
-from tandem import profile_report as pr
+from tandem_serve.ipc.tracing import Tracer
+from tandem_serve.tandem import profile_report as pr
 
 MS = 1_000_000
 

@@ -7,17 +7,17 @@ import pathlib
 import shutil
 import socket
 import subprocess
-import sys
 
 import pytest
 
-from bench.soak import free_port
+from tandem_serve.bench.soak import free_port
+from tandem_serve.ipc.process import CLI
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
 def serve(*flags: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tandem.cli", "serve", *flags], cwd=ROOT,
+    return subprocess.run([*CLI, "serve", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

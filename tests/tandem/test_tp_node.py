@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from proto.config import ServerConfig
-from tandem import tp_node
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.tandem import tp_node
 
 
 def sleeper(seconds: float, code: int = 0) -> subprocess.Popen:

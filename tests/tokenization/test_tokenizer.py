@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
 from tests.tokenizer_utils import (
     BPE_PLAIN_ADDED_TOKEN,
     BPE_SPECIAL_TOKENS,
@@ -20,7 +21,6 @@ from tests.tokenizer_utils import (
     sentencepiece_dir,
     wordpiece_dir,
 )
-from tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 REPO = Path(__file__).resolve().parents[2]
 
