@@ -35,7 +35,7 @@ T = TypeVar("T")
 DEFAULT_HWM = 10_000
 
 
-def _ipc_path(addr: str) -> str | None:
+def ipc_path(addr: str) -> str | None:
     return addr[len("ipc://"):] if addr.startswith("ipc://") else None
 
 
@@ -124,7 +124,7 @@ class _Socket:
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         if bind:
-            path = _ipc_path(addr)
+            path = ipc_path(addr)
             if path and os.path.exists(path):
                 os.unlink(path)  # a stale file from a crashed run would make bind fail
             self.sock.bind(bind_address(addr))
@@ -137,7 +137,7 @@ class _Socket:
             return
         self._closed = True
         self.sock.close(linger=0)
-        path = _ipc_path(self.addr)
+        path = ipc_path(self.addr)
         if self._bind and path:
             try:
                 os.unlink(path)
@@ -224,7 +224,7 @@ class AsyncReceiver(Generic[T]):
         self.sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
-        path = _ipc_path(addr)
+        path = ipc_path(addr)
         if bind:
             if path and os.path.exists(path):
                 os.unlink(path)
@@ -248,6 +248,6 @@ class AsyncReceiver(Generic[T]):
 
     def close(self) -> None:
         self.sock.close(linger=0)
-        path = _ipc_path(self.addr)
+        path = ipc_path(self.addr)
         if self._bind and path and os.path.exists(path):
             os.unlink(path)

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from tandem_serve.ipc.channels import DEFAULT_HWM, Receiver, _ipc_path, bind_address, stamped
+from tandem_serve.ipc.channels import DEFAULT_HWM, Receiver, bind_address, ipc_path, stamped
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class Fanout:
         self.sock.setsockopt(zmq.XPUB_VERBOSER, 1)  # every (un)subscription, not the first
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
-        path = _ipc_path(addr)
+        path = ipc_path(addr)
         if path and os.path.exists(path):
             os.unlink(path)  # a stale file from a crashed run would make bind fail
         self.sock.bind(bind_address(addr))
@@ -84,7 +84,7 @@ class Fanout:
             return
         self._closed = True
         self.sock.close(linger=_CLOSE_LINGER_MS)
-        path = _ipc_path(self.addr)
+        path = ipc_path(self.addr)
         if path:
             try:
                 os.unlink(path)

@@ -113,8 +113,101 @@ def test_nothing_imports_bench() -> None:
     assert not bad, f"the engine must not depend on the benchmarks: {bad}"
 
 
+def test_only_the_benchmark_tests_import_bench() -> None:
+    """Tests take process helpers from tests/ utilities, not from benchmarks."""
+    bad = [str(path.relative_to(ROOT)) for path in _sources("tests")
+           if "bench" in _imported_packages(path)
+           and path.relative_to(ROOT).parts[:2] != ("tests", "bench")]
+    assert not bad, f"only tests/bench/ may import bench: {bad}"
+
+
 def test_no_source_file_is_too_long() -> None:
     files = [p for package in [*_packages(), "tests"] for p in _sources(package)]
     long = {str(p.relative_to(ROOT)): n for p in files
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([ROOT_NAME, *parts])
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Source module → the project's modules it imports (`from pkg import mod` is an import
+    of pkg.mod when that is a module; lazy and TYPE_CHECKING imports count)."""
+    files = {_module_name(p): p for package in _packages() for p in _sources(package)}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        edges: set[str] = set()
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                edges.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    edges.add(sub if sub in files else node.module)
+        graph[name] = {e for e in edges if e in files and e != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_between_files() -> None:
+    cycles = _cycles(_import_graph())
+    assert not cycles, "modules that import each other (move what both need below them):\n" + \
+        "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """`_name` is private to its module: what another module needs gets a public name (or
+    moves to where both can import it)."""
+    bad = []
+    for package in [*_packages(), "tests"]:
+        for path in _sources(package):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            for node in ast.walk(tree):
+                if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                        and node.module.startswith(ROOT_NAME + ".")):
+                    continue
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                private += [p for p in node.module.split(".") if p.startswith("_")]
+                if private:
+                    bad.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
+    assert not bad, "private names used from another package:\n" + "\n".join(bad)

@@ -29,7 +29,7 @@ store overtake an earlier load.  Hence:
 * sleeping readers are the one store->load pattern (Dekker): the reader stores sleeping=1 and
   then re-loads the sequence number; the writer stores the sequence number and then loads the
   sleeping flags.  x86 may reorder a store with a later load, so both sides put a full fence
-  between the two (`_full_fence`: an uncontended lock acquire/release is a `lock cmpxchg`),
+  between the two (`full_fence`: an uncontended lock acquire/release is a `lock cmpxchg`),
   which guarantees at least one side sees the other: no lost wake-up.
 On weakly ordered CPUs (ARM) this module would need real acquire/release barriers.
 

@@ -21,46 +21,46 @@ log = logging.getLogger("ipc.shm_ring")
 
 Frame = bytes | memoryview
 
-_MAGIC: Final = 0x314D52444E4154  # "TANDRM1" little-endian
-_VERSION: Final = 1
-_LINE: Final = 64
+MAGIC: Final = 0x314D52444E4154  # "TANDRM1" little-endian
+VERSION: Final = 1
+LINE: Final = 64
 MAX_READERS: Final = 64
 MIN_SLOT_SIZE: Final = 256
-_SIDE_MARKER: Final = 0xFFFFFFFF
+SIDE_MARKER: Final = 0xFFFFFFFF
 
 # header words
-_H_MAGIC, _H_VERSION, _H_READERS, _H_SLOTS, _H_SLOT_SIZE = 0, 1, 2, 3, 4
-_H_WRITER_PID, _H_WRITER_NS, _H_WRITER_STATE = 5, 6, 7
+H_MAGIC, H_VERSION, H_READERS, H_SLOTS, H_SLOT_SIZE = 0, 1, 2, 3, 4
+H_WRITER_PID, H_WRITER_NS, H_WRITER_STATE = 5, 6, 7
 # reader line words
-_R_PID, _R_STATE, _R_NS = 0, 1, 2
-_STATE_NONE, _STATE_OPEN, _STATE_CLOSED = 0, 1, 2
+R_PID, R_STATE, R_NS = 0, 1, 2
+STATE_NONE, STATE_OPEN, STATE_CLOSED = 0, 1, 2
 
-_U32 = struct.Struct("<I")
-_SEQ = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+SEQ = struct.Struct("<Q")
 
 DEFAULT_SPIN_S: Final = 100e-6  # a busy writer publishes within this; longer only burns CPU
-_WAKE_S: Final = 0.5  # readers surface at least this often to re-check the writer
-_LIVENESS_EVERY_S: Final = 0.1  # how often a waiting side looks at its peers' pids
-_SIDE_LINGER_MS: Final = 1000  # let queued side messages reach live readers on close
+WAKE_S: Final = 0.5  # readers surface at least this often to re-check the writer
+LIVENESS_EVERY_S: Final = 0.1  # how often a waiting side looks at its peers' pids
+SIDE_LINGER_MS: Final = 1000  # let queued side messages reach live readers on close
 
 _fence_lock = threading.Lock()
-_fence_acquire = _fence_lock.acquire
-_fence_release = _fence_lock.release
+fence_acquire = _fence_lock.acquire
+fence_release = _fence_lock.release
 
-_HEADS: dict[int, struct.Struct] = {}
+HEADS: dict[int, struct.Struct] = {}
 
 
-def _head_struct(count: int) -> struct.Struct:
+def head_struct(count: int) -> struct.Struct:
     """Slot header for `count` frames: the count, then one u32 length per frame."""
-    head = _HEADS[count] = struct.Struct(f"<I{count}I")
+    head = HEADS[count] = struct.Struct(f"<I{count}I")
     return head
 
 
-def _full_fence() -> None:
+def full_fence() -> None:
     # An uncontended acquire/release is an atomic read-modify-write (lock cmpxchg on x86),
     # which orders every earlier store before every later load.  See module docstring.
-    _fence_acquire()
-    _fence_release()
+    fence_acquire()
+    fence_release()
 
 
 class RingError(RuntimeError):
@@ -81,30 +81,30 @@ class RingClosed(RingError):
     """The writer closed the ring cleanly and every message was read."""
 
 
-def _layout(num_readers: int, num_slots: int, slot_size: int) -> tuple[int, int, int, int, int,
-                                                                         int]:
+def segment_layout(num_readers: int, num_slots: int,
+                   slot_size: int) -> tuple[int, int, int, int, int, int]:
     """Offsets of (readers, sleeping, seqs, flags, data) and the total size."""
-    readers = _LINE
-    sleeping = readers + _LINE * num_readers
-    seqs = sleeping + _LINE
-    flags = seqs + _round_up(8 * num_slots, _LINE)
-    data = flags + _LINE * num_slots
+    readers = LINE
+    sleeping = readers + LINE * num_readers
+    seqs = sleeping + LINE
+    flags = seqs + round_up(8 * num_slots, LINE)
+    data = flags + LINE * num_slots
     total = data + slot_size * num_slots
     return readers, sleeping, seqs, flags, data, total
 
 
-def _round_up(value: int, align: int) -> int:
+def round_up(value: int, align: int) -> int:
     return (value + align - 1) // align * align
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     try:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
 
 
-def _same_namespace(a: int, b: int) -> bool:
+def same_namespace(a: int, b: int) -> bool:
     # 0 means "unknown"; assume one host then, which is how the launcher runs things.
     return a == 0 or b == 0 or a == b
 
@@ -167,7 +167,7 @@ def unlink_segment(name: str) -> None:
         pass
 
 
-def _open_untracked(name: str) -> mmap.mmap:
+def open_untracked(name: str) -> mmap.mmap:
     """Map an existing segment without registering it with multiprocessing's resource_tracker.
 
     SharedMemory(name) registers every attach (Python 3.11), so the tracker would unlink the
@@ -186,7 +186,7 @@ def _open_untracked(name: str) -> mmap.mmap:
         os.close(fd)
 
 
-def _byte_view(frame: Frame) -> bytes | memoryview:
+def byte_view(frame: Frame) -> bytes | memoryview:
     """A 1-D unsigned-byte view of a frame (numpy arrays arrive as typed memoryviews)."""
     if type(frame) is bytes:
         return frame
@@ -198,16 +198,16 @@ def _byte_view(frame: Frame) -> bytes | memoryview:
     return view.cast("B")
 
 
-class _Views:
+class Views:
     """Typed memoryviews over one mapping; all must be released before the mapping closes."""
 
     def __init__(self, buf: memoryview, num_readers: int, num_slots: int) -> None:
-        readers, sleeping, seqs, flags, data, _ = _layout(num_readers, num_slots, 0)
+        readers, sleeping, seqs, flags, data, _ = segment_layout(num_readers, num_slots, 0)
         self._made: list[memoryview] = []
-        self.header = self._view(buf, 0, _LINE, "q")
+        self.header = self._view(buf, 0, LINE, "q")
         self.readers = self._view(buf, readers, sleeping, "q")
-        self.sleeping = self._view(buf, sleeping, sleeping + _LINE, "B")
-        self.sleep_words = self._view(buf, sleeping, sleeping + _LINE, "Q")
+        self.sleeping = self._view(buf, sleeping, sleeping + LINE, "B")
+        self.sleep_words = self._view(buf, sleeping, sleeping + LINE, "Q")
         self.seqs = self._view(buf, seqs, seqs + 8 * num_slots, "q")
         self.flags = self._view(buf, flags, data, "B")
         self.flag_words = self._view(buf, flags, data, "Q")

@@ -13,42 +13,42 @@ import time
 import zmq
 
 from tandem_serve.ipc.shm_ring.layout import (
-    _H_MAGIC,
-    _H_READERS,
-    _H_SLOT_SIZE,
-    _H_SLOTS,
-    _H_VERSION,
-    _H_WRITER_NS,
-    _H_WRITER_PID,
-    _H_WRITER_STATE,
-    _HEADS,
-    _LINE,
-    _LIVENESS_EVERY_S,
-    _MAGIC,
-    _R_NS,
-    _R_PID,
-    _R_STATE,
-    _SEQ,
-    _SIDE_MARKER,
-    _STATE_CLOSED,
-    _STATE_NONE,
-    _STATE_OPEN,
-    _U32,
-    _VERSION,
-    _WAKE_S,
     DEFAULT_SPIN_S,
+    H_MAGIC,
+    H_READERS,
+    H_SLOT_SIZE,
+    H_SLOTS,
+    H_VERSION,
+    H_WRITER_NS,
+    H_WRITER_PID,
+    H_WRITER_STATE,
+    HEADS,
+    LINE,
+    LIVENESS_EVERY_S,
+    MAGIC,
+    R_NS,
+    R_PID,
+    R_STATE,
+    SEQ,
+    SIDE_MARKER,
+    STATE_CLOSED,
+    STATE_NONE,
+    STATE_OPEN,
+    U32,
+    VERSION,
+    WAKE_S,
     Frame,
     RingClosed,
     RingError,
     RingWriterDied,
-    _full_fence,
-    _head_struct,
-    _layout,
-    _open_untracked,
-    _pid_namespace,
-    _same_namespace,
-    _Views,
+    Views,
+    full_fence,
+    head_struct,
+    open_untracked,
     pid_alive,
+    pid_namespace,
+    same_namespace,
+    segment_layout,
 )
 
 
@@ -74,11 +74,11 @@ class RingReader:
         self._next = 1
         self._side_pending: int | None = None
         self._closed = False
-        self._pid_ns = _pid_namespace()
+        self._pid_ns = pid_namespace()
         self._next_writer_check = 0.0
         self._mm: mmap.mmap | None = None
         self._buf: memoryview | None = None
-        self._views: _Views | None = None
+        self._views: Views | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._bell: zmq.Socket[bytes] | None = None
         self._side: zmq.Socket[bytes] | None = None
@@ -87,9 +87,9 @@ class RingReader:
             self._connect(doorbell_addr, side_addr)
             assert self._views is not None
             line = self._views.readers
-            line[reader_index * 8 + _R_PID] = os.getpid()
-            line[reader_index * 8 + _R_NS] = self._pid_ns
-            line[reader_index * 8 + _R_STATE] = _STATE_OPEN  # last: the writer counts this
+            line[reader_index * 8 + R_PID] = os.getpid()
+            line[reader_index * 8 + R_NS] = self._pid_ns
+            line[reader_index * 8 + R_STATE] = STATE_OPEN  # last: the writer counts this
         except BaseException:
             self._release()
             raise
@@ -100,11 +100,11 @@ class RingReader:
         deadline = math.inf if attach_timeout is None else time.monotonic() + attach_timeout
         while True:
             try:
-                mm = _open_untracked(self.name)
+                mm = open_untracked(self.name)
                 buf = memoryview(mm)
-                if len(buf) >= _LINE:
-                    header = buf[:_LINE].cast("q")
-                    ok = header[_H_MAGIC] == _MAGIC
+                if len(buf) >= LINE:
+                    header = buf[:LINE].cast("q")
+                    ok = header[H_MAGIC] == MAGIC
                     params = [header[i] for i in range(8)]
                     header.release()
                     if ok:
@@ -118,24 +118,24 @@ class RingReader:
                                    f"within {attach_timeout:g} s")
             time.sleep(0.01)
         self._mm, self._buf = mm, buf
-        if params[_H_VERSION] != _VERSION:
-            raise RingError(f"shm ring {self.name}: layout version {params[_H_VERSION]}, "
-                            f"this reader speaks {_VERSION}")
-        self.num_readers = params[_H_READERS]
-        self.num_slots = params[_H_SLOTS]
-        self.slot_size = params[_H_SLOT_SIZE]
+        if params[H_VERSION] != VERSION:
+            raise RingError(f"shm ring {self.name}: layout version {params[H_VERSION]}, "
+                            f"this reader speaks {VERSION}")
+        self.num_readers = params[H_READERS]
+        self.num_slots = params[H_SLOTS]
+        self.slot_size = params[H_SLOT_SIZE]
         if not 0 <= self.index < self.num_readers:
             raise ValueError(f"shm ring {self.name}: reader_index {self.index} out of range "
                              f"0..{self.num_readers - 1}")
-        if len(buf) < _layout(self.num_readers, self.num_slots, self.slot_size)[-1]:
+        if len(buf) < segment_layout(self.num_readers, self.num_slots, self.slot_size)[-1]:
             raise RingError(f"shm ring {self.name}: segment smaller than its header says")
-        views = self._views = _Views(buf, self.num_readers, self.num_slots)
+        views = self._views = Views(buf, self.num_readers, self.num_slots)
         self._seqs, self._flags, self._data_off = views.seqs, views.flags, views.data_off
         line = self._views.readers
-        state = line[self.index * 8 + _R_STATE]
-        if state != _STATE_NONE:
+        state = line[self.index * 8 + R_STATE]
+        if state != STATE_NONE:
             raise RingError(f"shm ring {self.name}: reader index {self.index} was already used "
-                            f"(pid {line[self.index * 8 + _R_PID]})")
+                            f"(pid {line[self.index * 8 + R_PID]})")
 
     def _connect(self, doorbell_addr: str, side_addr: str) -> None:
         self._ctx = zmq.Context(io_threads=1)
@@ -161,14 +161,14 @@ class RingReader:
         """RingClosed / RingWriterDied if the writer can publish nothing more, else None."""
         assert self._views is not None
         header = self._views.header
-        if header[_H_WRITER_STATE] == _STATE_CLOSED:
+        if header[H_WRITER_STATE] == STATE_CLOSED:
             return RingClosed
         now = time.monotonic()
         if not force and now < self._next_writer_check:
             return None
-        self._next_writer_check = now + _LIVENESS_EVERY_S
-        if (_same_namespace(self._pid_ns, header[_H_WRITER_NS])
-                and not pid_alive(header[_H_WRITER_PID])):
+        self._next_writer_check = now + LIVENESS_EVERY_S
+        if (same_namespace(self._pid_ns, header[H_WRITER_NS])
+                and not pid_alive(header[H_WRITER_PID])):
             return RingWriterDied
         return None
 
@@ -176,7 +176,7 @@ class RingReader:
         assert self._views is not None
         if exc is RingClosed:
             raise RingClosed(f"shm ring {self.name}: the writer closed the ring")
-        pid = self._views.header[_H_WRITER_PID]
+        pid = self._views.header[H_WRITER_PID]
         raise RingWriterDied(f"shm ring {self.name}: writer (pid {pid}) died")
 
     # -- reading -------------------------------------------------------------------------
@@ -196,21 +196,21 @@ class RingReader:
         buf = self._buf
         assert buf is not None
         off = self._data_off + slot * self.slot_size
-        (count,) = _U32.unpack_from(buf, off)
+        (count,) = U32.unpack_from(buf, off)
         if count == 1:
-            (length,) = _U32.unpack_from(buf, off + 4)
+            (length,) = U32.unpack_from(buf, off + 4)
             if length > self.slot_size - 8:
                 raise RingError(f"shm ring {self.name}: corrupt slot {slot} (length {length})")
             frames: list[Frame] = [buf[off + 8:off + 8 + length].tobytes()]
-        elif count == _SIDE_MARKER:
-            self._flags[slot * _LINE + self.index] = 1  # the slot only held the marker
+        elif count == SIDE_MARKER:
+            self._flags[slot * LINE + self.index] = 1  # the slot only held the marker
             self._next = n + 1
             self._side_pending = n
             return self._recv_side(timeout)
         else:
             frames = self._copy_frames(buf, off, count, slot)
         # Every copy above is complete before this store is visible (see module docstring).
-        self._flags[slot * _LINE + self.index] = 1
+        self._flags[slot * LINE + self.index] = 1
         self._next = n + 1
         return frames
 
@@ -231,7 +231,7 @@ class RingReader:
     def _copy_frames(self, buf: memoryview, off: int, count: int, slot: int) -> list[Frame]:
         if 4 + 4 * count > self.slot_size:
             raise RingError(f"shm ring {self.name}: corrupt slot {slot} (frame count {count})")
-        lengths = (_HEADS.get(count) or _head_struct(count)).unpack_from(buf, off)[1:]
+        lengths = (HEADS.get(count) or head_struct(count)).unpack_from(buf, off)[1:]
         pos = off + 4 + 4 * count
         if pos + sum(lengths) > off + self.slot_size:
             raise RingError(f"shm ring {self.name}: corrupt slot {slot} (lengths {lengths})")
@@ -266,9 +266,9 @@ class RingReader:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 return False
-            wait = _WAKE_S if deadline is None else min(_WAKE_S, deadline - now)
+            wait = WAKE_S if deadline is None else min(WAKE_S, deadline - now)
             sleeping[me] = 1
-            _full_fence()  # the re-check below must not be answered before the flag is visible
+            full_fence()  # the re-check below must not be answered before the flag is visible
             if seqs[slot] == n:
                 sleeping[me] = 0
                 return True
@@ -292,10 +292,10 @@ class RingReader:
         deadline = None if timeout is None else start + timeout
         while True:
             now = time.monotonic()
-            wait = _WAKE_S if deadline is None else max(0.0, min(_WAKE_S, deadline - now))
+            wait = WAKE_S if deadline is None else max(0.0, min(WAKE_S, deadline - now))
             if side.poll(int(wait * 1000 + 0.999), zmq.POLLIN):
                 parts = side.recv_multipart(copy=False)
-                got = _SEQ.unpack_from(parts[0].bytes, 1)[0]
+                got = SEQ.unpack_from(parts[0].bytes, 1)[0]
                 if got != n:
                     raise RingError(f"shm ring {self.name}: side channel delivered message {got}"
                                     f" while reader {self.index} expected {n}")
@@ -317,7 +317,7 @@ class RingReader:
             return
         self._closed = True
         if self._views is not None:
-            self._views.readers[self.index * 8 + _R_STATE] = _STATE_CLOSED
+            self._views.readers[self.index * 8 + R_STATE] = STATE_CLOSED
         self._release()
 
     def _release(self) -> None:

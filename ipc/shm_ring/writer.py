@@ -15,46 +15,46 @@ from multiprocessing import shared_memory
 import zmq
 
 from tandem_serve.ipc.shm_ring.layout import (
-    _H_MAGIC,
-    _H_READERS,
-    _H_SLOT_SIZE,
-    _H_SLOTS,
-    _H_VERSION,
-    _H_WRITER_NS,
-    _H_WRITER_PID,
-    _H_WRITER_STATE,
-    _HEADS,
-    _LINE,
-    _LIVENESS_EVERY_S,
-    _MAGIC,
-    _R_NS,
-    _R_PID,
-    _R_STATE,
-    _SEQ,
-    _SIDE_LINGER_MS,
-    _SIDE_MARKER,
-    _STATE_CLOSED,
-    _STATE_OPEN,
-    _U32,
-    _VERSION,
-    _WAKE_S,
     DEFAULT_SPIN_S,
+    H_MAGIC,
+    H_READERS,
+    H_SLOT_SIZE,
+    H_SLOTS,
+    H_VERSION,
+    H_WRITER_NS,
+    H_WRITER_PID,
+    H_WRITER_STATE,
+    HEADS,
+    LINE,
+    LIVENESS_EVERY_S,
+    MAGIC,
     MAX_READERS,
     MIN_SLOT_SIZE,
+    R_NS,
+    R_PID,
+    R_STATE,
+    SEQ,
+    SIDE_LINGER_MS,
+    SIDE_MARKER,
+    STATE_CLOSED,
+    STATE_OPEN,
+    U32,
+    VERSION,
+    WAKE_S,
     Frame,
     RingError,
     RingReaderDied,
-    _byte_view,
-    _fence_acquire,
-    _fence_release,
-    _head_struct,
-    _layout,
-    _open_untracked,
-    _pid_namespace,
-    _round_up,
-    _same_namespace,
-    _Views,
+    Views,
+    byte_view,
+    fence_acquire,
+    fence_release,
+    head_struct,
+    open_untracked,
     pid_alive,
+    pid_namespace,
+    round_up,
+    same_namespace,
+    segment_layout,
     unlink_ipc_file,
     unlink_segment,
 )
@@ -89,13 +89,13 @@ class RingWriter:
         self.name = name
         self.num_readers = num_readers
         self.num_slots = num_slots
-        self.slot_size = _round_up(slot_size, _LINE)
+        self.slot_size = round_up(slot_size, LINE)
         self.doorbell_addr = doorbell_addr
         self.side_addr = side_addr
         self._spin_s = spin_s
         self._seq = 0
         self._closed = False
-        self._pid_ns = _pid_namespace()
+        self._pid_ns = pid_namespace()
         self._bell_seen: set[int] = set()
         self._side_seen: set[int] = set()
         self._bell_topics = [b"B" + i.to_bytes(2, "big") for i in range(num_readers)]
@@ -106,14 +106,14 @@ class RingWriter:
                           for w in range(self._flag_words)]
         self._sleep_word_range = range(self._flag_words)
         self._shm: shared_memory.SharedMemory | None = None
-        self._views: _Views | None = None
+        self._views: Views | None = None
         self._ctx = zmq.Context(io_threads=1)
         self._bell: zmq.Socket[bytes] | None = None
         self._side: zmq.Socket[bytes] | None = None
         self._next_reader_check = 0.0
         try:
             self._bell = self._bind(zmq.XPUB, doorbell_addr, linger=0)
-            self._side = self._bind(zmq.XPUB, side_addr, linger=_SIDE_LINGER_MS)
+            self._side = self._bind(zmq.XPUB, side_addr, linger=SIDE_LINGER_MS)
             self._create_segment()
         except BaseException:
             self._release()
@@ -132,7 +132,7 @@ class RingWriter:
         return sock
 
     def _create_segment(self) -> None:
-        _, _, _, _, _, total = _layout(self.num_readers, self.num_slots, self.slot_size)
+        _, _, _, _, _, total = segment_layout(self.num_readers, self.num_slots, self.slot_size)
         try:
             shm = shared_memory.SharedMemory(name=self.name, create=True, size=total)
         except FileExistsError:
@@ -140,7 +140,7 @@ class RingWriter:
             shm = shared_memory.SharedMemory(name=self.name, create=True, size=total)
         self._shm = shm
         assert shm.buf is not None
-        views = _Views(shm.buf, self.num_readers, self.num_slots)
+        views = Views(shm.buf, self.num_readers, self.num_slots)
         self._views = views
         self._buf = shm.buf
         self._seqs = views.seqs
@@ -148,30 +148,30 @@ class RingWriter:
         self._sleep_view = views.sleep_words
         self._data_off = views.data_off
         header = views.header
-        header[_H_VERSION] = _VERSION
-        header[_H_READERS] = self.num_readers
-        header[_H_SLOTS] = self.num_slots
-        header[_H_SLOT_SIZE] = self.slot_size
-        header[_H_WRITER_PID] = os.getpid()
-        header[_H_WRITER_NS] = self._pid_ns
-        header[_H_WRITER_STATE] = _STATE_OPEN
-        header[_H_MAGIC] = _MAGIC  # last: readers treat the header as valid once they see it
+        header[H_VERSION] = VERSION
+        header[H_READERS] = self.num_readers
+        header[H_SLOTS] = self.num_slots
+        header[H_SLOT_SIZE] = self.slot_size
+        header[H_WRITER_PID] = os.getpid()
+        header[H_WRITER_NS] = self._pid_ns
+        header[H_WRITER_STATE] = STATE_OPEN
+        header[H_MAGIC] = MAGIC  # last: readers treat the header as valid once they see it
 
     def _reclaim_stale_segment(self) -> None:
         """A segment with our name exists: take it over only if its writer is dead."""
         try:
-            mm = _open_untracked(self.name)
+            mm = open_untracked(self.name)
         except (FileNotFoundError, RingError):
             unlink_segment(self.name)
             return
         try:
-            words = memoryview(mm)[:_LINE].cast("q")
-            valid, pid = words[_H_MAGIC] == _MAGIC, words[_H_WRITER_PID]
-            state = words[_H_WRITER_STATE]
+            words = memoryview(mm)[:LINE].cast("q")
+            valid, pid = words[H_MAGIC] == MAGIC, words[H_WRITER_PID]
+            state = words[H_WRITER_STATE]
             words.release()
         finally:
             mm.close()
-        if valid and state == _STATE_OPEN and pid_alive(pid):
+        if valid and state == STATE_OPEN and pid_alive(pid):
             raise FileExistsError(f"shm ring {self.name} is in use by writer pid {pid}")
         log.warning("shm ring %s: removing a stale segment of dead writer pid %d", self.name, pid)
         unlink_segment(self.name)
@@ -200,7 +200,7 @@ class RingWriter:
         assert self._views is not None
         readers = self._views.readers
         return [i for i in range(self.num_readers)
-                if readers[i * 8 + _R_STATE] != _STATE_OPEN
+                if readers[i * 8 + R_STATE] != STATE_OPEN
                 or i not in self._bell_seen or i not in self._side_seen]
 
     def wait_ready(self, timeout: float | None) -> None:
@@ -241,19 +241,19 @@ class RingWriter:
         assert self._views is not None
         readers = self._views.readers
         for i in indices:
-            state = readers[i * 8 + _R_STATE]
-            if state == _STATE_CLOSED:
+            state = readers[i * 8 + R_STATE]
+            if state == STATE_CLOSED:
                 raise RingReaderDied(i, "closed its end while the writer still needs it")
-            if state == _STATE_OPEN:
-                pid = readers[i * 8 + _R_PID]
-                if (_same_namespace(self._pid_ns, readers[i * 8 + _R_NS])
+            if state == STATE_OPEN:
+                pid = readers[i * 8 + R_PID]
+                if (same_namespace(self._pid_ns, readers[i * 8 + R_NS])
                         and not pid_alive(pid)):
                     raise RingReaderDied(i, f"(pid {pid}) died")
 
     def _unread_by(self, slot: int) -> list[int]:
         assert self._views is not None
         flags = self._views.flags
-        row = slot * _LINE
+        row = slot * LINE
         return [i for i in range(self.num_readers) if not flags[row + i]]
 
     # -- writing -------------------------------------------------------------------------
@@ -261,7 +261,7 @@ class RingWriter:
     def _slot_free(self, slot: int) -> bool:
         assert self._views is not None
         words = self._views.flag_words
-        base = slot * (_LINE // 8)
+        base = slot * (LINE // 8)
         for w, expected in self._all_read:
             if words[base + w] != expected:
                 return False
@@ -270,13 +270,13 @@ class RingWriter:
     def _wait_slot_free(self, slot: int, deadline: float | None, timeout: float | None) -> None:
         start = time.monotonic()
         spin_end = start + self._spin_s
-        next_check = start + _LIVENESS_EVERY_S
+        next_check = start + LIVENESS_EVERY_S
         nap = 50e-6
         while not self._slot_free(slot):
             now = time.monotonic()
             if now >= next_check:
                 self._check_readers(self._unread_by(slot))
-                next_check = now + _LIVENESS_EVERY_S
+                next_check = now + LIVENESS_EVERY_S
             if deadline is not None and now >= deadline:
                 raise TimeoutError(
                     f"shm ring {self.name}: reader(s) {self._unread_by(slot)} did not read "
@@ -300,7 +300,7 @@ class RingWriter:
             now = time.monotonic()
             if now >= next_check:
                 self._check_readers(missing)
-                next_check = now + _LIVENESS_EVERY_S
+                next_check = now + LIVENESS_EVERY_S
             if deadline is not None and now >= deadline:
                 raise TimeoutError(f"shm ring {self.name}: reader(s) {missing} never subscribed "
                                    f"to the side channel within {timeout:g} s")
@@ -317,11 +317,11 @@ class RingWriter:
         n = self._seq + 1
         slot = (n - 1) % self.num_slots
         flag_words = self._flag_view
-        fbase = slot * (_LINE // 8)
+        fbase = slot * (LINE // 8)
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         if now >= self._next_reader_check:  # a dead reader is an error even before it blocks us
-            self._next_reader_check = now + _WAKE_S
+            self._next_reader_check = now + WAKE_S
             self._check_readers(range(self.num_readers))
         if n > self.num_slots:
             for w, expected in self._all_read:
@@ -329,7 +329,7 @@ class RingWriter:
                     self._wait_slot_free(slot, deadline, timeout)
                     break
 
-        parts = [f if type(f) is bytes else _byte_view(f) for f in frames]
+        parts = [f if type(f) is bytes else byte_view(f) for f in frames]
         count = len(parts)
         head = 4 + 4 * count
         fits = head + sum([len(p) for p in parts]) <= self.slot_size  # 1-D byte views
@@ -342,8 +342,8 @@ class RingWriter:
         buf = self._buf
         off = self._data_off + slot * self.slot_size
         if fits:
-            head_struct = _HEADS.get(count) or _head_struct(count)
-            head_struct.pack_into(buf, off, count, *[len(p) for p in parts])
+            packer = HEADS.get(count) or head_struct(count)
+            packer.pack_into(buf, off, count, *[len(p) for p in parts])
             pos = off + head
             for part in parts:
                 end = pos + len(part)
@@ -353,12 +353,12 @@ class RingWriter:
             # Sent before the marker is published, so it is queued by the time a reader
             # looks for it; PUB/SUB keeps per-connection order, so readers see n after n-1.
             assert self._side is not None
-            self._side.send_multipart([b"S" + _SEQ.pack(n), *parts], copy=True)
-            _U32.pack_into(buf, off, _SIDE_MARKER)
+            self._side.send_multipart([b"S" + SEQ.pack(n), *parts], copy=True)
+            U32.pack_into(buf, off, SIDE_MARKER)
         self._seqs[slot] = n  # publish
         self._seq = n
-        _fence_acquire()  # full fence, see module docstring (inlined _full_fence)
-        _fence_release()
+        fence_acquire()  # full fence, see module docstring (inlined full_fence)
+        fence_release()
         sleep_words = self._sleep_view
         for w in self._sleep_word_range:
             if sleep_words[w]:
@@ -389,7 +389,7 @@ class RingWriter:
         atexit.unregister(self.close)
         try:
             if self._views is not None:
-                self._views.header[_H_WRITER_STATE] = _STATE_CLOSED
+                self._views.header[H_WRITER_STATE] = STATE_CLOSED
                 if self._bell is not None:
                     for topic in self._bell_topics:  # sleepers notice the close at once
                         self._bell.send(topic)
