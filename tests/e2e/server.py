@@ -53,7 +53,7 @@ def alive(pid: int) -> bool:
 
 class Server:
     def __init__(self, model: str, *flags: str, env: dict[str, str] | None = None,
-                 http: bool = False) -> None:
+                 http: bool = False, cwd: str = ROOT) -> None:
         self.port = free_port()
         # The OpenAI-compatible API on a port of its own when asked (tests/conftest.py turns
         # it off by default: many servers run at once). Servers compile format=JSON at
@@ -63,7 +63,7 @@ class Server:
                "--port", str(self.port), "--http-port", str(self.http_port),
                "--log-level", "WARNING", "--guided-cache-dir", guided_cache_dir(),
                "--no-guided-precompile-json", *flags]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})},
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, **(env or {})},
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         self.client = TandemClient(f"127.0.0.1:{self.port}")
