@@ -19,11 +19,11 @@ import jinja2
 import uvicorn
 from fastapi import FastAPI
 
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat_template import ChatTemplate
 from tandem_serve.openai_api.serving import Serving
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
 
 log = logging.getLogger("tandem.http")
 

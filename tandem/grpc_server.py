@@ -13,10 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
 from tandem_serve.rpc.server import ADMIN_SERVICE_NAME, GenerationServicer, add_admin_service
 from tandem_serve.rpc.wire import add_generation_service
 

@@ -36,18 +36,18 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
+from tandem_serve.frontend import guided
+from tandem_serve.frontend.engine_client import EngineClient
+from tandem_serve.frontend.frontend import Frontend
+from tandem_serve.frontend.metrics import serve_metrics
+from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import AsyncReceiver
 from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
 from tandem_serve.proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
-from tandem_serve.rpc import guided
-from tandem_serve.rpc.engine_client import EngineClient
-from tandem_serve.rpc.frontend import Frontend
-from tandem_serve.rpc.metrics import serve_metrics
 from tandem_serve.rpc.server import SERVICE_NAME
-from tandem_serve.rpc.validation import Limits
 from tandem_serve.tandem.grpc_server import add_services, bound_grpc_server, set_health
 from tandem_serve.tandem.preflight import (
     adapter_store,

@@ -15,9 +15,9 @@ import socket
 from typing import Any
 
 from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.adapter_store import AdapterStore
 from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"

@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 from grpc_health.v1 import health_pb2
 
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.ipc.peers import frontend_watch
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
 from tandem_serve.rpc.server import SERVICE_NAME
 
 log = logging.getLogger("tandem.launcher")
