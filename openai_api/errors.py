@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_serve.rpc.engine_client import EngineError
-from tandem_serve.rpc.validation import ValidationError
+from tandem_serve.frontend.engine_client import EngineError
+from tandem_serve.frontend.validation import ValidationError
 
 TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error",

@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_serve.frontend.adapter_store import AdapterStore
+from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.openai_api.errors import ApiError
-from tandem_serve.rpc.adapter_store import AdapterStore
-from tandem_serve.rpc.validation import ValidationError
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """OpenAI request parameters → the engine's `SamplingParams` / `OutputOptions`.
 
-The same `rpc.validation.Request` the gRPC service builds, under the same `Limits` (stop
+The same `frontend.validation.Request` the gRPC service builds, under the same `Limits` (stop
 sequences, top-n, repetition penalty, the server's max_new_tokens cap, the model length), so
 a parameter means the same over both APIs. Every rejection is a `ValidationError` naming the
 OpenAI parameter and the limit; the app answers it with a 400.
@@ -17,10 +17,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from tandem_serve.proto.messages import OutputOptions, SamplingParams
-from tandem_serve.rpc.validation import (
+from tandem_serve.frontend.validation import (
     MAX_REPETITION_PENALTY,
     MAX_STOP_SEQUENCE_BYTES,
     MAX_STOP_SEQUENCES,
@@ -30,6 +27,9 @@ from tandem_serve.rpc.validation import (
     ValidationError,
     check_prompt,
 )
+from tandem_serve.guided.spec import GuidedSpec, SpecKind
+from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from tandem_serve.proto.messages import OutputOptions, SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty / frequency_penalty
@@ -260,7 +260,7 @@ def _schema_spec(schema: object, field: str) -> GuidedSpec:
 
 def route_guided(req: Request, spec: GuidedSpec | None) -> None:
     """Put the constraint where the gRPC path puts its own: on the validated `Request`, whose
-    compile step (`rpc.frontend.Frontend.compile`) turns it into what the gpu worker steps."""
+    compile step (`frontend.frontend.Frontend.compile`) turns it into what the gpu worker steps."""
     req.guided = spec
 
 

@@ -1,9 +1,9 @@
 """uvicorn serving the app on the frontend's own event loop, beside gRPC.
 
-The launcher binds the socket (a port in use is a one-line start-up error, not uvicorn's
-`sys.exit`) and owns the signals: uvicorn's handlers stay off, so SIGTERM drains HTTP and
-gRPC the same way (readiness 503, new requests 503, in-flight ones finish), and `stop()`
-then closes the listener and waits for the connections to finish.
+The frontend process (frontend/main.py) binds the socket (a port in use is a one-line
+start-up error, not uvicorn's `sys.exit`) and owns the signals: uvicorn's handlers stay off,
+so SIGTERM drains HTTP and gRPC the same way (readiness 503, new requests 503, in-flight
+ones finish), and `stop()` then closes the listener and waits for the connections to finish.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import jinja2
 import uvicorn
 from fastapi import FastAPI
 
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat_template import ChatTemplate
 from tandem_serve.openai_api.serving import Serving
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
 
 log = logging.getLogger("tandem.http")
 
@@ -31,7 +31,7 @@ log = logging.getLogger("tandem.http")
 class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        yield  # the launcher's handlers drain every API
+        yield  # the frontend process's handlers drain every API
 
 
 class HTTPServer:
@@ -47,7 +47,7 @@ class HTTPServer:
             **tls)  # type: ignore[arg-type]
         self._server = _Server(config)
         # uvicorn says "Started/Finished server process" at INFO under the name uvicorn.error;
-        # the launcher's own lines say when we serve and stop.
+        # the frontend process's own lines say when we serve and stop.
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
         self._sock = sock
         self._task: asyncio.Task[None] | None = None

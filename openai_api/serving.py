@@ -1,4 +1,4 @@
-"""Completions and chat completions on `rpc.frontend.Frontend`: validate, build the prompts,
+"""Completions and chat completions on `frontend.frontend.Frontend`: validate, build the prompts,
 submit one engine request per choice, answer JSON or server-sent events.
 
 Errors come as HTTP statuses whenever they can: nothing is sent until every choice has its
@@ -19,6 +19,9 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tandem_serve.frontend.engine_client import EngineError
+from tandem_serve.frontend.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
+from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.openai_api import params as P
 from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError
 from tandem_serve.openai_api.errors import ApiError
@@ -27,9 +30,6 @@ from tandem_serve.openai_api.models import Models
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from tandem_serve.openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
 from tandem_serve.proto.messages import OutputDelta
-from tandem_serve.rpc.engine_client import EngineError
-from tandem_serve.rpc.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
-from tandem_serve.rpc.validation import Limits, ValidationError
 
 T = TypeVar("T")
 Shape = CompletionShape | ChatShape

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_serve.frontend.frontend import Prepared
 from tandem_serve.openai_api.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
 from tandem_serve.proto.messages import FinishReason, OutputDelta
-from tandem_serve.rpc.frontend import Prepared
 
 # OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside.
 FINISH = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",

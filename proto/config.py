@@ -71,7 +71,7 @@ class ServerConfig:
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     # Output a stream may hold for a client that stopped reading before its request is
-    # cancelled with RESOURCE_EXHAUSTED (rpc/stream_buffer.py); 0: no limit.
+    # cancelled with RESOURCE_EXHAUSTED (frontend/stream_buffer.py); 0: no limit.
     max_stream_buffer_bytes: int = 1 << 20
     default_max_new_tokens: int = 20
     max_new_tokens: int = 1024  # the server's limit for one request

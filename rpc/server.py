@@ -16,29 +16,22 @@ from typing import Any, cast
 
 import grpc
 
-from tandem_serve.ipc.tracing import TRACER
-from tandem_serve.proto import admin_pb2, admin_pb2_grpc
-from tandem_serve.proto import generation_pb2 as pb
-from tandem_serve.proto import generation_pb2_grpc as pb_grpc
-from tandem_serve.proto.messages import FinishReason, OutputDelta
-from tandem_serve.rpc.adapter_store import AdapterStore
-from tandem_serve.rpc.engine_client import EngineClient, EngineError, ProfileBusy
-from tandem_serve.rpc.frontend import (
+from tandem_serve.frontend.adapter_store import AdapterStore
+from tandem_serve.frontend.engine_client import EngineClient, EngineError, ProfileBusy
+from tandem_serve.frontend.frontend import (
     THREAD_ENCODE_CHARS,
     Frontend,
     Prepared,
     RequestLog,
     request_log,
 )
-from tandem_serve.rpc.validation import (
-    Limits,
-    UnsupportedError,
-    ValidationError,
-    check_prompt,
-    check_unsupported,
-    shown,
-    validate_params,
-)
+from tandem_serve.frontend.validation import Limits, ValidationError, check_prompt, shown
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto import admin_pb2, admin_pb2_grpc
+from tandem_serve.proto import generation_pb2 as pb
+from tandem_serve.proto import generation_pb2_grpc as pb_grpc
+from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.rpc.params import UnsupportedError, check_unsupported, validate_params
 
 SERVICE_NAME = "fmaas.GenerationService"
 ADMIN_SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name

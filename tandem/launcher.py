@@ -1,23 +1,19 @@
-"""`tandem serve`: the frontend process, which starts and watches every other process.
+"""`tandem serve`: start the engine's processes and watch them, for the frontend process.
 
-Start-up: make a private run folder for the ipc sockets, start the scheduler, the gpu
-worker and N postproc workers as separate OS processes, serve gRPC and (`--http-port`) the
-OpenAI-compatible HTTP API on the same event loop and engine client, and turn readiness on
-once every process has reported in and a warm-up request has gone through.
+Start-up: make a private run folder for the ipc sockets, check what can be checked before
+any process starts (tandem/preflight.py), then run the frontend process (frontend/main.py)
+in this one, which has the launcher start the scheduler, the gpu worker and N postproc
+workers as separate OS processes once its ports are bound.
 
 Supervision (DESIGN.md section 5): one thread per child waits for its exit, so a death is
 seen at once, and the first crash is the one reported (a gpu worker dies soon after a
 postproc worker it writes to; the postproc worker is the cause).  A child dying of an
 exception says so first (`ProcessFailed`, with the error), ahead of the exits it causes.
 The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the launcher
-then has the worker dump its stacks to the log and treats it as dead.  Either way: health
-NOT_SERVING, every open stream ends with UNAVAILABLE naming the process, the rest are
-stopped, exit code 1.  A frontend of roles started on their own (`run-role frontend`)
-replaces their set instead and keeps serving (tandem/standalone.py).
-SIGTERM/SIGINT: NOT_SERVING (HTTP /health 503) at once, new requests get UNAVAILABLE (HTTP
-503), in-flight ones finish
-up to `--shutdown-timeout`, exit 0; a second signal exits at once.  On every exit the
-children, sockets, run folder and shm segments are removed.
+then has the worker dump its stacks to the log and treats it as dead.  Either way the
+frontend hears what failed (`frontend.main.Supervisor`) and fails every open request or,
+for roles started on their own (`run-role frontend`, no children here), replaces their
+set.  On every exit the children, sockets, run folder and shm segments are removed.
 """
 from __future__ import annotations
 
@@ -30,35 +26,17 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
 
-from grpc_health.v1 import health_pb2
-
-from tandem_serve.guided.service import GuidedCompiler
+from tandem_serve.frontend import main as frontend_main
 from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import AsyncReceiver
 from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
-from tandem_serve.proto.messages import OutputOptions, ProcessFailed, SamplingParams, WorkerHung
-from tandem_serve.rpc import guided
-from tandem_serve.rpc.engine_client import EngineClient
-from tandem_serve.rpc.frontend import Frontend
-from tandem_serve.rpc.metrics import serve_metrics
-from tandem_serve.rpc.server import SERVICE_NAME
-from tandem_serve.rpc.validation import Limits
-from tandem_serve.tandem.grpc_server import add_services, bound_grpc_server, set_health
-from tandem_serve.tandem.preflight import (
-    adapter_store,
-    bound_socket,
-    check_model,
-    check_ports,
-    load_tokenizer,
-)
-from tandem_serve.tandem.standalone import SetKeeper
+from tandem_serve.proto.messages import ProcessFailed, WorkerHung
+from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
 from tandem_serve.tandem.tp_node import free_local_addr
-from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.launcher")
 
@@ -68,8 +46,6 @@ STOP_TIMEOUT_FAILED = 2.0
 STOP_TIMEOUT_CLEAN = 5.0
 CLEAN_EXIT_GRACE = 1.0  # see Launcher._child_exited
 STACK_DUMP_WAIT = 0.5  # for a hung worker's faulthandler output to reach the log
-FLUSH_WAIT = 1.0  # for failed streams to send their status before the gRPC server stops
-GRPC_STOP_GRACE = 1.0
 
 
 @dataclass
@@ -105,17 +81,44 @@ class Launcher:
             self.cfg = split_cpus(cfg.replace(addresses=addr, run_dir=self.run_dir))
             pin("frontend", self.cfg)
         self.children: list[Child] = []
-        self.exit_code = 0
-        self._stop = asyncio.Event()
         self._failure: asyncio.Future[str] | None = None  # the first failure's message
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._signals = 0
+        self._reports: AsyncReceiver[object] | None = None  # the supervision inbox
+        # Roles on their own: a failed process has its set replaced instead of ending it all.
+        self._replace: Callable[[str], None] | None = None
         self._stopping = False  # children exit because we asked: not a failure
         self._cleaned = False
         self.startup_error: str | None = None  # a child's start-up mistake, said in one line
-        self._precompile: asyncio.Task[None] | None = None  # format=JSON, after readiness
-        self.keeper: SetKeeper | None = None  # roles on their own: the set they serve as
         self._consequences: set[str] = set()  # children that said a peer's death ended them
+
+    # ------------------------------------------------------------------ for the frontend
+
+    async def serve(self) -> int:
+        """Check what can be checked, then run the frontend process; its exit status."""
+        # Mistakes in the command line fail here, in one line, before any process starts.
+        if self.cfg.node_rank > 0:
+            raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
+                               f"on node 0; start this host's ranks with `tandem run-role "
+                               f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
+        config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+        adapters = adapter_store(self.cfg, config)
+        tok = load_tokenizer(self.cfg.model)
+        return await frontend_main.serve(self.cfg, self, tok, adapters)
+
+    def start(self) -> asyncio.Future[str]:
+        """Start the children and watch their exits (`frontend.main.Supervisor`)."""
+        self._loop = asyncio.get_running_loop()
+        self._failure = self._loop.create_future()
+        if self.cfg.addresses.supervisor:
+            self._reports = AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
+        self.start_children()
+        return self._failure
+
+    def stop(self, failed: bool) -> None:
+        if self._reports is not None:
+            self._reports.close()
+            self._reports = None
+        self.cleanup(STOP_TIMEOUT_FAILED if failed else STOP_TIMEOUT_CLEAN)
 
     # ------------------------------------------------------------------ children
 
@@ -220,145 +223,14 @@ class Launcher:
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    # ------------------------------------------------------------------ serving
-
-    async def serve(self) -> int:
-        self._loop = asyncio.get_running_loop()
-        self._failure = self._loop.create_future()
-        # Mistakes in the command line fail here, in one line, before any process starts.
-        if self.cfg.node_rank > 0:
-            raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
-                               f"on node 0; start this host's ranks with `tandem run-role "
-                               f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
-        config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
-        adapters = adapter_store(self.cfg, config)
-        tok = load_tokenizer(self.cfg.model)
-        check_ports(self.cfg)
-        server = bound_grpc_server(self.cfg)
-        http_sock = bound_socket("--http-port", self.cfg.host, self.cfg.http_port) \
-            if self.cfg.http_port else None
-        engine = EngineClient(self.cfg)
-        engine.start()
-        frontend = Frontend(engine, tok, adapters)
-        reports: AsyncReceiver[object] | None = (
-            AsyncReceiver(self.cfg.addresses.supervisor, bind=True)
-            if self.cfg.addresses.supervisor else None)
-        self.start_children()
-        health_servicer = add_services(server, frontend)
-        await server.start()
-        http = None
-        if http_sock is not None:
-            from tandem_serve.openai_api.server import create_http_server
-
-            http = create_http_server(self.cfg, frontend, http_sock)
-            await http.start()
-        serve_metrics(self.cfg.metrics_port)
-        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.SERVING)
-        await set_health(health_servicer, SERVICE_NAME,
-                          health_pb2.HealthCheckResponse.NOT_SERVING)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._loop.add_signal_handler(sig, self._on_signal, sig)
-        watching = asyncio.create_task(self._read_reports(reports)) if reports else None
-        become_ready = partial(self._become_ready, frontend, health_servicer)
-        peers = None
-        starting: asyncio.Task[Any]
-        if self.cfg.standalone:  # roles on their own: keep a set serving (tandem/standalone.py)
-            self.keeper = SetKeeper(self.cfg, frontend, partial(set_health, health_servicer),
-                                    become_ready)
-            peers = asyncio.create_task(self.keeper.run())
-            starting = asyncio.create_task(self.keeper.served.wait())
-        else:
-            starting = asyncio.create_task(become_ready())
-        failed = asyncio.ensure_future(self._failure)
-        stopping = asyncio.create_task(self._stop.wait())
-        try:
-            first: set[asyncio.Future[Any]] = {starting, failed, stopping}
-            done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
-            if starting in done and starting.exception() is None:
-                # Serve until a child dies or a signal comes.
-                serving: set[asyncio.Future[Any]] = {failed, stopping}
-                await asyncio.wait(serving, return_when=asyncio.FIRST_COMPLETED)
-            elif starting in done:
-                log.error("start-up failed: %s", starting.exception())
-                self.exit_code = 1
-                await asyncio.wait({failed}, timeout=2.0)  # a dying child usually explains it
-            starting.cancel()
-            if self.startup_error is not None:  # the caller prints it; nothing was served
-                self.exit_code = 2
-            elif failed.done():
-                await self._fail_everything(frontend, health_servicer, failed.result())
-            elif stopping.done():
-                await self._drain(frontend, health_servicer)
-        finally:
-            for task in (watching, starting, stopping, peers):
-                if task is not None:
-                    task.cancel()
-            if starting.done() and not starting.cancelled():
-                starting.exception()  # seen (a warm-up cut short by a failure): no GC warning
-            await set_health(health_servicer, SERVICE_NAME,
-                              health_pb2.HealthCheckResponse.NOT_SERVING)
-            await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-            frontend.serving = False
-            if http is not None:
-                await http.stop()
-            # Cancels whatever is still open after the grace, so stop never waits for long
-            # streams.
-            await server.stop(grace=GRPC_STOP_GRACE)
-            if self._precompile is not None:
-                self._precompile.cancel()
-            if frontend.guided is not None:
-                await frontend.guided.close()  # its compile worker too
-            engine.close()
-            if reports is not None:
-                reports.close()
-            self.cleanup(STOP_TIMEOUT_FAILED if self.exit_code else STOP_TIMEOUT_CLEAN)
-        return self.exit_code
-
-    def _lose(self, message: str) -> None:
-        """A process failed: under the launcher the server ends; roles on their own replace
-        their set and the frontend stays (tandem/standalone.py)."""
-        if self.keeper is not None:
-            self.keeper.break_set(message)
-        else:
-            self._fail(message)
-
-    def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
-        assert engine.limits is not None
-        return Limits(max_model_len=engine.limits.max_model_len,
-                      max_new_tokens=self.cfg.max_new_tokens,
-                      default_max_new_tokens=self.cfg.default_max_new_tokens,
-                      vocab_size=engine.limits.vocab_size,
-                      eos_token_ids=tuple(tok.eos_token_ids),
-                      include_stop_sequence=self.cfg.include_stop_sequence)
-
-    async def _become_ready(self, frontend: Frontend, health_servicer: object) -> None:
-        engine, tok = frontend.engine, frontend.tok
-        await engine.ready.wait()
-        assert engine.limits is not None
-        if frontend.guided is None:  # once: a replaced set of roles keeps the compiler
-            # The vocabulary's fingerprint names compiled constraints: before any request.
-            frontend.guided = await asyncio.to_thread(
-                GuidedCompiler.for_tokenizer, tok,
-                guided.settings(self.cfg, engine.limits.vocab_size))
-        frontend.limits = self._limits(engine, tok)
-        await self._warm_up(engine, tok)
-        await set_health(health_servicer, SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-        frontend.serving = True
-        http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
-        log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
-        if self.cfg.guided_precompile_json and self._precompile is None:  # after readiness
-            self._precompile = asyncio.create_task(frontend.guided.precompile_json())
-
-    async def _warm_up(self, engine: EngineClient, tok: Tokenizer) -> None:
-        """One short greedy request through every process before readiness turns on."""
-        ids = tok.encode("warm up") or [0]
-        sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))
-        async for _ in engine.generate(ids, sampling, OutputOptions()):
-            pass
-
     # ------------------------------------------------------------------ failures
 
-    async def _read_reports(self, reports: AsyncReceiver) -> None:
+    async def watch(self, replace: Callable[[str], None] | None) -> None:
+        """Read the children's reports until cancelled (`frontend.main.Supervisor`)."""
+        self._replace = replace
+        reports = self._reports
+        if reports is None:
+            return
         while True:
             msg = await reports.get()
             if isinstance(msg, WorkerHung):
@@ -396,50 +268,13 @@ class Launcher:
         self._lose(f"{msg.role} process (pid {pid}) hung: plan {msg.plan_id} did not finish "
                    f"within the {self.cfg.step_timeout:g} s step timeout")
 
-    async def _fail_everything(self, frontend: Frontend, health_servicer: object,
-                               message: str) -> None:
-        engine = frontend.engine
-        self.exit_code = 1
-        frontend.serving = False
-        await set_health(health_servicer, SERVICE_NAME,
-                          health_pb2.HealthCheckResponse.NOT_SERVING)
-        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-        log.error("%s; failing %d open requests and exiting", message, engine.num_in_flight)
-        engine.fail_all(f"{message}; the server is shutting down")
-        await _flush(engine)
-
-    async def _drain(self, frontend: Frontend, health_servicer: object) -> None:
-        engine = frontend.engine
-        await set_health(health_servicer, SERVICE_NAME,
-                          health_pb2.HealthCheckResponse.NOT_SERVING)
-        await set_health(health_servicer, "", health_pb2.HealthCheckResponse.NOT_SERVING)
-        frontend.accepting = False
-        timeout = self.cfg.shutdown_timeout
-        deadline = time.monotonic() + timeout
-        log.info("draining %d in-flight requests (up to %g s)", engine.num_in_flight, timeout)
-        assert self._failure is not None
-        while engine.num_in_flight and time.monotonic() < deadline:
-            if self._failure.done():  # a child died while we drained
-                await self._fail_everything(frontend, health_servicer, self._failure.result())
-                return
-            await asyncio.sleep(0.05)
-        if engine.num_in_flight:
-            log.warning("cancelling %d requests still running after the %g s shutdown timeout",
-                        engine.num_in_flight, timeout)
-            engine.fail_all(f"server shut down: the request did not finish within the "
-                            f"{timeout:g} s shutdown timeout")
-            await _flush(engine)
-
-    def _on_signal(self, sig: int) -> None:
-        self._signals += 1
-        if self._signals == 1:
-            log.info("%s received: draining (send again to exit at once)",
-                     signal.Signals(sig).name)
-            self._stop.set()
+    def _lose(self, message: str) -> None:
+        """A process failed: under the launcher the server ends; roles on their own replace
+        their set and the frontend stays (frontend/standalone.py)."""
+        if self._replace is not None:
+            self._replace(message)
         else:
-            log.warning("second signal: exiting now")
-            self.cleanup(STOP_TIMEOUT_FAILED)
-            os._exit(128 + sig)
+            self._fail(message)
 
 
 def _dump_stacks(child: Child) -> bool:
@@ -451,14 +286,6 @@ def _dump_stacks(child: Child) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return True
-
-
-async def _flush(engine: EngineClient) -> None:
-    """Give failed streams the moment they need to send their status before gRPC stops."""
-    deadline = time.monotonic() + FLUSH_WAIT
-    while engine.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.05)
 
 
 def serve(cfg: ServerConfig) -> int:

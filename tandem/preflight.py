@@ -1,4 +1,5 @@
-"""Start-up checks the launcher makes before it starts any process.
+"""Start-up checks the launcher makes before it starts any process (the frontend's ports:
+frontend/ports.py).
 
 A user's mistake (a model folder that does not exist or that Tandem cannot serve, a port
 already taken) should cost one line naming the flag and what is expected, not a traceback
@@ -11,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.adapter_store import AdapterStore
 from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
@@ -75,33 +75,3 @@ def load_tokenizer(model: str) -> Tokenizer:
         return Tokenizer.from_dir(model)
     except TokenizerLoadError as exc:
         raise StartupError(f"--model {model!r}: {exc}") from None
-
-
-def check_port(flag: str, host: str, port: int) -> None:
-    """Fail now when `host:port` cannot be listened on (taken, or not an address of ours)."""
-    if port:
-        bound_socket(flag, host, port).close()
-
-
-def bound_socket(flag: str, host: str, port: int) -> socket.socket:
-    """A socket bound to `host:port`, or the one-line StartupError naming `flag`."""
-    try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as exc:
-        raise StartupError(f"--host {host!r}: cannot resolve it ({exc.strerror})") from None
-    sock = socket.socket(family, kind, proto)
-    # As servers bind: a port in TIME_WAIT after a restart is free.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as exc:
-        sock.close()
-        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port} "
-                           f"({exc.strerror}); choose a free port") from None
-    return sock
-
-
-def check_ports(cfg: ServerConfig) -> None:
-    for flag, port in (("--port", cfg.port), ("--metrics-port", cfg.metrics_port),
-                       ("--http-port", cfg.http_port)):
-        check_port(flag, cfg.host, port)

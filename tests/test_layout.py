@@ -7,7 +7,12 @@ Each top-level package holds one kind of thing, and imports only the kinds below
     tokenization, guided, shared text, constraint and       proto, ipc, each other
     adapters              adapter-format code
     scheduler, gpu_worker, postproc_worker                  the above; never each other
-    rpc, openai_api       the frontend's services           the above but no process package
+    frontend              what both APIs share, and the     the above but no process package;
+                          frontend process's main           only frontend/main.py imports
+                                                            rpc and openai_api (it assembles
+                                                            the process)
+    rpc, openai_api       the gRPC service, the HTTP API    proto, ipc, the shared packages
+                                                            and frontend; never each other
     bench                 benchmarks                        anything
     tandem                command line and launcher         anything (the one place that may
                                                             start every process and benchmark)
@@ -32,17 +37,21 @@ GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 PROCESSES = {"scheduler", "gpu_worker", "postproc_worker"}
 SHARED = {"tokenization", "guided", "adapters"}
-FRONTEND = {"rpc", "openai_api"}
-OURS = {"proto", "ipc", *SHARED, *PROCESSES, *FRONTEND, "bench", "tandem"}
+APIS = {"rpc", "openai_api"}
+OURS = {"proto", "ipc", *SHARED, *PROCESSES, "frontend", *APIS, "bench", "tandem"}
 ALLOWED: dict[str, set[str]] = {
     "proto": {"proto"},
     "ipc": {"proto", "ipc"},
     **{p: {"proto", "ipc", *SHARED} for p in SHARED},
     **{p: {"proto", "ipc", *SHARED, p} for p in PROCESSES},
-    **{p: {"proto", "ipc", *SHARED, *FRONTEND} for p in FRONTEND},
+    # Its main.py alone may import the APIs as well: test_only_the_frontend_main_imports_the_apis.
+    "frontend": {"proto", "ipc", *SHARED, "frontend", *APIS},
+    **{p: {"proto", "ipc", *SHARED, "frontend", p} for p in APIS},
     "bench": OURS,
     "tandem": OURS,
 }
+# The one module that assembles the frontend process out of both APIs.
+FRONTEND_MAIN = ROOT / "frontend" / "main.py"
 
 
 def _packages() -> list[str]:
@@ -104,6 +113,14 @@ def test_imports_follow_the_layout(package: str) -> None:
         if wrong:
             bad.append(f"{path.relative_to(ROOT)} imports {', '.join(sorted(wrong))}")
     assert not bad, f"{package}/ may import only {sorted(ALLOWED[package])}:\n" + "\n".join(bad)
+
+
+def test_only_the_frontend_main_imports_the_apis() -> None:
+    """The shared frontend modules serve both APIs, so neither may depend on one of them."""
+    bad = [f"{path.relative_to(ROOT)} imports {', '.join(sorted(wrong))}"
+           for path in _sources("frontend") if path != FRONTEND_MAIN
+           if (wrong := _imported_packages(path) & APIS)]
+    assert not bad, "only frontend/main.py may import rpc/ or openai_api/:\n" + "\n".join(bad)
 
 
 def test_nothing_imports_bench() -> None:

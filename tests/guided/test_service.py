@@ -147,7 +147,7 @@ def test_a_tokenizer_that_cannot_be_guided_is_said_once_per_request(tmp_path: Pa
 def test_the_frontend_and_the_compiler_load_neither_torch_nor_transformers() -> None:
     code = (
         "import sys\n"
-        "import tandem.launcher, rpc.server, rpc.guided, guided.service, guided.worker\n"
+        "import tandem.launcher, rpc.server, frontend.guided, guided.service, guided.worker\n"
         "from tandem_serve.guided.compile import Compiler\n"
         "from tandem_serve.guided.spec import GuidedSpec, SpecKind\n"
         "from tandem_serve.tokenization.tokenizer import Tokenizer\n"

@@ -232,10 +232,10 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
     """The frontend's per-request queue stays short when the client does not read."""
     import asyncio
 
+    from tandem_serve.frontend.engine_client import EngineClient, OpenStream
+    from tandem_serve.frontend.stream_buffer import StreamBuffer
     from tandem_serve.proto.config import Addresses, ServerConfig
     from tandem_serve.proto.messages import FinishReason, OutputDelta
-    from tandem_serve.rpc.engine_client import EngineClient, _Stream
-    from tandem_serve.rpc.stream_buffer import StreamBuffer
 
     async def main() -> list[object]:
         cfg = ServerConfig(model="", addresses=Addresses.local(str(tmp_path), "t", 1, False))
@@ -243,7 +243,7 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
         try:
             buf = StreamBuffer(limit=0)
             queue = buf.queue
-            engine._streams[7] = _Stream(buf, time.monotonic())
+            engine._streams[7] = OpenStream(buf, time.monotonic())
             for i in range(1000):
                 engine._route(7, OutputDelta(7, f"t{i} ", i + 1, token_ids=[i],
                                              logprobs=[-float(i)]))

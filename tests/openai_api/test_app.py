@@ -16,15 +16,15 @@ import openai
 import pytest
 
 from tandem_serve.adapters.peft import ModelShapes
+from tandem_serve.frontend.adapter_store import AdapterStore
+from tandem_serve.frontend.engine_client import EngineError
+from tandem_serve.frontend.frontend import Frontend
+from tandem_serve.frontend.validation import Limits
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.server import HTTPServer
 from tandem_serve.openai_api.serving import Serving
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
-from tandem_serve.rpc.adapter_store import AdapterStore
-from tandem_serve.rpc.engine_client import EngineError
-from tandem_serve.rpc.frontend import Frontend
-from tandem_serve.rpc.validation import Limits
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
 

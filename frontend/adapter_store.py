@@ -23,7 +23,7 @@ from tandem_serve.adapters.peft import (
     folder_stamp,
     read_adapter,
 )
-from tandem_serve.rpc.validation import ValidationError
+from tandem_serve.frontend.validation import ValidationError
 
 CACHE_ENTRIES = 1024  # validated ids kept (bad ones too): bounded whatever clients send
 LISTED = 256  # adapter folders a listing (the OpenAI /v1/models) looks at, at most

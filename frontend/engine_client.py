@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tandem_serve.frontend import metrics
+from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
@@ -44,8 +46,6 @@ from tandem_serve.proto.messages import (
     SamplingParams,
     WorkerReady,
 )
-from tandem_serve.rpc import metrics
-from tandem_serve.rpc.stream_buffer import StreamBuffer
 
 log = logging.getLogger("tandem.frontend")
 
@@ -63,7 +63,9 @@ class ProfileBusy(Exception):
 
 
 @dataclass
-class _Stream:
+class OpenStream:
+    """One request's output while its caller reads it (`EngineClient.generate`)."""
+
     buf: StreamBuffer
     started: float
     name: str = ""  # the client's correlation id, for the log
@@ -97,7 +99,7 @@ class EngineClient:
         self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
         set_role("frontend")
         self._recording: _Recording | None = None  # the `tandem profile` in progress
-        self._streams: dict[int, _Stream] = {}
+        self._streams: dict[int, OpenStream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
         self.limits: WorkerReady | None = None
@@ -157,11 +159,11 @@ class EngineClient:
         stream = self._streams.get(rid)
         if stream is None:
             return
-        # Bounded memory for clients that read slower than tokens come (rpc/stream_buffer.py).
+        # Bounded memory for clients that read slower than tokens come (frontend/stream_buffer.py).
         if not stream.buf.put(item):
             self._overflowed(rid, stream)
 
-    def _overflowed(self, rid: int, stream: _Stream) -> None:
+    def _overflowed(self, rid: int, stream: OpenStream) -> None:
         """The client stopped reading: cancel the request now, so its KV blocks come back,
         and end the RPC with RESOURCE_EXHAUSTED whenever the client reads again."""
         held, limit = stream.buf.buffered, stream.buf.limit
@@ -213,7 +215,7 @@ class EngineClient:
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
         rid = self.new_request_id() if request_id is None else request_id
-        stream = _Stream(StreamBuffer(self.cfg.max_stream_buffer_bytes),
+        stream = OpenStream(StreamBuffer(self.cfg.max_stream_buffer_bytes),
                          time.monotonic() if arrived is None else arrived, name)
         self._streams[rid] = stream
         prompt = np.asarray(prompt_ids, dtype=np.int32)
@@ -253,7 +255,7 @@ class EngineClient:
             if not (ended_by_engine or stream.buf.overflowed or stream.orphaned):
                 self.abort(rid)
 
-    async def _next(self, stream: _Stream, deadline: float | None) -> object | None:
+    async def _next(self, stream: OpenStream, deadline: float | None) -> object | None:
         queue = stream.buf.queue
         if deadline is None:
             item = await queue.get()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tandem_serve.frontend.stream_buffer import FOLD_AFTER, StreamBuffer, payload_bytes
 from tandem_serve.proto.messages import FinishReason, OutputDelta
-from tandem_serve.rpc.stream_buffer import FOLD_AFTER, StreamBuffer, payload_bytes
 
 
 def delta(i: int, detail: bool = False) -> OutputDelta:

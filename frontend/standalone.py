@@ -14,14 +14,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from grpc_health.v1 import health_pb2
-
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.ipc.peers import frontend_watch
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
-from tandem_serve.rpc.server import SERVICE_NAME
 
-log = logging.getLogger("tandem.launcher")
+log = logging.getLogger("tandem.frontend")
 
 POLL_S = 0.1
 WAITING_NOTE_S = 30.0  # how often to say which roles the frontend is still waiting for
@@ -29,11 +26,13 @@ WAITING_NOTE_S = 30.0  # how often to say which roles the frontend is still wait
 
 class SetKeeper:
     def __init__(self, cfg: ServerConfig, frontend: Frontend,
-                 set_health: Callable[[str, int], Awaitable[None]],
+                 not_serving: Callable[[], Awaitable[None]],
                  become_ready: Callable[[], Awaitable[None]]) -> None:
+        """`not_serving` turns readiness off, `become_ready` (frontend/main.py) back on once
+        a set has handshaked and served a warm-up request."""
         engine = self.engine = frontend.engine
         self.frontend = frontend
-        self.set_health = set_health
+        self.not_serving = not_serving
         self.become_ready = become_ready
         self.watch = frontend_watch(cfg)
         engine.on_heartbeat = self.watch.seen
@@ -74,7 +73,7 @@ class SetKeeper:
         log.warning("%s: failing %d open requests and replacing the set of roles (each "
                     "exits and is restarted by its orchestrator); the frontend keeps running",
                     reason, self.engine.num_in_flight)
-        await self.set_health(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.not_serving()
         self.frontend.limits = None  # both APIs answer UNAVAILABLE (HTTP 503) with why
         self.frontend.serving = False
         self.frontend.unready = f"the engine is restarting ({reason}); retry shortly"
@@ -86,7 +85,7 @@ class SetKeeper:
         self._ready = asyncio.create_task(self._serve_when_ready())
 
     async def _serve_when_ready(self) -> None:
-        """Handshake, warm-up, SERVING (the launcher's readiness), for the current set."""
+        """Handshake, warm-up, SERVING (the frontend's readiness), for the current set."""
         try:
             await self.become_ready()
         except Exception as exc:  # the set broke during the warm-up: the next one retries

@@ -1,4 +1,4 @@
-"""TGIS request parameters → internal `SamplingParams` / `OutputOptions`, with the limits.
+"""TGIS request parameters → the frontend's `Request` (`SamplingParams` / `OutputOptions`).
 
 Every rejection names the field and the limit; the gRPC layer turns `ValidationError` into
 INVALID_ARGUMENT and `UnsupportedError` into UNIMPLEMENTED.
@@ -7,17 +7,23 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 
+from tandem_serve.frontend.validation import (
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_SEQUENCE_BYTES,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_N_TOKENS,
+    Limits,
+    Request,
+    ValidationError,
+    capped,
+    shown,
+)
 from tandem_serve.guided.forms import FormError, parse_schema
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto.messages import OutputOptions, SamplingParams
 
-MAX_STOP_SEQUENCES = 6
-MAX_STOP_SEQUENCE_BYTES = 240
-MAX_TOP_N_TOKENS = 10
-MAX_REPETITION_PENALTY = 2.0
 LENGTH_PENALTY_DECAY_RANGE = (1.0, 10.0)
 # A constraint's text (regex, schema, grammar, all choices together); compiling a long one
 # can take long, and the limit bounds what one request can make the compile worker do.
@@ -26,60 +32,9 @@ _GUIDED_KINDS = {"regex": SpecKind.REGEX, "json_schema": SpecKind.JSON_SCHEMA,
                  "grammar": SpecKind.GRAMMAR}
 
 
-# A status message travels as gRPC trailing metadata, which clients refuse past 16 KiB (as
-# RESOURCE_EXHAUSTED, hiding the real answer): a value the client sent is quoted in part.
-MAX_DETAILS = 1000
-
-
-def shown(value: str, limit: int = 60) -> str:
-    """`value` quoted for an error message, cut to `limit` characters."""
-    if len(value) <= limit:
-        return repr(value)
-    return f"{value[:limit]!r}... ({len(value)} characters)"
-
-
-def capped(message: str) -> str:
-    return message if len(message) <= MAX_DETAILS else message[:MAX_DETAILS] + "..."
-
-
-class ValidationError(ValueError):
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(capped(f"{field}: {message}"))
-        self.field = field
-
-
 class UnsupportedError(ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(capped(message))
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_model_len: int
-    max_new_tokens: int  # the server's cap for one request
-    default_max_new_tokens: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    include_stop_sequence: bool  # default when the request leaves it unset
-
-
-@dataclass
-class Request:
-    """A validated request, before its prompt is checked against the model's length."""
-
-    sampling: SamplingParams
-    options: OutputOptions
-    time_limit: float | None  # seconds
-    truncate_input_tokens: int
-    input_text: bool
-    input_tokens: bool
-    seed_returned: int  # 0 for greedy
-    # Which parts of the input tokens' TokenInfo to fill from the prompt logprobs.
-    input_logprobs: bool = False
-    input_ranks: bool = False
-    input_top_n: int = 0
-    # The output constraint (guided decoding), to be compiled before submitting; None: none.
-    guided: GuidedSpec | None = None
 
 
 def _finite(field: str, value: float) -> float:
@@ -248,16 +203,3 @@ def _options(params: pb.Parameters, limits: Limits) -> OutputOptions:
         token_details=r.generated_tokens, logprobs=r.token_logprobs and r.generated_tokens,
         ranks=r.token_ranks and r.generated_tokens,
         top_n=r.top_n_tokens if r.generated_tokens else 0)
-
-
-def check_prompt(num_tokens: int, min_new_tokens: int, limits: Limits,
-                 field: str = "requests.text") -> None:
-    if num_tokens == 0:
-        raise ValidationError(field, "must not be empty")
-    if num_tokens >= limits.max_model_len:
-        raise ValidationError(field, f"prompt has {num_tokens} tokens; it must be shorter than "
-                                     f"the max model length {limits.max_model_len}")
-    if num_tokens + min_new_tokens > limits.max_model_len:
-        raise ValidationError(field, f"prompt ({num_tokens} tokens) + min_new_tokens "
-                                     f"({min_new_tokens}) exceeds the max model length "
-                                     f"{limits.max_model_len}")

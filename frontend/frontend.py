@@ -1,9 +1,9 @@
 """What the frontend's two APIs share: the engine, the tokenizer, the limits, readiness.
 
 The gRPC service (`rpc/server.py`) and the OpenAI-compatible HTTP API (`openai_api/`) each
-validate their own parameters into the same `rpc.validation.Request`, then tokenize, check
-the prompt and submit here, so a request means the same thing whichever door it came in by
-and both see the same readiness and drain state.  Every log line about a request carries
+validate their own parameters into the same `frontend.validation.Request`, then tokenize,
+check the prompt and submit here, so a request means the same thing whichever door it came
+in by and both see the same readiness and drain state.  Every log line about a request carries
 its correlation id (the client's, or a frontend-made tag when absent).
 """
 from __future__ import annotations
@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_serve.frontend import metrics
+from tandem_serve.frontend.adapter_store import AdapterStore
+from tandem_serve.frontend.engine_client import EngineClient, EngineError
+from tandem_serve.frontend.guided import Compiled, attach, compile_spec
+from tandem_serve.frontend.validation import Limits, Request
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.messages import OutputDelta
-from tandem_serve.rpc import metrics
-from tandem_serve.rpc.adapter_store import AdapterStore
-from tandem_serve.rpc.engine_client import EngineClient, EngineError
-from tandem_serve.rpc.guided import Compiled, attach, compile_spec
-from tandem_serve.rpc.validation import Limits, Request
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.frontend")

@@ -9,9 +9,9 @@ import pytest
 
 from tandem_serve.adapters import peft
 from tandem_serve.adapters.peft import ModelShapes
-from tandem_serve.rpc import adapter_store
-from tandem_serve.rpc.adapter_store import AdapterStore
-from tandem_serve.rpc.validation import ValidationError
+from tandem_serve.frontend import adapter_store
+from tandem_serve.frontend.adapter_store import AdapterStore
+from tandem_serve.frontend.validation import ValidationError
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
 from tests.lora_utils import ADAPTERS, make_adapter
 

@@ -8,6 +8,7 @@ compiling at once is RESOURCE_EXHAUSTED (429); no compile worker is UNAVAILABLE 
 """
 from __future__ import annotations
 
+from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.guided.compile import CompileError
 from tandem_serve.guided.pool import CompilerUnavailable
 from tandem_serve.guided.service import CompileBusy, GuidedCompiler, GuidedSettings
@@ -15,7 +16,6 @@ from tandem_serve.guided.spec import GuidedSpec
 from tandem_serve.guided.vocab import UnsupportedTokenizer
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
-from tandem_serve.rpc.engine_client import EngineError
 
 Compiled = GuidedTable | GuidedGrammar
 

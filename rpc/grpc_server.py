@@ -1,8 +1,8 @@
 """The frontend's gRPC server: its options, its port (TLS when asked), and its services.
 
 `fmaas.GenerationService` and the read-only admin service, next to the standard health
-check (service "" for liveness, "fmaas.GenerationService" for readiness, which the launcher
-turns on after warm-up) and server reflection.
+check (service "" for liveness, "fmaas.GenerationService" for readiness, which the frontend
+process turns on after warm-up: frontend/main.py) and server reflection.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.rpc.frontend import Frontend
 from tandem_serve.rpc.server import ADMIN_SERVICE_NAME, GenerationServicer, add_admin_service
 from tandem_serve.rpc.wire import add_generation_service
 
@@ -60,7 +60,7 @@ def bound_grpc_server(cfg: ServerConfig) -> grpc.aio.Server:
 
 
 def add_services(server: grpc.aio.Server, frontend: Frontend) -> object:
-    """Register every service; returns the health servicer the launcher drives."""
+    """Register every service; returns the health servicer frontend/main.py drives."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
         health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

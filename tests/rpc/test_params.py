@@ -1,4 +1,4 @@
-"""`rpc.validation`: TGIS parameters → internal params, every limit named in its error."""
+"""`rpc.params`: TGIS parameters → internal params, every limit named in its error."""
 from __future__ import annotations
 
 import math
@@ -6,14 +6,12 @@ from collections.abc import Callable
 
 import pytest
 
+from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.proto import generation_pb2 as pb
-from tandem_serve.rpc.validation import (
+from tandem_serve.rpc.params import (
     MAX_GUIDED_BYTES,
-    Limits,
     UnsupportedError,
-    ValidationError,
-    check_prompt,
     check_unsupported,
     validate_params,
 )
@@ -259,17 +257,6 @@ def test_prefixes_and_adapters_are_unimplemented(request_type: type, name: str) 
     check_unsupported(request_type(**{name: ""}))  # set but naming nothing
     with pytest.raises(UnsupportedError, match=f"{name}: .* not supported"):
         check_unsupported(request_type(**{name: "my-prefix"}))
-
-
-def test_prompt_length_limits() -> None:
-    check_prompt(63, 0, LIMITS)
-    check_prompt(60, 4, LIMITS)
-    with pytest.raises(ValidationError, match="must not be empty"):
-        check_prompt(0, 0, LIMITS)
-    with pytest.raises(ValidationError, match="max model length 64"):
-        check_prompt(64, 0, LIMITS, "request.text")
-    with pytest.raises(ValidationError, match=r"min_new_tokens \(5\) exceeds the max model"):
-        check_prompt(60, 5, LIMITS)
 
 
 def test_a_huge_value_is_quoted_in_part_so_the_status_fits_in_grpc_metadata() -> None:

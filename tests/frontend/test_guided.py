@@ -1,4 +1,4 @@
-"""`rpc.guided`: each way a constraint can fail becomes the status a client expects."""
+"""`frontend.guided`: each way a constraint can fail becomes the status a client expects."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,8 @@ import grpc
 import numpy as np
 import pytest
 
+from tandem_serve.frontend.engine_client import EngineError
+from tandem_serve.frontend.guided import attach, compile_spec
 from tandem_serve.guided.compile import CompileError
 from tandem_serve.guided.pool import CompilerUnavailable, CompileTimeout
 from tandem_serve.guided.service import CompileBusy
@@ -14,8 +16,6 @@ from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.guided.vocab import UnsupportedTokenizer
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
 from tandem_serve.rpc.client import GenerateOptions
-from tandem_serve.rpc.engine_client import EngineError
-from tandem_serve.rpc.guided import attach, compile_spec
 
 SPEC = GuidedSpec(SpecKind.REGEX, "(", field="params.decoding.regex")
 TABLE = GuidedTable("t1", np.zeros((2, 1), np.int32), np.zeros(4, np.int32))
