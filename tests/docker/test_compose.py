@@ -69,3 +69,17 @@ def test_tensor_parallel_overlay_runs_two_ranks_of_one_group() -> None:
         ranks[args.node_rank] = name
     assert ranks == {0: "gpu-worker", 1: "gpu-worker-1"}
     assert tp["gpu-worker-1"]["extends"]["service"] == "gpu-worker"
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_copy_every_package_setup_cfg_installs(dockerfile: str) -> None:
+    """`pip install .` in the image needs every folder setup.cfg maps (adapters/ was missing)."""
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(DOCKER.parent / "setup.cfg")
+    folders = {line.split("=")[1].strip()
+               for line in cfg["options"]["package_dir"].strip().splitlines()}
+    copied = {line.split()[1] for line in (DOCKER / dockerfile).read_text().splitlines()
+              if line.startswith("COPY ") and "--from" not in line}
+    assert folders <= copied, f"{dockerfile} does not COPY {sorted(folders - copied)}"
