@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
 
 import pytest
 
@@ -31,7 +33,10 @@ KUSTOMIZE = {"base": DEPLOY / "kustomize" / "base",
 SERVING_RUNTIME = DEPLOY / "kserve" / "servingruntime.yaml"
 
 
-def tool_or_fail(fn: Callable[[], object]) -> object:
+T = TypeVar("T")
+
+
+def tool_or_fail(fn: Callable[[], T]) -> T:
     try:
         return fn()
     except k8s.ToolMissing as e:
@@ -40,14 +45,14 @@ def tool_or_fail(fn: Callable[[], object]) -> object:
 
 @pytest.fixture(scope="module")
 def helm(tmp_path_factory: pytest.TempPathFactory) -> k8s.Helm:
-    return tool_or_fail(lambda: k8s.Helm(tmp_path_factory.mktemp("helm")))  # type: ignore
+    return tool_or_fail(lambda: k8s.Helm(tmp_path_factory.mktemp("helm")))
 
 
 @pytest.fixture(scope="module")
 def rendered(helm: k8s.Helm) -> dict[str, list[Obj]]:
     out = {name: helm.template(*args) for name, args in RENDERS.items()}
     for name, folder in KUSTOMIZE.items():
-        out[f"kustomize-{name}"] = tool_or_fail(lambda f=folder: k8s.kustomize(f))  # type: ignore
+        out[f"kustomize-{name}"] = tool_or_fail(partial(k8s.kustomize, folder))
     return out
 
 
