@@ -19,10 +19,6 @@ from collections.abc import Callable
 
 from tandem_serve.proto.config import Addresses, ServerConfig
 
-ENV = {key: os.environ.get(f"TANDEM_{key.upper()}") for key in ("model", "host", "port",
-                                                                 "log_level", "fault")}
-
-
 def cache_root() -> str:
     """Tandem's cache folder: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem (~/.cache)."""
     return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
@@ -36,10 +32,10 @@ def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig(model="")
-    p.add_argument("--model", default=ENV["model"] or "",
+    p.add_argument("--model", default="",
                    help="Hugging Face model folder (default: the embedded tiny model)")
-    p.add_argument("--host", default=ENV["host"] or d.host)
-    p.add_argument("--port", type=int, default=int(ENV["port"] or d.port))
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--dtype", default=d.dtype,
                    choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
@@ -134,8 +130,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
-    p.add_argument("--log-level", default=ENV["log_level"] or d.log_level)
-    p.add_argument("--fault", default=ENV["fault"] or "", help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--fault", default="", help=argparse.SUPPRESS)
     _env_defaults(p)
 
 
@@ -148,9 +144,31 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
         if isinstance(action, argparse.BooleanOptionalAction):
             action.default = value.strip().lower() in ("1", "true", "yes", "on")
         elif action.type is not None:
-            action.default = action.type(value)  # type: ignore[operator]
+            # A string default: argparse converts it only when the flag is not given, so a
+            # value that does not parse stops only the commands that would use it.
+            action.default = value
+            action.type = _EnvValue(action.type, f"TANDEM_{action.dest.upper()}", value)
         else:
             action.default = value
+
+
+class _EnvValue:
+    """A flag's type that names the environment variable when its value does not parse."""
+
+    def __init__(self, convert: Callable[[str], object], name: str, value: str) -> None:
+        self.convert, self.name, self.value = convert, name, value
+        self.__name__ = getattr(convert, "__name__", "value")  # argparse's messages use it
+
+    def __call__(self, text: str) -> object:
+        try:
+            return self.convert(text)
+        except (TypeError, ValueError) as exc:
+            if text != self.value:
+                raise
+            hint = (" (Kubernetes sets <SERVICE>_PORT=tcp://... for a Service named tandem: "
+                    "set enableServiceLinks: false)") if text.startswith("tcp://") else ""
+            raise argparse.ArgumentTypeError(
+                f"{self.name}={text!r} is not a valid {self.__name__}{hint}") from exc
 
 
 def add_role_arguments(p: argparse.ArgumentParser) -> None:

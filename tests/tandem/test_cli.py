@@ -62,6 +62,21 @@ def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert serve_config(["--onednn"]).onednn is True
 
 
+def test_an_unparsable_environment_value_stops_only_commands_that_use_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # Kubernetes gives every pod TANDEM_PORT=tcp://IP:PORT when a Service is named tandem.
+    monkeypatch.setenv("TANDEM_PORT", "tcp://10.0.0.1:8033")
+    assert serve_config(["--port", "9000"]).port == 9000  # the flag wins: no error
+    with pytest.raises(SystemExit) as exc:
+        serve_config([])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port: TANDEM_PORT='tcp://10.0.0.1:8033' is not a valid int" in err
+    assert "enableServiceLinks: false" in err
+    monkeypatch.setenv("TANDEM_PORT", "9001")
+    assert serve_config([]).port == 9001
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--num-scheduler-steps", "0"], "--num-scheduler-steps must be between 1 and 1024 (got 0)"),
     (["--port", "70000"], "--port must be between 0 and 65535 (got 70000)"),
