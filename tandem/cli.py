@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from tandem_serve.proto.config import Addresses, ServerConfig
 
+
 def cache_root() -> str:
     """Tandem's cache folder: $TANDEM_CACHE_DIR, else $XDG_CACHE_HOME/tandem (~/.cache)."""
     return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
