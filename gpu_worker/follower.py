@@ -21,7 +21,7 @@ from typing import Any
 
 from tandem_serve.gpu_worker import parallel
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
-from tandem_serve.gpu_worker.main import build_runner
+from tandem_serve.gpu_worker.build import build_runner
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
 from tandem_serve.ipc import faults
