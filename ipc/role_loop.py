@@ -165,7 +165,7 @@ class RoleLoop:
         watch = role_watch(self.cfg, self.role, self.index) if self.in_set else None
         if watch is not None:  # on our own: ready once in the frontend's set
             self.peers = self.own(watch)
-        elif ready is not None:
+        elif ready is not None:  # under the launcher
             ready.to.put(ready.msg)
             self.log.info("ready (%s)", ready.about)
 
