@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer, engine_kind
-from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.postproc_worker.postprocessor import Postprocessor
 from tandem_serve.proto.messages import OutputOptions, RegisterRequest, TokenBatch
 from tandem_serve.tokenization.tokenizer import Tokenizer
 

@@ -1,55 +1,21 @@
-"""Per-request state the gpu worker keeps across plans, and the plan's decode batch.
-
-The host side holds what is known before a plan starts (history, block table, params); the
-decode batch moves it to the device once per plan, and the K steps then advance it on the
-device without reading anything back.
+"""The plan's decode batch: the decoding requests' host state (`gpu_worker.state`) moved
+to the device once per plan; the K steps then advance it on the device without reading
+anything back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tandem_serve.gpu_worker.sampler import SamplerHints, SamplingTensors
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.gpu_worker.state import RequestState
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
     from tandem_serve.gpu_worker.lora import LoraContext
-
-
-@dataclass
-class RequestState:
-    request_id: int
-    history: list[int]  # prompt + generated, as far as the host has seen it
-    num_prompt: int
-    sampling: SamplingParams
-    block_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # positions whose KV is in the cache
-    prefill_chunk: int = 0  # tokens to prefill in the current plan
-    num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
-    finished: FinishReason = FinishReason.NOT_FINISHED
-    # Guided decoding, as of the end of `history`: a table row's automaton state, a grammar
-    # row's llguidance matcher (both unset while preempted: the resume replays the output).
-    guided_state: int = -1
-    matcher: Any = None
-    lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.history) - self.num_prompt
-
-    @property
-    def decoding(self) -> bool:
-        return not self.finished and self.num_computed == len(self.history) - 1
-
-    @property
-    def decodes_this_plan(self) -> bool:
-        """Decoding already, or once this plan's prefill chunk is in the cache."""
-        return not self.finished and self.num_computed + self.prefill_chunk == len(
-            self.history) - 1
 
 
 @dataclass

@@ -21,14 +21,16 @@ from typing import Any
 
 from tandem_serve.gpu_worker import parallel
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
-from tandem_serve.gpu_worker.main import build_runner
+from tandem_serve.gpu_worker.build import build_runner
 from tandem_serve.gpu_worker.publisher import TokenPublisher
+from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
-from tandem_serve.ipc import faults
+from tandem_serve.ipc.channels import Receiver
 from tandem_serve.ipc.fanout import subscribe
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
+from tandem_serve.ipc.role_loop import RoleLoop
 from tandem_serve.proto.config import ServerConfig, plans_address
-from tandem_serve.proto.messages import Heartbeat, ProfileControl, PromptDetail, Shutdown, StepPlan
+from tandem_serve.proto.messages import ProfileControl, PromptDetail, StepPlan
 
 log = logging.getLogger("tandem.gpu_worker")
 
@@ -84,45 +86,54 @@ class _Silence:
                            f"({now - self.last:.1f} s ago)")
 
 
+class FromRankZero:
+    """A rank's source: the plan channel, and rank 0's silence on it between plans."""
+
+    def __init__(self, plans: Receiver[Any], silence: _Silence) -> None:
+        self.plans, self.silence = plans, silence
+
+    def receive(self) -> list[Any]:
+        msg = self.plans.get(timeout=HEARTBEAT_INTERVAL)
+        if msg is None:
+            self.silence.check()
+            return []
+        self.silence.heard()  # a plan, a heartbeat, anything
+        return [msg]
+
+
 def run_follower(cfg: ServerConfig, rank: int) -> None:
-    role = cfg.worker_role(rank)
     # Subscribed before the (slow) model load, so rank 0 never waits on us for that.
-    plans = subscribe(plans_address(cfg))
-    tp = parallel.start(cfg, rank)
-    try:
+    with RoleLoop(cfg, "gpu-worker", rank, title=cfg.worker_role(rank), in_set=False, log=log,
+                  inbox=subscribe(plans_address(cfg))) as role:
+        tp = role.own(parallel.start(cfg, rank))
         runner = build_runner(cfg, tp)
         log.info("ready (pid %d): rank %d of %d", os.getpid(), rank, cfg.tensor_parallel_size)
-        publisher = NullPublisher()
-        trace = TorchTrace(runner.device)
         # On one host the launcher supervises every rank; across hosts we watch rank 0.
         silence = _Silence(watching=cfg.node_rank > 0)
-        while True:
-            msg: Any = plans.get(timeout=HEARTBEAT_INTERVAL)
-            if msg is None:
-                silence.check()
-                continue
-            silence.heard()
-            if isinstance(msg, StepPlan):
-                faults.maybe_fire(role, msg.plan_id)  # tests only; no-op otherwise
-                runner.execute(msg, publisher)
-                silence.heard()
-            elif isinstance(msg, Shutdown):
-                log.info("shutting down: %s", msg.reason)
-                return
-            elif isinstance(msg, ProfileControl):
-                _profile(msg, trace, rank)
-            elif not isinstance(msg, Heartbeat):
-                log.error("unexpected message %s", type(msg).__name__)
-    finally:
-        plans.close()
-        tp.close()
+        follower = Follower(role, runner, rank, silence)
+        role.run({StepPlan: follower.run_plan, ProfileControl: follower.profile},
+                 source=FromRankZero(role.inbox, silence))
 
 
-def _profile(msg: ProfileControl, trace: TorchTrace, rank: int) -> None:
-    """Ranks > 0 record no spans (rank 0's stand for the group) but run torch.profiler over
-    the same window into their own file when one is asked for."""
-    if msg.start and msg.torch_trace:
-        trace.start(ProfileControl(True, msg.plans, rank_trace_path(msg.torch_trace, rank)))
-    elif not msg.start:
-        trace.stop()
+class Follower:
+    """A rank's handlers: rank 0's plans, and its profile controls."""
 
+    def __init__(self, role: RoleLoop, runner: ModelRunner, rank: int,
+                 silence: _Silence) -> None:
+        self.role, self.runner, self.rank, self.silence = role, runner, rank, silence
+        self.publisher = NullPublisher()
+        self.trace = TorchTrace(runner.device)
+
+    def run_plan(self, plan: StepPlan) -> None:
+        self.role.maybe_fault(plan.plan_id)
+        self.runner.execute(plan, self.publisher)
+        self.silence.heard()  # a long plan is no silence of rank 0's
+
+    def profile(self, msg: ProfileControl) -> None:
+        """Ranks > 0 record no spans (rank 0's stand for the group) but run torch.profiler
+        over the same window into their own file when one is asked for."""
+        if msg.start and msg.torch_trace:
+            self.trace.start(ProfileControl(True, msg.plans,
+                                            rank_trace_path(msg.torch_trace, self.rank)))
+        elif not msg.start:
+            self.trace.stop()

@@ -33,7 +33,7 @@ from torch import Tensor
 from tandem_serve.proto.messages import GuidedGrammar
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.batch import RequestState
+    from tandem_serve.gpu_worker.state import RequestState
 
 log = logging.getLogger(__name__)
 

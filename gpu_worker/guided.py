@@ -28,8 +28,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.batch import RequestState
 from tandem_serve.gpu_worker.grammar import GrammarRegistry, GrammarRows
+from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable
 
 # The live-token path pays while at most this share of the vocabulary is live: at V/3 its

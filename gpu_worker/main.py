@@ -6,8 +6,8 @@ In async mode it says `PlanEnding` about `--plan-lead-ms` before a plan ends, so
 plan is queued by then: it never waits for postprocessing or for the scheduler.
 
 Under tensor parallelism this is rank 0, which also forwards every plan, profile control
-and shutdown to the other ranks (`gpu_worker.parallel.Leader`); they run
-`gpu_worker.follower`.
+and shutdown to the other ranks before it runs them (`gpu_worker.parallel.Leader`); they
+run `gpu_worker.follower`.
 """
 from __future__ import annotations
 
@@ -15,142 +15,71 @@ import logging
 import os
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
-import torch
-
+from tandem_serve.gpu_worker import parallel
+from tandem_serve.gpu_worker.build import build_runner
+from tandem_serve.gpu_worker.follower import run_follower
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
-from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import Receiver, Sender
-from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, role_watch
-from tandem_serve.ipc.process import StartupError, worker_threads
+from tandem_serve.ipc.role_loop import Announce, RoleLoop
 from tandem_serve.ipc.token_channel import TokenWriter
-from tandem_serve.ipc.tracing import TRACER, on_plan_done, on_profile_control, set_role
+from tandem_serve.ipc.tracing import TRACER, on_plan_done
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import (
-    Heartbeat,
-    PlanEnding,
-    ProfileControl,
-    Shutdown,
-    StepPlan,
-    WorkerReady,
-)
-
-if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.parallel import Leader, TensorParallel
+from tandem_serve.proto.messages import PlanEnding, ProfileControl, StepPlan, WorkerReady
 
 log = logging.getLogger("tandem.gpu_worker")
 
 
-def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRunner:
-    """The model and its KV cache; a checkpoint or device we cannot serve is a StartupError."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise StartupError(f"--device cuda: no CUDA device is available (torch "
-                           f"{torch.__version__}, {build}); use --device cpu or auto")
-    threads = worker_threads(cfg, tp.local_rank if tp else 0)
-    if threads:
-        torch.set_num_threads(threads)
-    pinned = list(os.sched_getaffinity(0)) if cfg.worker_cpus else []
-    log.info("torch threads: %d%s", torch.get_num_threads(),
-             f", pinned to cores {pinned}" if pinned else "")
-    try:
-        return ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                           block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                           kv_cache_memory=cfg.kv_cache_memory,
-                           max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                           cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                           flash_attn=cfg.flash_attn, tp=tp, adapter_cache=cfg.adapter_cache,
-                           max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
-                           load_format=cfg.load_format)
-    except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
-        raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
-
-
 def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
     if rank > 0:  # a tensor-parallel rank: rank 0 hands it the plans
-        from tandem_serve.gpu_worker.follower import run_follower
-
         run_follower(cfg, rank)
         return
     addr = cfg.addresses
-    inbox: Receiver = Receiver(addr.worker_inbox, bind=True)
-    to_scheduler: Sender = Sender(addr.scheduler_inbox)
-    tokens = TokenWriter(addr)
-    tp: TensorParallel | None = None
-    ranks: Leader | None = None
-    try:
-        if cfg.tensor_parallel_size > 1:
-            from tandem_serve.gpu_worker import parallel
-
-            ranks = parallel.Leader(cfg)  # bound first: the others subscribe as they start
-            tp = parallel.start(cfg, 0)
+    to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
+    with RoleLoop(cfg, "gpu-worker", title=cfg.worker_role(0), log=log, reply=to_frontend,
+                  inbox=Receiver(addr.worker_inbox, bind=True)) as role:
+        to_scheduler: Sender = role.own(Sender(addr.scheduler_inbox))
+        tokens = role.own(TokenWriter(addr))
+        ranks, tp = (role.enter(parallel.lead(cfg)) if cfg.tensor_parallel_size > 1
+                     else (None, None))
         runner = build_runner(cfg, tp)
         if ranks is not None:
             ranks.wait_followers()
         tokens.wait_ready()
-        publisher = TokenPublisher(tokens.put, runner.device)
+        worker = GpuWorker(cfg, role, runner, TokenPublisher(tokens.put, runner.device),
+                           to_scheduler, to_frontend, ranks)
         ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                             runner.vocab_size)
-        peers = role_watch(cfg, "gpu-worker")
-        if peers is None:  # under the launcher; on our own, once in the frontend's set
-            to_scheduler.put(ready)
-            log.info("ready (pid %d)", os.getpid())
-        to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
-        set_role("gpu-worker")
-        loop = _Loop(cfg, runner, publisher, to_scheduler, to_frontend, ranks, ready, peers)
-        while True:
-            if peers is not None:
-                peers.check(inbox.drained_at)  # on its own: lose the frontend, exit non-zero
-            msg = inbox.get(timeout=HEARTBEAT_INTERVAL if peers else 1.0)
-            if msg is None:
-                if ranks is not None:
-                    ranks.idle()
-                continue
-            if ranks is not None and isinstance(msg, (Shutdown, StepPlan, ProfileControl)):
-                ranks.forward(msg)  # before running it: the ranks run each plan together
-            if isinstance(msg, Shutdown):
-                log.info("shutting down: %s", msg.reason)
-                return
-            if isinstance(msg, StepPlan):
-                loop.run_plan(msg)
-            elif isinstance(msg, Heartbeat):
-                loop.on_heartbeat(msg)
-            elif isinstance(msg, ProfileControl):
-                on_profile_control(msg, loop.to_frontend, loop.torch_trace)
-            else:
-                log.error("unexpected message %s", type(msg).__name__)
-    except SystemExit:  # SIGTERM: the other ranks stop too (ranks on other hosts exit 0)
-        if ranks is not None:
-            ranks.forward(Shutdown("gpu worker rank 0 stopped"))
-        raise
-    finally:
-        if ranks is not None:
-            ranks.close()
-        if tp is not None:
-            tp.close()
-        tokens.close()
-        inbox.close()
-        to_scheduler.close()
+        # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
+        # its set: the scheduler of our set may not be up yet, and one of the set we replace
+        # may still hold its address.  The scheduler keeps the first.
+        role.run({StepPlan: worker.run_plan, ProfileControl: worker.profile},
+                 ready=Announce(to_scheduler, ready, f"pid {os.getpid()}", repeat=True),
+                 idle=ranks.idle if ranks is not None else None, on_shutdown=worker.forward)
 
 
-class _Loop:
-    """What the main loop does with a plan or a heartbeat, and the state it keeps between."""
+class GpuWorker:
+    """Rank 0's handlers, and what it keeps between plans."""
 
-    def __init__(self, cfg: ServerConfig, runner: ModelRunner, publisher: TokenPublisher,
-                 to_scheduler: Sender, to_frontend: Sender, ranks: Leader | None,
-                 ready: WorkerReady, peers: RoleWatch | None) -> None:
-        self.cfg, self.runner, self.publisher = cfg, runner, publisher
+    def __init__(self, cfg: ServerConfig, role: RoleLoop, runner: ModelRunner,
+                 publisher: TokenPublisher, to_scheduler: Sender, to_frontend: Sender,
+                 ranks: parallel.Leader | None) -> None:
+        self.cfg, self.role, self.runner, self.publisher = cfg, role, runner, publisher
         self.to_scheduler, self.to_frontend, self.ranks = to_scheduler, to_frontend, ranks
-        self.ready, self.peers = ready, peers
         self.torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         self.paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when it ends
         self.idle_since = time.monotonic_ns()
 
+    def forward(self, msg: object) -> None:
+        """To the other ranks, before rank 0 runs it: the ranks run each plan together."""
+        if self.ranks is not None:
+            self.ranks.forward(msg)
+
     def run_plan(self, plan: StepPlan) -> None:
-        faults.maybe_fire(self.cfg.worker_role(0), plan.plan_id)  # tests only; else no-op
+        self.forward(plan)
+        self.role.maybe_fault(plan.plan_id)
         started = time.monotonic_ns()
         TRACER.record("idle", self.idle_since, started, plan.plan_id)
         ending = partial(self.to_scheduler.put, PlanEnding(plan.plan_id)) if self.paced \
@@ -162,18 +91,10 @@ class _Loop:
         self.to_scheduler.put(done)
         recording = TRACER.enabled
         on_plan_done(self.to_frontend, self.torch_trace)  # `tandem profile --plans N` ends here
-        if self.ranks is not None and recording and not TRACER.enabled:
-            self.ranks.forward(ProfileControl(start=False))  # their torch traces end too
+        if recording and not TRACER.enabled:
+            self.forward(ProfileControl(start=False))  # their torch traces end too
         self.idle_since = time.monotonic_ns()
 
-    def on_heartbeat(self, msg: Heartbeat) -> None:
-        """On our own (not under the launcher): join the frontend's set, then tell its
-        scheduler we are ready with every heartbeat of the frontend - when we join, the
-        scheduler of our set may not be up yet, and one of the set we replace may still
-        hold the address.  The scheduler keeps the first."""
-        if self.peers is None:
-            return
-        if self.peers.seen(msg):
-            log.info("ready (pid %d), in the set of epoch %x", os.getpid(), self.peers.epoch)
-        if self.peers.epoch:
-            self.to_scheduler.put(self.ready)
+    def profile(self, msg: ProfileControl) -> None:
+        self.forward(msg)
+        self.role.profile(msg, self.torch_trace)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import datetime
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import cast
@@ -36,7 +38,7 @@ from tandem_serve.ipc.fanout import Fanout
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, START_GRACE
 from tandem_serve.ipc.process import PeerDied, StartupError
 from tandem_serve.proto.config import ServerConfig, dist_host_port, plans_address
-from tandem_serve.proto.messages import Heartbeat
+from tandem_serve.proto.messages import Heartbeat, Shutdown
 
 log = logging.getLogger("tandem.gpu_worker")
 
@@ -193,3 +195,21 @@ class Leader:
     def close(self) -> None:
         self.fanout.close()
 
+
+@contextmanager
+def lead(cfg: ServerConfig) -> Iterator[tuple[Leader, TensorParallel]]:
+    """Rank 0's plan channel and its place in the group, for as long as rank 0 runs.  A
+    SIGTERM'd rank 0 tells the other ranks to stop (those on other hosts then exit 0), and
+    the channel closes before the group, so that last message still goes out."""
+    ranks = Leader(cfg)  # bound first: the others subscribe as they start
+    tp: TensorParallel | None = None
+    try:
+        tp = start(cfg, 0)
+        yield ranks, tp
+    except SystemExit:
+        ranks.forward(Shutdown("gpu worker rank 0 stopped"))
+        raise
+    finally:
+        ranks.close()
+        if tp is not None:
+            tp.close()

@@ -24,11 +24,12 @@ from tandem_serve.gpu_worker.attention import (
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from tandem_serve.gpu_worker.batch import DecodeBatch, RequestState, StepTensors, build_decode_batch
+from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.guided import GuidedRegistry, batch_order
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.sampler import Sampler
+from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.messages import (
     AdapterFailed,

@@ -69,7 +69,9 @@ def _device_to_host(src: Any, dst_device: Any) -> bool:
             and dst_device is not None and torch.device(dst_device).type == "cpu")
 
 
-def _why_forbidden(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+def why_forbidden(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why running aten op `func` on these arguments would make the host wait for the
+    device (None: it would not); public so the rules can be tested op by op."""
     packet = func.overloadpacket
     why = _ALWAYS.get(packet)
     if why is not None:
@@ -101,7 +103,7 @@ class _ForbidHostSyncMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        why = _why_forbidden(func, args, kwargs)
+        why = why_forbidden(func, args, kwargs)
         if why is not None:
             raise HostSyncError(f"{func} {why}; not allowed inside forbid_host_sync()")
         try:

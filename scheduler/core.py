@@ -9,11 +9,14 @@ preemptions before any forward, so blocks freed while building plan n (or when a
 arrives) may go to other requests in plan n: whatever earlier plans still write into them
 happens before.
 
-Its state (request table, queues, blocks, outstanding plans, counters), the changes that keep
-that consistent, statistics and invariant checks live in `scheduler/state.py`.
+The `Scheduler` owns its state (`scheduler/state.py`'s `SchedulerState`: request table,
+queues, blocks, outstanding plans, counters, with the changes that keep them consistent,
+statistics and invariant checks) and decides; it changes the state only through the
+state's methods.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +27,6 @@ from tandem_serve.proto.messages import (
     AddRequest,
     ContinueRequest,
     FinishReason,
-    GuidedKind,
     NewRequest,
     PlanEnding,
     PlanProcessed,
@@ -38,7 +40,6 @@ from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hash
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.state import (
     MAX_OUTSTANDING_ASYNC,
-    PlanProgress,
     SchedulerParams,
     SchedulerState,
     SchedulerStats,
@@ -69,8 +70,22 @@ class _Draft:
         return req.request_id in self.chunks
 
 
-class Scheduler(SchedulerState):
-    """Admission, planning and preemption over the bookkeeping of `SchedulerState`."""
+class Scheduler:
+    """Admission, planning and preemption over the bookkeeping of the `SchedulerState` it
+    owns (`state`)."""
+
+    def __init__(self, params: SchedulerParams) -> None:
+        self.state = SchedulerState(params)
+        self.params = params
+        self.clock = time.monotonic  # tests replace it
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.state.stats
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError when the scheduler's bookkeeping contradicts itself."""
+        self.state.check_invariants()
 
     # ================================================================== messages in
 
@@ -83,48 +98,45 @@ class Scheduler(SchedulerState):
         prompt_ids = np.ascontiguousarray(msg.prompt_ids, dtype=np.int32)
         rejection = self._admission_refusal(msg.request_id, len(prompt_ids))
         if rejection is not None:
-            self._num_rejected += 1
-            return RequestRejected(msg.request_id, rejection)
+            return self.state.reject(msg.request_id, rejection)
         req = Request(msg.request_id, prompt_ids, msg.sampling, msg.arrival_time,
                       self.params.max_model_len, adapter_id=msg.adapter_id)
         problem = self._unrunnable(req)
         if problem is not None:
-            self._record_failure(req, problem)
+            self.state.record_failure(req, problem)
             return None
-        problem = self._constraints.problem(msg)
+        problem = self.state.constraints.problem(msg)
         if problem is not None:  # the frontend's compiler made it: a bug, not an overload
-            self._record_failure(req, problem, FinishReason.ERROR)
+            self.state.record_failure(req, problem, FinishReason.ERROR)
             return None
-        self._constraints.hold(msg)
+        self.state.constraints.hold(msg)
         if self.params.enable_prefix_caching:  # KV computed under an adapter is its own
             req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size,
                                                           adapter_salt(req.adapter_id))
-        self._requests[req.request_id] = req
-        self._waiting.append(req)
-        self._waiting_tokens += req.prompt_len
+        self.state.queue(req)
         return None
 
     def abort_request(self, request_id: int,
                       reason: FinishReason = FinishReason.CANCELLED) -> None:
-        req = self._requests.get(request_id)
-        self._ledger.cut(request_id)
+        req = self.state.requests.get(request_id)
+        self.state.ledger.cut(request_id)
         if req is not None:
-            self._finish(req, reason)
+            self.state.finish(req, reason)
 
     def on_step_done(self, msg: StepDone) -> None:
-        progress = self._progress(msg.plan_id)
+        progress = self.state.progress(msg.plan_id)
         if progress is None:  # a duplicate of a plan already retired
             return
         progress.step_done = True
         produced = zip(msg.request_ids.tolist(), msg.num_tokens.tolist(), strict=True)
         for request_id, num_tokens in produced:
-            self._ledger.add_produced(request_id, num_tokens)
+            self.state.ledger.add_produced(request_id, num_tokens)
         finished = zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist(), strict=True)
         for request_id, reason in finished:
-            req = self._requests.get(request_id)
+            req = self.state.requests.get(request_id)
             if req is not None:  # else finished by counts, aborted, or reported again
-                self._finish(req, FinishReason(reason))
-        self._retire_complete_plans()
+                self.state.finish(req, FinishReason(reason))
+        self.state.retire_complete_plans()
 
     def on_adapter_failed(self, msg: AdapterFailed) -> None:
         """The worker could not load an adapter: the requests it names never ran, and every
@@ -133,73 +145,65 @@ class Scheduler(SchedulerState):
         the meantime (the frontend still waits for it); the slot is freed, so a later
         request retries the load."""
         doomed = dict.fromkeys(msg.request_ids)
-        if self._lora.slot_of(msg.adapter_id) == msg.slot:
-            doomed.update(dict.fromkeys(req.request_id for req in self._requests.values()
+        if self.state.lora.slot_of(msg.adapter_id) == msg.slot:
+            doomed.update(dict.fromkeys(req.request_id for req in self.state.requests.values()
                                         if req.lora_slot and req.adapter_id == msg.adapter_id))
         for rid in doomed:
-            req = self._requests.get(rid)
-            self._ledger.cut(rid)
-            if req is not None:
-                self._finish(req, FinishReason.ERROR)
-                self._num_failed += 1
-            self._failures.append(RequestFailed(rid, FinishReason.ERROR, msg.message,
-                                                "INVALID_ARGUMENT"))
-        self._lora.forget(msg.adapter_id, msg.slot)
+            self.state.fail_as_error(rid, msg.message, "INVALID_ARGUMENT")
+        self.state.lora.forget(msg.adapter_id, msg.slot)
 
     def on_plan_ending(self, msg: PlanEnding) -> None:
-        progress = self._progress(msg.plan_id)
+        progress = self.state.progress(msg.plan_id)
         if progress is not None:
             progress.ending = True
 
     def on_stop_hit(self, msg: StopHit) -> None:
-        self._ledger.cut(msg.request_id, msg.num_tokens)
-        req = self._requests.get(msg.request_id)
+        self.state.ledger.cut(msg.request_id, msg.num_tokens)
+        req = self.state.requests.get(msg.request_id)
         if req is not None:
-            self._finish(req, FinishReason.STOP_SEQUENCE)
+            self.state.finish(req, FinishReason.STOP_SEQUENCE)
 
     def on_plan_processed(self, msg: PlanProcessed) -> None:
         if not 0 <= msg.worker_index < self.params.num_postproc_workers:
             raise ValueError(f"PlanProcessed from postproc worker {msg.worker_index}; there are "
                              f"{self.params.num_postproc_workers}")
-        progress = self._progress(msg.plan_id)
+        progress = self.state.progress(msg.plan_id)
         if progress is not None:
             progress.processed_by.add(msg.worker_index)
-            self._retire_complete_plans()
+            self.state.retire_complete_plans()
 
     def take_queue_times(self) -> list[float]:
         """Seconds from arrival to first scheduling of each request first scheduled since the
         previous call (a resumed request counts once, at its first start)."""
-        times, self._queue_times = self._queue_times, []
-        return times
+        return self.state.take_queue_times()
 
     def take_failures(self) -> list[RequestFailed]:
-        failures, self._failures = self._failures, []
-        return failures
+        return self.state.take_failures()
 
     # ================================================================== planning
 
     def ready_to_plan(self) -> bool:
-        return self._pipeline_has_room() and self._has_work()
+        return self.state.pipeline_has_room() and self.state.has_work()
 
     def build_plan(self) -> StepPlan:
         """Running requests first (decodes, then prefill chunks), then the waiting queue."""
         if not self.ready_to_plan():
             raise RuntimeError("build_plan() called while ready_to_plan() is False")
-        draft = _Draft(self._next_plan_id, self.params.max_num_batched_tokens)
+        draft = _Draft(self.state.next_plan_id, self.params.max_num_batched_tokens)
         self._continue_decodes(draft)
         self._continue_prefills(draft)
         if not draft.preempt:  # blocks ran short for running requests: admit nobody now
             self._admit_waiting(draft)
-        drop = self._take_pending_drops(draft.plan_id)
+        drop = self.state.take_pending_drops(draft.plan_id)
         # Before _advance: requests that finish by counts inside this plan still need theirs.
-        tables, drop_tables = self._constraints.take()
+        tables, drop_tables = self.state.constraints.take()
         self._advance(draft)
         plan = self._issue(draft, drop)
         plan.tables, plan.drop_tables = tables, drop_tables
         return plan
 
     def _continue_decodes(self, draft: _Draft) -> None:
-        for req in list(self._running):
+        for req in list(self.state.running):
             if req.status is RequestStatus.RUNNING and not req.is_prefilling:
                 self._continue_decode(req, draft)
 
@@ -218,7 +222,7 @@ class Scheduler(SchedulerState):
             draft.cont.append(ContinueRequest(req.request_id, new_blocks))
 
     def _continue_prefills(self, draft: _Draft) -> None:
-        for req in list(self._running):
+        for req in list(self.state.running):
             if draft.budget <= 0:
                 return
             if req.status is RequestStatus.RUNNING and req.is_prefilling and not draft.has(req):
@@ -236,37 +240,35 @@ class Scheduler(SchedulerState):
             num_prefill = self._chunk_that_fits(req, num_prefill)
 
     def _admit_waiting(self, draft: _Draft) -> None:
-        while (self._waiting and draft.budget > 0
-               and len(self._running) < self.params.max_num_seqs):
-            if not self._admit(self._waiting[0], draft):
+        while (self.state.waiting and draft.budget > 0
+               and len(self.state.running) < self.params.max_num_seqs):
+            if not self._admit(self.state.waiting[0], draft):
                 return  # first come, first served: nobody overtakes the head of the queue
 
     def _admit(self, req: Request, draft: _Draft) -> bool:
         """Start (or resume) the head of the queue; False when it has to wait."""
         if not self._fits_alone(req, self._positions_after(req, req.num_tokens - 1)):
             return True
-        if not req.lora_slot and not self._lora.can_take(req.adapter_id):
+        if not req.lora_slot and not self.state.lora.can_take(req.adapter_id):
             return False  # every adapter slot is held: wait like for KV blocks
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
-        hits = [] if req.sampling.prompt_logprobs else self._blocks.lookup(
+        hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
             self._cacheable_hashes(req))
         num_cached = len(hits) * self.params.block_size
         num_prefill = self._chunk(req.num_tokens - 1 - num_cached, draft.budget)
         if num_prefill is None:
             return False
         positions = self._positions_after(req, num_cached + num_prefill)
-        num_new = self._blocks.blocks_for(positions) - len(hits)
-        if num_new > self._blocks.num_free - self._blocks.num_evictable(hits):
+        num_new = self.state.blocks.blocks_for(positions) - len(hits)
+        if num_new > self.state.blocks.num_free - self.state.blocks.num_evictable(hits):
             return False
-        self._blocks.take(hits)
-        req.blocks = hits + self._blocks.allocate(num_new)
+        self.state.blocks.take(hits)
+        req.blocks = hits + self.state.blocks.allocate(num_new)
         if req.adapter_id and not req.lora_slot:  # a preempted request kept its slot
-            req.lora_slot, load = self._lora.take(req.adapter_id)
+            req.lora_slot, load = self.state.lora.take(req.adapter_id)
             if load is not None:
                 draft.loads.append(load)
-        if not req.known_to_worker:
-            self._queue_times.append(max(0.0, self.clock() - req.arrival_time))
-        self._start_running(req, num_cached, len(hits))
+        self.state.start_running(req, num_cached, len(hits), self.clock())
         draft.schedule(req, num_prefill)
         draft.new.append(self._new_request_message(req, num_cached, num_prefill))
         req.known_to_worker = True
@@ -283,11 +285,10 @@ class Scheduler(SchedulerState):
             self._register_filled_blocks(req)
             finish = req.count_finish()
             if finish is not None:  # the worker stops it in this plan: drop it in the next
-                self._finish(req, finish)
+                self.state.finish(req, finish)
 
     def _issue(self, draft: _Draft, drop: list[int]) -> StepPlan:
-        self._plans[draft.plan_id] = PlanProgress()
-        self._next_plan_id += 1
+        self.state.open_plan()
         return StepPlan(
             plan_id=draft.plan_id,
             num_steps=self.params.num_steps,
@@ -323,32 +324,32 @@ class Scheduler(SchedulerState):
 
     def _chunk_that_fits(self, req: Request, num_prefill: int) -> int | None:
         """A smaller chunk that does not complete the prompt and fits in the free blocks."""
-        room = (len(req.blocks) + self._blocks.num_free) * self.params.block_size
+        room = (len(req.blocks) + self.state.blocks.num_free) * self.params.block_size
         smaller = min(num_prefill, req.prefill_left - 1, room - req.num_computed)
         return smaller if 0 < smaller < num_prefill else None
 
     def _grow(self, req: Request, positions: int, draft: _Draft) -> list[int] | None:
         """Blocks for `positions`, preempting newer unscheduled requests; None if that fails."""
-        num_new = max(0, self._blocks.blocks_for(positions) - len(req.blocks))
-        while num_new > self._blocks.num_free:
+        num_new = max(0, self.state.blocks.blocks_for(positions) - len(req.blocks))
+        while num_new > self.state.blocks.num_free:
             victim = self._newest_unscheduled(draft)
             if victim is req:
                 return None
             self._preempt(victim, draft)
-        new_blocks = self._blocks.allocate(num_new)
+        new_blocks = self.state.blocks.allocate(num_new)
         req.blocks.extend(new_blocks)
         return new_blocks
 
     def _newest_unscheduled(self, draft: _Draft) -> Request:
         # Callers are themselves running and unscheduled, so there always is one.
-        return next(req for req in reversed(self._running) if not draft.has(req))
+        return next(req for req in reversed(self.state.running) if not draft.has(req))
 
     def _fits_alone(self, req: Request, positions: int) -> bool:
         """False (and the request failed) when even the whole cache is too small for it."""
-        needed = self._blocks.blocks_for(positions)
+        needed = self.state.blocks.blocks_for(positions)
         if needed <= self.params.num_blocks:
             return True
-        self._fail(req, f"request {req.request_id} needs {needed} KV blocks of "
+        self.state.fail(req, f"request {req.request_id} needs {needed} KV blocks of "
                         f"{self.params.block_size} tokens for {positions} positions; the whole "
                         f"cache has num_blocks={self.params.num_blocks}")
         return False
@@ -365,7 +366,7 @@ class Scheduler(SchedulerState):
         # by another request of this same plan, whose forward may run alongside.
         filled = min(req.num_computed // self.params.block_size, len(req.prompt_block_hashes))
         for index in range(req.num_registered_blocks, filled):
-            self._blocks.register(req.blocks[index], req.prompt_block_hashes[index])
+            self.state.blocks.register(req.blocks[index], req.prompt_block_hashes[index])
         req.num_registered_blocks = max(req.num_registered_blocks, filled)
 
     def _new_request_message(self, req: Request, num_cached: int,
@@ -379,32 +380,20 @@ class Scheduler(SchedulerState):
     # ================================================================== preemption
 
     def _preempt(self, req: Request, draft: _Draft) -> None:
-        # Recompute, not swap: the worker frees the KV and keeps the token history.
-        self._running.remove(req)
-        self._blocks.free(req.blocks)
-        req.blocks = []
-        req.num_computed = 0
-        req.num_registered_blocks = 0
-        req.status = RequestStatus.PREEMPTED
-        if req.sampling.guided_kind != GuidedKind.NONE:  # the worker replays it on resume
-            self._constraints.stop(req.sampling.guided_id)
-        req.num_preemptions += 1
-        self._num_preemptions += 1
-        self._waiting.appendleft(req)
-        self._waiting_tokens += req.prompt_len
+        self.state.preempt(req)
         draft.preempt.append(req.request_id)
 
     # ================================================================== admission
 
     def _admission_refusal(self, request_id: int, prompt_len: int) -> str | None:
         params = self.params
-        if request_id in self._requests:
+        if request_id in self.state.requests:
             return f"request id {request_id} is already queued or running"
-        if len(self._waiting) >= params.max_queued_requests:
-            return (f"queue full: {len(self._waiting)} requests waiting "
+        if len(self.state.waiting) >= params.max_queued_requests:
+            return (f"queue full: {len(self.state.waiting)} requests waiting "
                     f"(max_queued_requests={params.max_queued_requests})")
-        if self._waiting_tokens + prompt_len > params.max_queued_tokens:
-            return (f"queue full: {self._waiting_tokens} prompt tokens waiting, this prompt "
+        if self.state.waiting_tokens + prompt_len > params.max_queued_tokens:
+            return (f"queue full: {self.state.waiting_tokens} prompt tokens waiting, this prompt "
                     f"adds {prompt_len} (max_queued_tokens={params.max_queued_tokens})")
         return None
 
@@ -420,7 +409,7 @@ class Scheduler(SchedulerState):
         if req.adapter_id and params.max_loras < 1:
             return f"adapter {req.adapter_id!r}: LoRA adapters are not enabled (max_loras=0)"
         positions = self._positions_after(req, req.prompt_len - 1)
-        needed = self._blocks.blocks_for(positions)
+        needed = self.state.blocks.blocks_for(positions)
         if needed > params.num_blocks:
             return (f"prompt needs {needed} KV blocks of {params.block_size} tokens; the whole "
                     f"cache has num_blocks={params.num_blocks}")

@@ -1,18 +1,20 @@
 """The scheduler's bookkeeping: what it knows, the changes that keep that consistent, and
 the checks that it is.
 
-`SchedulerState` holds the request table and queues, the block manager, the outstanding plans
-and the counters; `scheduler/core.py`'s `Scheduler` builds on it with the decisions
-(admission, planning, preemption).  Apart, each reads in one sitting, and the invariants sit
-next to the state they check.
+`SchedulerState` holds the request table and queues, the block manager, the adapter slots,
+the constraints, the token ledger, the outstanding plans and the counters.
+`scheduler/core.py`'s `Scheduler` owns one and makes the decisions (admission, planning,
+preemption) over it: it reads the state's collections and parts as it likes, and changes
+the table, the queues, the plans and the counters only through the state's methods, which
+keep them consistent with each other.  Apart, each reads in one sitting, and the
+invariants sit next to the state they check.
 """
 from __future__ import annotations
 
-import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed
+from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed, RequestRejected
 from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
 from tandem_serve.scheduler.lora_slots import LoraSlots
@@ -76,26 +78,26 @@ class PlanProgress:
 
 
 class SchedulerState:
-    """The scheduler's state and its consistent changes; `Scheduler` adds the decisions."""
+    """The scheduler's state and its consistent changes; `Scheduler` makes the decisions."""
 
     def __init__(self, params: SchedulerParams) -> None:
         if params.num_steps < 1 or params.max_num_batched_tokens < 1 or params.max_num_seqs < 1:
             raise ValueError(f"num_steps, max_num_batched_tokens and max_num_seqs must be >= 1: "
                              f"{params}")
         self.params = params
-        self._blocks = BlockManager(params.num_blocks, params.block_size,
-                                    params.enable_prefix_caching)
-        self._lora = LoraSlots(params.max_loras)
-        self._requests: dict[int, Request] = {}  # waiting, preempted and running
-        self._waiting: deque[Request] = deque()  # preempted ones at the front
-        self._running: list[Request] = []  # oldest admission first; preempted newest first
+        self.blocks = BlockManager(params.num_blocks, params.block_size,
+                                   params.enable_prefix_caching)
+        self.lora = LoraSlots(params.max_loras)
+        self.constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
+        self.ledger = TokenLedger()
+        self.requests: dict[int, Request] = {}  # waiting, preempted and running
+        self.waiting: deque[Request] = deque()  # preempted ones at the front
+        self.running: list[Request] = []  # oldest admission first; preempted newest first
         self._waiting_tokens = 0
         self._pending_drops: list[int] = []
         self._plans: dict[int, PlanProgress] = {}  # built and not yet done and processed
         self._next_plan_id = 0
         self._failures: list[RequestFailed] = []
-        self._ledger = TokenLedger()
-        self._constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self._num_preemptions = 0
         self._num_rejected = 0
         self._num_failed = 0
@@ -104,73 +106,135 @@ class SchedulerState:
         self._prefix_hit_blocks = 0
         # Arrival (the frontend's clock: one monotonic clock per host) to first scheduling.
         self._queue_times: list[float] = []
-        self.clock = time.monotonic  # tests replace it
 
     # ================================================================== state changes
 
-    def _start_running(self, req: Request, num_cached: int, num_hit_blocks: int) -> None:
-        self._waiting.popleft()
+    def queue(self, req: Request) -> None:
+        """A new request joins the back of the waiting queue."""
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        self._waiting_tokens += req.prompt_len
+
+    def reject(self, request_id: int, why: str) -> RequestRejected:
+        self._num_rejected += 1
+        return RequestRejected(request_id, why)
+
+    def start_running(self, req: Request, num_cached: int, num_hit_blocks: int,
+                      now: float) -> None:
+        """The head of the waiting queue runs, its first `num_cached` tokens from the cache;
+        `now` on the frontend's clock, for its queue time when it runs for the first time."""
+        if not req.known_to_worker:
+            self._queue_times.append(max(0.0, now - req.arrival_time))
+        self.waiting.popleft()
         self._waiting_tokens -= req.prompt_len
-        self._running.append(req)
+        self.running.append(req)
         req.status = RequestStatus.RUNNING
         req.num_computed = num_cached
         req.num_registered_blocks = num_hit_blocks
-        self._ledger.open(req.request_id)
+        self.ledger.open(req.request_id)
         if _guided(req):
-            self._constraints.start(req.sampling.guided_id)
+            self.constraints.start(req.sampling.guided_id)
         if self.params.enable_prefix_caching:
             self._prefix_queries += 1
             self._prefix_query_tokens += req.num_tokens
             self._prefix_hit_blocks += num_hit_blocks
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def preempt(self, req: Request) -> None:
+        """Recompute, not swap: the worker frees the KV and keeps the token history, and the
+        request waits at the front of the queue."""
+        self.running.remove(req)
+        self.blocks.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.num_registered_blocks = 0
+        req.status = RequestStatus.PREEMPTED
+        if _guided(req):  # the worker replays it on resume
+            self.constraints.stop(req.sampling.guided_id)
+        req.num_preemptions += 1
+        self._num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._waiting_tokens += req.prompt_len
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
         if _guided(req):
             if req.status is RequestStatus.RUNNING:
-                self._constraints.stop(req.sampling.guided_id)
-            self._constraints.release(req.sampling.guided_id)
+                self.constraints.stop(req.sampling.guided_id)
+            self.constraints.release(req.sampling.guided_id)
         if req.status is RequestStatus.RUNNING:
-            self._running.remove(req)
+            self.running.remove(req)
         else:
-            self._waiting.remove(req)
+            self.waiting.remove(req)
             self._waiting_tokens -= req.prompt_len
-        self._blocks.free(req.blocks)
+        self.blocks.free(req.blocks)
         req.blocks = []
         if req.lora_slot:
-            self._lora.give_back(req.adapter_id)
+            self.lora.give_back(req.adapter_id)
             req.lora_slot = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        del self._requests[req.request_id]
+        del self.requests[req.request_id]
         if req.known_to_worker:
             self._pending_drops.append(req.request_id)
 
-    def _fail(self, req: Request, message: str) -> None:
-        self._ledger.cut(req.request_id)
-        self._finish(req, FinishReason.TOKEN_LIMIT)
-        self._record_failure(req, message)
+    def fail(self, req: Request, message: str) -> None:
+        self.ledger.cut(req.request_id)
+        self.finish(req, FinishReason.TOKEN_LIMIT)
+        self.record_failure(req, message)
 
-    def _record_failure(self, req: Request, message: str,
-                        reason: FinishReason = FinishReason.TOKEN_LIMIT) -> None:
+    def record_failure(self, req: Request, message: str,
+                       reason: FinishReason = FinishReason.TOKEN_LIMIT) -> None:
         self._num_failed += 1
         self._failures.append(RequestFailed(req.request_id, reason, message))
 
-    def _take_pending_drops(self, plan_id: int) -> list[int]:
+    def fail_as_error(self, request_id: int, message: str, code: str) -> None:
+        """End `request_id` as an error with gRPC status `code`, whether it is still here or
+        finished by counts in the meantime (the frontend still waits for it)."""
+        req = self.requests.get(request_id)
+        self.ledger.cut(request_id)
+        if req is not None:
+            self.finish(req, FinishReason.ERROR)
+            self._num_failed += 1
+        self._failures.append(RequestFailed(request_id, FinishReason.ERROR, message, code))
+
+    def take_failures(self) -> list[RequestFailed]:
+        failures, self._failures = self._failures, []
+        return failures
+
+    def take_queue_times(self) -> list[float]:
+        times, self._queue_times = self._queue_times, []
+        return times
+
+    def take_pending_drops(self, plan_id: int) -> list[int]:
         drops, self._pending_drops = self._pending_drops, []
-        self._ledger.forget_after(plan_id, drops)
+        self.ledger.forget_after(plan_id, drops)
         return drops
 
-    def _retire_complete_plans(self) -> None:
+    @property
+    def next_plan_id(self) -> int:
+        return self._next_plan_id
+
+    def open_plan(self) -> None:
+        """Plan `next_plan_id` is sent: outstanding until it is done and processed."""
+        self._plans[self._next_plan_id] = PlanProgress()
+        self._next_plan_id += 1
+
+    def retire_complete_plans(self) -> None:
         # Once a dropping plan is done and processed, no message can mention its drops again.
         complete = [plan_id for plan_id, progress in self._plans.items()
                     if progress.step_done
                     and len(progress.processed_by) >= self.params.num_postproc_workers]
         for plan_id in complete:
             del self._plans[plan_id]
-            self._ledger.plan_complete(plan_id)
+            self.ledger.plan_complete(plan_id)
 
     # ================================================================== observation
 
-    def _pipeline_has_room(self) -> bool:
+    @property
+    def waiting_tokens(self) -> int:
+        """Prompt tokens of the waiting queue (admission control's token limit)."""
+        return self._waiting_tokens
+
+    def pipeline_has_room(self) -> bool:
         if self.params.async_mode:
             running = [p for p in self._plans.values() if not p.step_done]
             if len(running) >= MAX_OUTSTANDING_ASYNC:
@@ -179,13 +243,14 @@ class SchedulerState:
         # Sync mode: plan n+1 waits for StepDone(n) and every postproc worker's PlanProcessed(n).
         return not self._plans
 
-    def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._pending_drops)
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_drops)
 
-    def _num_outstanding(self) -> int:
+    def num_outstanding(self) -> int:
         return sum(1 for progress in self._plans.values() if not progress.step_done)
 
-    def _progress(self, plan_id: int) -> PlanProgress | None:
+    def progress(self, plan_id: int) -> PlanProgress | None:
+        """An outstanding plan's progress; None once retired, ValueError if never built."""
         if not 0 <= plan_id < self._next_plan_id:
             raise ValueError(f"plan {plan_id} was never built (next plan id {self._next_plan_id})")
         return self._plans.get(plan_id)
@@ -193,71 +258,71 @@ class SchedulerState:
     @property
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
-            num_waiting=len(self._waiting),
-            num_running=len(self._running),
-            num_free_blocks=self._blocks.num_free,
-            num_cached_blocks=self._blocks.num_cached,
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_free_blocks=self.blocks.num_free,
+            num_cached_blocks=self.blocks.num_cached,
             num_preemptions=self._num_preemptions,
             prefix_hit_tokens=self._prefix_hit_blocks * self.params.block_size,
             prefix_query_tokens=self._prefix_query_tokens,
-            tokens_delivered=self._ledger.tokens_delivered,
-            tokens_after_finish=self._ledger.tokens_after_finish,
-            plans_outstanding=self._num_outstanding(),
+            tokens_delivered=self.ledger.tokens_delivered,
+            tokens_after_finish=self.ledger.tokens_after_finish,
+            plans_outstanding=self.num_outstanding(),
             prefix_hit_blocks=self._prefix_hit_blocks,
             prefix_queries=self._prefix_queries,
             num_plans=self._next_plan_id,
             num_rejected=self._num_rejected,
             num_failed=self._num_failed,
-            loaded_adapters=tuple(self._lora.resident),
-            adapter_loads=self._lora.num_loads,
+            loaded_adapters=tuple(self.lora.resident),
+            adapter_loads=self.lora.num_loads,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the scheduler's bookkeeping contradicts itself."""
-        self._blocks.check_invariants()
+        self.blocks.check_invariants()
         self._check_queues()
         holders: Counter[int] = Counter()
-        for req in self._running:
+        for req in self.running:
             self._check_running(req)
             holders.update(req.blocks)
         for block in range(self.params.num_blocks):
-            assert self._blocks.refcount(block) == holders[block], (
-                f"block {block}: refcount {self._blocks.refcount(block)}, "
+            assert self.blocks.refcount(block) == holders[block], (
+                f"block {block}: refcount {self.blocks.refcount(block)}, "
                 f"{holders[block]} holders")
-            assert holders[block] <= 1 or self._blocks.is_cached(block), (
+            assert holders[block] <= 1 or self.blocks.is_cached(block), (
                 f"block {block} is shared by {holders[block]} requests but is not a cached "
                 f"prefix block")
-        assert self._blocks.num_free + len(holders) == self.params.num_blocks, "blocks leaked"
-        self._constraints.check_invariants(
-            Counter(r.sampling.guided_id for r in self._running if _guided(r)),
-            Counter(r.sampling.guided_id for r in self._requests.values() if _guided(r)))
+        assert self.blocks.num_free + len(holders) == self.params.num_blocks, "blocks leaked"
+        self.constraints.check_invariants(
+            Counter(r.sampling.guided_id for r in self.running if _guided(r)),
+            Counter(r.sampling.guided_id for r in self.requests.values() if _guided(r)))
         self._check_adapters()
         limit = MAX_OUTSTANDING_ASYNC if self.params.async_mode else 1
-        assert self._num_outstanding() <= limit, f"{self._num_outstanding()} plans outstanding"
+        assert self.num_outstanding() <= limit, f"{self.num_outstanding()} plans outstanding"
 
     def _check_queues(self) -> None:
-        members = [req.request_id for req in self._running] + [r.request_id for r in self._waiting]
+        members = [req.request_id for req in self.running] + [r.request_id for r in self.waiting]
         assert len(members) == len(set(members)), "a request is queued twice"
-        assert set(members) == set(self._requests), "request table and queues disagree"
-        assert len(self._running) <= self.params.max_num_seqs, "too many running requests"
-        assert self._waiting_tokens == sum(req.prompt_len for req in self._waiting)
-        for req in self._waiting:
+        assert set(members) == set(self.requests), "request table and queues disagree"
+        assert len(self.running) <= self.params.max_num_seqs, "too many running requests"
+        assert self._waiting_tokens == sum(req.prompt_len for req in self.waiting)
+        for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not req.blocks and req.num_computed == 0, f"waiting {req.request_id} holds KV"
             assert req.known_to_worker == (req.status is RequestStatus.PREEMPTED)
 
     def _check_adapters(self) -> None:
         holders: Counter[str] = Counter()
-        for req in self._requests.values():
+        for req in self.requests.values():
             if req.lora_slot:
-                assert req.lora_slot == self._lora.slot_of(req.adapter_id), (
+                assert req.lora_slot == self.lora.slot_of(req.adapter_id), (
                     f"request {req.request_id} holds slot {req.lora_slot}, its adapter "
-                    f"{req.adapter_id!r} is in slot {self._lora.slot_of(req.adapter_id)}")
+                    f"{req.adapter_id!r} is in slot {self.lora.slot_of(req.adapter_id)}")
                 holders[req.adapter_id] += 1
             else:
                 assert not (req.adapter_id and req.known_to_worker), (
                     f"request {req.request_id} reached the worker without its adapter slot")
-        self._lora.check_invariants(holders)
+        self.lora.check_invariants(holders)
 
     def _check_running(self, req: Request) -> None:
         rid = req.request_id

@@ -18,9 +18,9 @@ import torch
 
 from tandem_serve.bench.guided_tables import choice_regex, json_schema_regex
 from tandem_serve.gpu_worker import guided as device_guided
-from tandem_serve.gpu_worker.batch import RequestState
 from tandem_serve.gpu_worker.guided import GuidedBatch
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (

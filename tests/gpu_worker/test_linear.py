@@ -120,7 +120,7 @@ def test_no_onednn_keeps_plain_linear_with_the_same_logits(
 
 
 def test_worker_config_reaches_the_model(tmp_path: Path) -> None:
-    from tandem_serve.gpu_worker.main import build_runner
+    from tandem_serve.gpu_worker.build import build_runner
     from tandem_serve.proto.config import ServerConfig
 
     path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)

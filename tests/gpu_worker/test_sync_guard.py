@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.sync_guard import HostSyncError, _why_forbidden, forbid_host_sync
+from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync, why_forbidden
 
 aten = torch.ops.aten
 
@@ -126,16 +126,16 @@ def test_device_to_host_copy_rules() -> None:
     dev = torch.empty(3, device="meta")
     cpu = torch.empty(3)
     cpu_dev = torch.device("cpu")
-    assert _why_forbidden(aten._to_copy.default, (dev,), {"device": cpu_dev}) is not None
-    assert _why_forbidden(aten._to_copy.default, (dev,),
+    assert why_forbidden(aten._to_copy.default, (dev,), {"device": cpu_dev}) is not None
+    assert why_forbidden(aten._to_copy.default, (dev,),
                           {"device": cpu_dev, "non_blocking": True}) is None
-    assert _why_forbidden(aten._to_copy.default, (cpu,), {"device": cpu_dev}) is None
-    assert _why_forbidden(aten._to_copy.default, (cpu,), {"dtype": torch.int32}) is None
+    assert why_forbidden(aten._to_copy.default, (cpu,), {"device": cpu_dev}) is None
+    assert why_forbidden(aten._to_copy.default, (cpu,), {"dtype": torch.int32}) is None
     # Blocking copy into host memory, or non-blocking into pageable memory, waits.
-    assert _why_forbidden(aten.copy_.default, (cpu, dev), {}) is not None
-    assert _why_forbidden(aten.copy_.default, (cpu, dev, True), {}) is not None
-    assert _why_forbidden(aten.copy_.default, (cpu, cpu), {}) is None
-    assert _why_forbidden(aten.copy_.default, (dev, cpu), {}) is None
+    assert why_forbidden(aten.copy_.default, (cpu, dev), {}) is not None
+    assert why_forbidden(aten.copy_.default, (cpu, dev, True), {}) is not None
+    assert why_forbidden(aten.copy_.default, (cpu, cpu), {}) is None
+    assert why_forbidden(aten.copy_.default, (dev, cpu), {}) is None
     with pytest.raises(HostSyncError), forbid_host_sync():
         dev.cpu()
 

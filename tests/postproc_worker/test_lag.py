@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tandem_serve.ipc.tracing import TRACER
-from tandem_serve.postproc_worker.main import STATS_INTERVAL, LagMeter
+from tandem_serve.postproc_worker.lag import STATS_INTERVAL, LagMeter
 from tandem_serve.proto.messages import PostprocStats
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.postproc_worker.postprocessor import Postprocessor
 from tandem_serve.proto.messages import (
     FinishReason,
     ForgetRequest,

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tandem_serve.postproc_worker.main import Postprocessor
+from tandem_serve.postproc_worker.postprocessor import Postprocessor
 from tandem_serve.proto.messages import (
     FinishReason,
     OutputDelta,

@@ -157,8 +157,8 @@ class Simulation:
         """Running requests' constraints are held; besides those of the requests the worker
         runs in this plan, it keeps at most `guided_kept`."""
         self.paused = (self.paused | set(plan.preempt)) - {n.request_id for n in plan.new}
-        held = set(self.sched._constraints.held)
-        running = {r.sampling.guided_id for r in self.sched._running
+        held = set(self.sched.state.constraints.held)
+        running = {r.sampling.guided_id for r in self.sched.state.running
                    if r.sampling.guided_kind != GuidedKind.NONE}
         assert running <= held, f"running requests' constraints {running - held} not held"
         at_worker = {self.guided_of[rid] for rid in self.known - self.paused
@@ -305,7 +305,8 @@ class Simulation:
         assert stats.num_free_blocks == self.params.num_blocks, "blocks leaked"
         assert not self.worker.reqs, f"worker still holds {list(self.worker.reqs)}"
         assert not self.known and not self.must_drop and not self.worker.count_drop_due
-        assert self.worker.tables == set(sched._constraints.held), "worker and scheduler differ"
+        assert self.worker.tables == set(sched.state.constraints.held), \
+            "worker and scheduler differ"
         assert len(self.worker.tables) <= self.params.guided_kept
         if self.p_guided > 0:
             assert self.worker.tables_sent > len(self.worker.tables), "constraints were sent"
@@ -313,7 +314,7 @@ class Simulation:
         assert stats.tokens_delivered + stats.tokens_after_finish == produced
         expected = sum(min(n, self.limits.get(rid, n)) for rid, n in self.seen_produced.items())
         assert stats.tokens_delivered == expected
-        assert len(sched._ledger) == 0, "token tallies outlive their requests"
+        assert len(sched.state.ledger) == 0, "token tallies outlive their requests"
         waits = [self.ended_at_plan[rid] - self.arrived_at_plan[rid] for rid in self.ended]
         assert max(waits) <= self.max_wait_plans(), f"a request waited {max(waits)} plans"
         sched.check_invariants()

@@ -95,7 +95,7 @@ def test_a_preempted_request_keeps_its_slot_and_resumes_without_a_load() -> None
         sched.check_invariants()
     [victim] = plans[-1].preempt
     add(sched, 3, "z")  # behind the preempted request; its slot is held
-    assert sched._lora.slot_of("x") == 1 and not sched._lora.can_take("z")
+    assert sched.state.lora.slot_of("x") == 1 and not sched.state.lora.can_take("z")
     for _ in range(40):
         sched.on_step_done(step_done(plans[-1].plan_id))
         sched.on_plan_processed(PlanProcessed(plans[-1].plan_id, 0))

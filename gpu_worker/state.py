@@ -1,0 +1,44 @@
+"""Per-request state the gpu worker keeps across plans, on the host.
+
+It holds what is known before a plan starts (history, block table, sampling params, guided
+and adapter state); `gpu_worker.batch` moves the decoding rows to the device once per plan.
+A leaf module: the batch, guided decoding and grammars all read it, and it reads none of them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem_serve.proto.messages import FinishReason, SamplingParams
+
+
+@dataclass
+class RequestState:
+    request_id: int
+    history: list[int]  # prompt + generated, as far as the host has seen it
+    num_prompt: int
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose KV is in the cache
+    prefill_chunk: int = 0  # tokens to prefill in the current plan
+    num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
+    finished: FinishReason = FinishReason.NOT_FINISHED
+    # Guided decoding, as of the end of `history`: a table row's automaton state, a grammar
+    # row's llguidance matcher (both unset while preempted: the resume replays the output).
+    guided_state: int = -1
+    matcher: Any = None
+    lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.history) - self.num_prompt
+
+    @property
+    def decoding(self) -> bool:
+        return not self.finished and self.num_computed == len(self.history) - 1
+
+    @property
+    def decodes_this_plan(self) -> bool:
+        """Decoding already, or once this plan's prefill chunk is in the cache."""
+        return not self.finished and self.num_computed + self.prefill_chunk == len(
+            self.history) - 1
