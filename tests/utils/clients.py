@@ -1,7 +1,7 @@
 """Client patterns for end-to-end tests, each through real gRPC clients: a burst released at
 one instant, clients that stop reading, clients that vanish mid-stream; and waiting for the
 server to be idle.  Tests import no benchmark, so this is the tests' copy of the patterns
-`tandem bench robustness` drives (`bench/robustness.py`)."""
+`tandem bench robustness` drives (`bench/robustness/clients.py`)."""
 from __future__ import annotations
 
 import threading

@@ -3,7 +3,7 @@
 The server compiles constraints in a worker process with caches (`guided.service`); the gpu
 worker's runner tests want a `GuidedTable` for a model folder's tokenizer without either, so
 this calls `guided.compile.Compiler` in-process.  Tests import no benchmark, so this is the
-tests' copy of `bench/guided_tables.py`.
+tests' copy of `bench/harness/guided_tables.py`.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Process helpers for tests that start real processes: free ports and process trees.
 
-Tests import no benchmark (tests/test_layout.py), so these are the tests' own; `bench/soak.py`
+Tests import no benchmark (tests/test_layout.py), so these are the tests' own; `bench/harness`
 keeps the benchmarks' copy."""
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each role is started exactly as `docker/docker-compose.yml` says (its command an
 environment), with 127.0.0.1 and free ports in place of the service names, and
 `RoleSet.restart_policy` plays compose's `restart: unless-stopped`: a role that exits is
 started again (after compose's first back-off, 0.1 s).  Tests import no benchmark, so this
-is the tests' copy of `bench/roles.py` (`tandem bench robustness --only restart`).
+is the tests' copy of `bench/robustness/roles.py` (`tandem bench robustness --only restart`).
 """
 from __future__ import annotations
 
