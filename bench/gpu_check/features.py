@@ -113,7 +113,7 @@ def check_features(model: str, device: str, out: str) -> tuple[dict[str, Any], s
     if device == "cuda" and torch.cuda.device_count() >= 2:
         jobs = PARITY_PROMPTS[:2]
         tp = served_tokens(model, ["--device", "cuda", "--dtype", "float32",
-                                    "--tensor-parallel-size", "2"], jobs)
+                                   "--tensor-parallel-size", "2"], jobs)
         fig["tensor_parallel_2"] = {"equal": tp == hf_greedy(model, "cuda", "float32", jobs)}
     else:
         fig["tensor_parallel_2"] = {"skipped": "needs two CUDA devices (NCCL: one per rank)"}

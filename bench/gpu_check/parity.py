@@ -15,7 +15,7 @@ PARITY_PROMPTS = [("Once upon a time", 48), ("The quick brown fox jumps over", 3
 
 
 def hf_greedy(model: str, device: str, dtype: str,
-               jobs: list[tuple[str, int]]) -> list[list[str]]:
+              jobs: list[tuple[str, int]]) -> list[list[str]]:
     """HF generate()'s greedy tokens (as token strings) for each (prompt, n)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -108,7 +108,7 @@ def fig_arms(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def profile_hook(plan: Plan, out: str, work: Any,
-                  profile: dict[str, Any]) -> Callable[[int], None]:
+                 profile: dict[str, Any]) -> Callable[[int], None]:
     """Record `--plans N` with torch.profiler on the async arm's server, under load."""
 
     def run(port: int) -> None:

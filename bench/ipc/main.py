@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             "message_bytes": args.size, "round_trips": args.round_trips,
             "messages": args.messages,
             "ring": bench_ring(tmp, args.size, args.round_trips, args.messages,
-                                args.idle_seconds),
+                               args.idle_seconds),
             "zmq_ipc": bench_zmq(tmp, args.size, args.round_trips, args.messages),
         }
     finally:

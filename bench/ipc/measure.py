@@ -123,7 +123,7 @@ def _stop(child: subprocess.Popen[bytes], tr: _Transport | None) -> None:
 
 
 def bench_ring(tmp: str, size: int, round_trips: int, messages: int,
-                idle_s: float) -> dict[str, float]:
+               idle_s: float) -> dict[str, float]:
     pid = os.getpid()
     name_a, name_b = f"tandem_{pid}_bench_a", f"tandem_{pid}_bench_b"
     addrs = [f"ipc://{tmp}/{n}" for n in ("a_bell", "a_side", "b_bell", "b_side")]
