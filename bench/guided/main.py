@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guided-share", type=float, default=0.5,
                    help="share of each guided arm's requests that are constrained")
     add_one_server_arguments(p, input_len=64)
-    p.add_argument("--output-json", default="guided_load.json")
+    p.add_argument("--output-json", default="bench_guided.json")
 
 
 def check(name: str, result: dict[str, Any], expected: int) -> None:
