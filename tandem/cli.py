@@ -331,22 +331,22 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_ipc(args: argparse.Namespace) -> int:
-    from tandem_serve.bench import ipc as bench_ipc
+    from tandem_serve.bench.ipc import main as bench_ipc
 
     return bench_ipc.main(args.rest)
 
 
 # `tandem bench NAME`: the module `bench.MODULE` with `add_arguments(parser)` and `main(args)`.
 BENCHMARKS = (  # (NAME, MODULE, help)
-    ("serve", "serve", "vLLM-style serving benchmark against a server"),
-    ("step", "step", "decode ms/step at batch 1/8/32/64 next to HF generate()"),
-    ("postproc", "postproc", "postproc tokens/s next to decode tokens/s"),
-    ("soak", "soak", "steady load for minutes; RSS growth of every process"),
-    ("robustness", "robustness", "overload, stalled and vanishing clients, role restarts"),
-    ("ab", "ab", "sync/async x K table, each arm on a fresh server"),
-    ("lora", "lora", "TPOT and throughput with LoRA adapters vs the base model"),
-    ("guided", "guided_serve", "TPOT and throughput with guided requests, per kind"),
-    ("report", "report", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
+    ("serve", "serve.main", "vLLM-style serving benchmark against a server"),
+    ("step", "step.main", "decode ms/step at batch 1/8/32/64 next to HF generate()"),
+    ("postproc", "postproc.main", "postproc tokens/s next to decode tokens/s"),
+    ("soak", "soak.main", "steady load for minutes; RSS growth of every process"),
+    ("robustness", "robustness.main", "overload, stalled and vanishing clients, role restarts"),
+    ("ab", "ab.main", "sync/async x K table, each arm on a fresh server"),
+    ("lora", "lora.main", "TPOT and throughput with LoRA adapters vs the base model"),
+    ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
+    ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem_serve.bench.datasets import (
+from tandem_serve.bench.serve.datasets import (
     BenchItem,
     allowed_token_ids,
     arrival_offsets,

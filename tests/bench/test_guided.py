@@ -1,12 +1,14 @@
-"""`bench.guided`: which requests are guided, with what, and how the result reports them."""
+"""`bench.serve.guided_load`: which requests are guided, with what, and how the result
+reports them."""
 from __future__ import annotations
 
 import pytest
 
-from tandem_serve.bench import guided as bg
-from tandem_serve.bench.backends import BackendOptions, TandemBackend
-from tandem_serve.bench.datasets import BenchItem
-from tandem_serve.bench.metrics import RequestRecord
+from tandem_serve.bench.serve import guided_load as bg
+from tandem_serve.bench.serve.backends.base import BackendOptions
+from tandem_serve.bench.serve.backends.tandem import TandemBackend
+from tandem_serve.bench.serve.datasets import BenchItem
+from tandem_serve.bench.serve.metrics import RequestRecord
 from tandem_serve.guided.compile import Compiler
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.tokenization.tokenizer import Tokenizer
@@ -72,7 +74,7 @@ def test_summary_reports_the_first_request_apart() -> None:
 def test_bench_guided_names_an_unknown_kind() -> None:
     import argparse
 
-    from tandem_serve.bench import guided_serve
+    from tandem_serve.bench.guided import main as guided_serve
 
     p = argparse.ArgumentParser()
     guided_serve.add_arguments(p)
@@ -81,7 +83,7 @@ def test_bench_guided_names_an_unknown_kind() -> None:
 
 
 def test_bench_guided_refuses_a_run_with_failed_guided_requests() -> None:
-    from tandem_serve.bench.guided_serve import check
+    from tandem_serve.bench.guided.main import check
 
     check("regex", {"completed": 8, "guided_failed": 0}, 8)
     with pytest.raises(SystemExit, match="regex: 1 requests failed: .*bad regex"):

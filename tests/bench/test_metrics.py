@@ -13,17 +13,20 @@ import time
 
 import pytest
 
-from tandem_serve.bench.backends import Backend, BackendOptions, TandemBackend
-from tandem_serve.bench.datasets import BenchItem
-from tandem_serve.bench.http_sse import read_http_response, sse_events
-from tandem_serve.bench.metrics import (
+from tandem_serve.bench.serve.backends.base import Backend, BackendOptions
+from tandem_serve.bench.serve.backends.http_sse import read_http_response, sse_events
+from tandem_serve.bench.serve.backends.openai_compatible import TransformersServeBackend
+from tandem_serve.bench.serve.backends.tandem import TandemBackend
+from tandem_serve.bench.serve.config import BenchConfig
+from tandem_serve.bench.serve.datasets import BenchItem
+from tandem_serve.bench.serve.main import add_arguments, config_from_args
+from tandem_serve.bench.serve.metrics import (
     RequestRecord,
     calculate_metrics,
     format_result,
     peak_output_rate,
 )
-from tandem_serve.bench.peer_backends import TransformersServeBackend
-from tandem_serve.bench.serve import BenchConfig, add_arguments, config_from_args, run_benchmark
+from tandem_serve.bench.serve.run import run_benchmark
 
 VLLM_KEYS = {
     "duration", "completed", "total_input_tokens", "total_output_tokens",

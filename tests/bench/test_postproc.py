@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tandem_serve.bench.postproc import bench_detokenizer
+from tandem_serve.bench.postproc.detokenizer import bench_detokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
 
 

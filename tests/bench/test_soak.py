@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem_serve.bench.soak import ProcessRss, Windows, format_table, growth_pct
+from tandem_serve.bench.soak.rss import ProcessRss, Windows, format_table, growth_pct
 
 
 def _proc(kb_at: dict[float, int]) -> ProcessRss:

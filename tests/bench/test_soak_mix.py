@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from tandem_serve.bench.soak_mix import DEFAULT_MIX, GUIDED, build, choose, parse_mix
+from tandem_serve.bench.soak.mix import DEFAULT_MIX, GUIDED, build, choose, parse_mix
 
 
 def test_the_guided_share_is_of_all_requests_and_the_rest_keep_their_weights() -> None:

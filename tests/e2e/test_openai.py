@@ -282,16 +282,3 @@ def test_a_client_that_disconnects_frees_its_blocks(client: openai.OpenAI,
     assert wait_idle(server).tokens_delivered == before
     # The server goes on serving.
     assert client.completions.create(prompt="Still there?", **exactly(3)).choices[0].text
-
-
-@pytest.mark.parametrize("backend", ["openai-completions", "openai-chat"])
-def test_bench_serve_drives_the_http_api(server: Server, tiny_model_dir: pathlib.Path,
-                                         backend: str) -> None:
-    from tandem_serve.bench.serve import BenchConfig, run_benchmark
-
-    cfg = BenchConfig(backend=backend, base_url=f"http://127.0.0.1:{server.http_port}",
-                      model=str(tiny_model_dir), num_prompts=4, input_len=16, output_len=8,
-                      max_concurrency=2, progress=False)
-    result = asyncio.run(run_benchmark(cfg))
-    assert result["completed"] == 4 and result["total_output_tokens"] == 32
-    assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0

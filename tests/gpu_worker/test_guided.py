@@ -16,7 +16,6 @@ import jsonschema
 import pytest
 import torch
 
-from tandem_serve.bench.guided_tables import choice_regex, json_schema_regex
 from tandem_serve.gpu_worker import guided as device_guided
 from tandem_serve.gpu_worker.guided import GuidedBatch
 from tandem_serve.gpu_worker.runner import ModelRunner
@@ -35,6 +34,7 @@ from tests.gpu_worker.guided_utils import (
 )
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
+from tests.utils.guided_tables import choice_regex, json_schema_regex
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 CHOICE = choice_regex(["yes", "no", "maybe", "the quick fox"])

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from tandem_serve.bench.soak import free_port
 from tandem_serve.gpu_worker import parallel
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.parallel import TensorParallel
@@ -32,6 +31,7 @@ from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
+from tests.utils.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFILL_LENGTHS = [5, 40, 17, 1]

@@ -1,0 +1,43 @@
+"""The sizes of one `scripts/gpu-check` run: the GPU flow, the `--cpu` flow on the tiny
+models, and the tests' `--quick` one; and what each stage needs of the budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one run: the GPU flow, the `--cpu` flow, or the test's `--quick` one."""
+
+    device: str
+    dtype: str  # the experiment's and step stage's dtype
+    experiment_model: str  # "llama3-8b" (dummy weights) or a tiny preset
+    input_len: int
+    prefix_len: int
+    output_len: int
+    request_rate: float
+    max_prompts: int
+    min_prompts: int
+    step_batches: str
+    step_prompt_len: int
+    step_steps: int
+    profile_plans: int
+    parity_prompts: int
+    server_args: tuple[str, ...] = ()
+    parity_model: str = "default"
+    skip: tuple[str, ...] = ()  # stages this plan leaves out
+
+
+GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, "1,32,64",
+                512, 32, 20, 4, ("--kv-cache-memory", "40", "--max-num-seqs", "128"))
+CPU_PLAN = Plan("cpu", "float32", "default", 128, 64, 32, 8.0, 48, 8, "1,8,32", 128, 16, 10, 4)
+QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len=16,
+                     output_len=8, request_rate=50.0,
+                     max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,
+                     step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
+                     skip=("gpu tests", "features"))
+
+
+# Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
+NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
+         "features": (60, 40), "experiment": (200, 60), "profile": (0, 0), "step": (60, 40)}

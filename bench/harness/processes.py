@@ -1,0 +1,123 @@
+"""Processes the benchmarks start and watch, read from /proc: free ports, process trees,
+roles by title, resident memory and CPU time."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+
+# The checkout the benchmarks run from: servers start there, reports are written there.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STOP_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the race with other binders is the usual one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out = [root]
+    todo = [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def role_of(pid: int) -> str:
+    """The Tandem role a process plays, from its title or its command line."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return "?"
+    if args and args[0].startswith("tandem: "):  # setproctitle
+        return args[0][len("tandem: "):].strip()
+    if "run-role" in args:
+        i = args.index("run-role")
+        role = args[i + 1] if i + 1 < len(args) else "?"
+        if role == "postproc" and "--index" in args:
+            role += " " + args[args.index("--index") + 1]
+        return role
+    if any("resource_tracker" in a for a in args):  # multiprocessing's, for shm segments
+        return "shm tracker"
+    return "frontend" if "serve" in args else os.path.basename(args[0]) if args else "?"
+
+
+def find_frontend() -> int | None:
+    """The pid of the only `tandem: frontend` process on this host, if there is one."""
+    found = [int(e) for e in os.listdir("/proc") if e.isdigit() and role_of(int(e)) == "frontend"]
+    return found[0] if len(found) == 1 else None
+
+
+def rss_kb(pid: int) -> int | None:
+    """Resident set size (VmRSS) in kB; None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+class CpuMeter:
+    """CPU seconds per process of a server tree (and of this load generator) over a run:
+    on a CPU host every process shares the cores the forward pass runs on."""
+
+    def __init__(self, root: int, label: str = "") -> None:
+        self.pids = {p: label or role_of(p) for p in tree_pids(root)}
+        self.start = {p: cpu_seconds(p) for p in self.pids}
+        self.own = own_cpu_seconds()
+
+    def stop(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, role in self.pids.items():
+            if role == "shm tracker":
+                continue
+            used = cpu_seconds(pid) - self.start[pid]
+            out[role] = out.get(role, 0.0) + max(used, 0.0)
+        out["load generator"] = own_cpu_seconds() - self.own
+        return out
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM, and SIGKILL when it has not exited within `timeout` seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

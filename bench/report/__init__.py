@@ -1,0 +1,1 @@
+"""`tandem bench report`: rerun the benchmarks, rewrite docs/BENCHMARKS.md (`main.py`)."""

@@ -1,0 +1,1 @@
+"""`tandem bench robustness`: overload, stalled and vanishing clients, role restarts."""

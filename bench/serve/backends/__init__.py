@@ -1,0 +1,1 @@
+"""The engines `tandem bench serve` drives: `base.py` is the interface, `registry.py` picks one."""

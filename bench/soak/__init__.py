@@ -1,0 +1,1 @@
+"""`tandem bench soak`: RSS of every process under a steady load (`main.py`)."""
