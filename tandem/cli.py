@@ -148,7 +148,9 @@ def _env_defaults(p: argparse.ArgumentParser) -> None:
             # A string default: argparse converts it only when the flag is not given, so a
             # value that does not parse stops only the commands that would use it.
             action.default = value
-            action.type = _EnvValue(action.type, f"TANDEM_{action.dest.upper()}", value)
+            convert = action.type
+            assert callable(convert), f"--{action.dest}: a flag type must be callable"
+            action.type = _EnvValue(convert, f"TANDEM_{action.dest.upper()}", value)
         else:
             action.default = value
 

@@ -13,6 +13,9 @@ Each top-level package holds one kind of thing, and imports only the kinds below
                                                             the process)
     rpc, openai_api       the gRPC service, the HTTP API    proto, ipc, the shared packages
                                                             and frontend; never each other
+    harness               what benchmarks and tests drive   the above but no process package
+                          servers with (processes, clients,
+                          compose roles, stats)
     bench                 benchmarks                        anything
     tandem                command line and launcher         anything (the one place that may
                                                             start every process and benchmark)
@@ -38,7 +41,7 @@ GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 PROCESSES = {"scheduler", "gpu_worker", "postproc_worker"}
 SHARED = {"tokenization", "guided", "adapters"}
 APIS = {"rpc", "openai_api"}
-OURS = {"proto", "ipc", *SHARED, *PROCESSES, "frontend", *APIS, "bench", "tandem"}
+OURS = {"proto", "ipc", *SHARED, *PROCESSES, "frontend", *APIS, "harness", "bench", "tandem"}
 ALLOWED: dict[str, set[str]] = {
     "proto": {"proto"},
     "ipc": {"proto", "ipc"},
@@ -47,6 +50,8 @@ ALLOWED: dict[str, set[str]] = {
     # Its main.py alone may import the APIs as well: test_only_the_frontend_main_imports_the_apis.
     "frontend": {"proto", "ipc", *SHARED, "frontend", *APIS},
     **{p: {"proto", "ipc", *SHARED, "frontend", p} for p in APIS},
+    # Drives servers from outside, as a client: no process package, no benchmark.
+    "harness": {"proto", "ipc", *SHARED, "frontend", *APIS, "harness"},
     "bench": OURS,
     "tandem": OURS,
 }

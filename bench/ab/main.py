@@ -30,10 +30,10 @@ from tandem_serve.bench.ab.tables import (
     peer_ratios,
     table,
 )
-from tandem_serve.bench.harness.arms import Arm, rounds, run_arm
-from tandem_serve.bench.harness.stats import median_result
 from tandem_serve.bench.serve.config import BenchConfig
 from tandem_serve.bench.serve.workload import Workload
+from tandem_serve.harness.arms import Arm, rounds, run_arm
+from tandem_serve.harness.stats import median_result
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -13,8 +13,8 @@ import urllib.request
 from typing import Any
 
 from tandem_serve.bench.ab.tables import PEER_NAMES
-from tandem_serve.bench.harness.processes import CpuMeter, free_port
 from tandem_serve.bench.serve.workload import Workload
+from tandem_serve.harness.processes import CpuMeter, free_port
 
 PEERS = tuple(PEER_NAMES)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_serve.bench.harness.tables import cell
+from tandem_serve.harness.tables import cell
 
 PEER_NAMES = {"transformers-serve": "transformers serve", "hf-generate": "hf generate()"}
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"), ("mean_itl_ms", "ITL ms"),

@@ -17,7 +17,7 @@ from tandem_serve.bench.gpu_check.models import tiny_model
 from tandem_serve.bench.gpu_check.parity import PARITY_PROMPTS, hf_greedy, served_tokens
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
-from tandem_serve.bench.harness.arms import Arm, arm_server
+from tandem_serve.harness.arms import Arm, arm_server
 
 REGEX = r"(yes|no), [0-9]{2,4} (apples|pears)\."
 PROMPT = "Once upon a time"
@@ -45,7 +45,7 @@ def hf_regex(model: str, device: str) -> list[str]:
     from outlines_core import Guide, Index
     from transformers import LogitsProcessorList
 
-    from tandem_serve.bench.harness.guided_tables import vocabulary
+    from tandem_serve.harness.guided_tables import vocabulary
     from tandem_serve.tokenization.tokenizer import Tokenizer
 
     tok, prompt = _hf_ids(model, device)

@@ -8,7 +8,7 @@ from typing import Any
 from tandem_serve.bench.gpu_check.models import tiny_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
-from tandem_serve.bench.harness.arms import Arm, arm_server
+from tandem_serve.harness.arms import Arm, arm_server
 
 PARITY_PROMPTS = [("Once upon a time", 48), ("The quick brown fox jumps over", 32),
                   ("Tandem runs the model while", 40), ("1, 2, 3, 4,", 64)]

@@ -17,10 +17,10 @@ from typing import Any
 from tandem_serve.bench.gpu_check.models import decode_weight_bytes, experiment_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, experiment_table, say, step_table
-from tandem_serve.bench.harness.arms import Arm, run_arm
-from tandem_serve.bench.harness.processes import REPO_ROOT
 from tandem_serve.bench.serve.config import BenchConfig
 from tandem_serve.bench.serve.workload import Workload
+from tandem_serve.harness.arms import Arm, run_arm
+from tandem_serve.harness.processes import REPO_ROOT
 from tandem_serve.ipc.process import CLI
 
 

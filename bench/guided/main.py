@@ -23,10 +23,10 @@ import sys
 import tempfile
 from typing import Any
 
-from tandem_serve.bench.harness.stats import median_result
-from tandem_serve.bench.harness.tables import paired_table
 from tandem_serve.bench.serve import guided_load
 from tandem_serve.bench.serve.workload import add_one_server_arguments, run_one_server_arms
+from tandem_serve.harness.stats import median_result
+from tandem_serve.harness.tables import paired_table
 
 COLUMNS = [("mean_ttft_ms", "TTFT ms"), ("mean_tpot_ms", "TPOT ms"),
            ("output_throughput", "out tok/s"),

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import zmq
 
-from tandem_serve.bench.harness.processes import REPO_ROOT
-from tandem_serve.bench.harness.stats import percentile
 from tandem_serve.bench.ipc.echo import COUNT, ECHO, IDLE, IDLE_END, QUIT, TALLY
+from tandem_serve.harness.processes import REPO_ROOT
+from tandem_serve.harness.stats import percentile
 from tandem_serve.ipc.shm_ring import RingReader, RingWriter, unlink_ipc_file, unlink_segment
 
 

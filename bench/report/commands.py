@@ -9,7 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from tandem_serve.bench.harness.processes import REPO_ROOT
+from tandem_serve.harness.processes import REPO_ROOT
 from tandem_serve.ipc.process import CLI
 
 

@@ -13,7 +13,6 @@ import os
 import tempfile
 from collections.abc import Callable
 
-from tandem_serve.bench.harness.processes import REPO_ROOT
 from tandem_serve.bench.report.commands import Context, progress, scrub
 from tandem_serve.bench.report.sections import (
     guided,
@@ -29,6 +28,7 @@ from tandem_serve.bench.report.sections import (
     tensor_parallel,
 )
 from tandem_serve.bench.report.serving import ab_default, ab_fast, pacing, profile
+from tandem_serve.harness.processes import REPO_ROOT
 
 SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "machine": ("Machine", machine),

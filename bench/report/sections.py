@@ -11,8 +11,8 @@ import sys
 import tempfile
 import time
 
-from tandem_serve.bench.harness.processes import REPO_ROOT
 from tandem_serve.bench.report.commands import Context, command_section, progress
+from tandem_serve.harness.processes import REPO_ROOT
 
 
 def machine(ctx: Context) -> str:

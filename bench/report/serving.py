@@ -8,8 +8,8 @@ import os
 import tempfile
 from typing import Any
 
-from tandem_serve.bench.harness.arms import Arm, arm_server
 from tandem_serve.bench.report.commands import Context, code, shown, tandem
+from tandem_serve.harness.arms import Arm, arm_server
 
 # The workload of the A/B tables and of the peer comparison: 32 concurrent requests,
 # 128-token prompts, exactly 64 output tokens (the figures the peers were measured with).

@@ -8,9 +8,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tandem_serve.bench.harness.processes import rss_kb
-from tandem_serve.bench.harness.server import serving, wait_idle
-from tandem_serve.bench.robustness.clients import (
+from tandem_serve.harness.clients import (
     WORDS,
     burst,
     detailed,
@@ -20,7 +18,9 @@ from tandem_serve.bench.robustness.clients import (
     summarize_overload,
     vanish,
 )
-from tandem_serve.bench.robustness.roles import RoleSet, wait_health, wait_serving_anew
+from tandem_serve.harness.processes import rss_kb
+from tandem_serve.harness.roles import RoleSet, wait_health, wait_serving_anew
+from tandem_serve.harness.server import serving, wait_idle
 
 
 def run_overload(args: argparse.Namespace) -> dict[str, Any]:

@@ -9,9 +9,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from tandem_serve.bench.harness.arms import Arm, arm_server, beside_frontend, rounds
 from tandem_serve.bench.serve.config import BenchConfig
 from tandem_serve.bench.serve.run import build_dataset, load_tokenizer, run_benchmark
+from tandem_serve.harness.arms import Arm, arm_server, beside_frontend, rounds
 
 
 @dataclasses.dataclass

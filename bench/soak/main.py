@@ -31,17 +31,17 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from tandem_serve.bench.harness.processes import (
+from tandem_serve.bench.soak.load import drive
+from tandem_serve.bench.soak.mix import DEFAULT_MIX, RequestStats, parse_mix
+from tandem_serve.bench.soak.rss import ProcessRss, Windows, format_table, growth_pct, sample
+from tandem_serve.harness.processes import (
     find_frontend,
     free_port,
     rss_kb,
     stop_process,
 )
-from tandem_serve.bench.harness.server import start_server, wait_idle, wait_serving
-from tandem_serve.bench.harness.stats import percentile
-from tandem_serve.bench.soak.load import drive
-from tandem_serve.bench.soak.mix import DEFAULT_MIX, RequestStats, parse_mix
-from tandem_serve.bench.soak.rss import ProcessRss, Windows, format_table, growth_pct, sample
+from tandem_serve.harness.server import start_server, wait_idle, wait_serving
+from tandem_serve.harness.stats import percentile
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

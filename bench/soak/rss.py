@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem_serve.bench.harness.processes import role_of, rss_kb, tree_pids
+from tandem_serve.harness.processes import role_of, rss_kb, tree_pids
 
 
 @dataclass

@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from tandem_serve.bench.harness.guided_tables import choice_regex, json_schema_regex, regex_table
 from tandem_serve.bench.step.runner import Ours, progress, random_prompts
+from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex, regex_table
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
 from tandem_serve.tokenization.tokenizer import Tokenizer
 

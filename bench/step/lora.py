@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem_serve.bench.harness.arms import rounds
+from tandem_serve.harness.arms import rounds
 
 
 def step_table(model: str, cache: str, ids: list[str], rank: int, batch: int = 32,

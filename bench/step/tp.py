@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem_serve.bench.harness.arms import rounds
 from tandem_serve.bench.step.runner import Ours, progress, random_prompts
+from tandem_serve.harness.arms import rounds
 
 
 @dataclass

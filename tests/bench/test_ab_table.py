@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tandem_serve.bench.ab.main import engine_arms
 from tandem_serve.bench.ab.tables import http_ratios, peer_ratios, table
-from tandem_serve.bench.harness.arms import Arm
+from tandem_serve.harness.arms import Arm
 
 
 def test_unpaced_arms_only_where_a_plan_has_several_steps() -> None:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pathlib
 
 from tandem_serve.adapters.peft import ModelShapes, read_adapter
-from tandem_serve.bench.harness.stats import paired_ratio
-from tandem_serve.bench.harness.tables import paired_table
 from tandem_serve.bench.lora.adapters import write_adapter
 from tandem_serve.bench.lora.main import COLUMNS
+from tandem_serve.harness.stats import paired_ratio
+from tandem_serve.harness.tables import paired_table
 
 
 def test_written_adapters_read_back_at_their_rank(tmp_path: pathlib.Path) -> None:

@@ -1,6 +1,6 @@
 """The compose deployment's roles as separate processes, started exactly as the compose file
 says (its commands and environment), with 127.0.0.1 in place of the service names, and
-compose's `restart: unless-stopped` played by `tests.utils.roles.RoleSet.restart_policy`.
+compose's `restart: unless-stopped` played by `tandem_serve.harness.roles.RoleSet.restart_policy`.
 
 A killed role is replaced with its whole set (every other backend role exits non-zero and is
 restarted fresh) while the frontend keeps running: NOT_SERVING, then SERVING, with greedy
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from tandem_serve.harness.roles import ROLES, RoleSet, wait_health, wait_serving_anew
 from tandem_serve.rpc.client import GenerateOptions, TandemClient
 from tests.hf_reference import hf_greedy
-from tests.utils.roles import ROLES, RoleSet, wait_health, wait_serving_anew
 
 pytestmark = pytest.mark.slow
 

@@ -14,12 +14,14 @@ from collections.abc import Iterator
 
 import grpc
 
+from tandem_serve.harness.processes import (
+    free_port,  # noqa: F401  (tests import it from here)
+)
+from tandem_serve.harness.processes import (
+    tree_pids as process_tree,
+)
 from tandem_serve.ipc.process import CLI
 from tandem_serve.rpc.client import GenerateOptions, TandemClient
-from tests.utils.processes import (
-    free_port,  # noqa: F401  (tests import it from here)
-    process_tree,
-)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,9 +11,10 @@ from contextlib import contextmanager
 
 import pytest
 
+from tandem_serve.harness.clients import burst, overload_jobs, summarize_overload
+from tandem_serve.harness.server import wait_idle
 from tests.e2e.server import running
 from tests.hf_reference import hf_greedy
-from tests.utils.clients import burst, overload_jobs, summarize_overload, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ A stream whose client stops reading is cancelled once the frontend holds more th
 reads nothing, other streams keep flowing, and the client that reads again gets what was in
 flight and then RESOURCE_EXHAUSTED naming the limit.  A hundred clients that disconnect
 mid-stream leave every block free and nothing running or waiting.  The client patterns are
-`tandem bench robustness`'s (tests/utils/clients.py).
+`tandem bench robustness`'s (`harness/clients.py`).
 """
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tandem_serve.harness.clients import finish_stalled, stalled_streams, vanish
+from tandem_serve.harness.server import wait_idle
 from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, running
-from tests.utils.clients import finish_stalled, stalled_streams, vanish, wait_idle
 
 pytestmark = pytest.mark.slow
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
+from tandem_serve.harness.guided_tables import regex_table, vocabulary
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.model_utils import EOS_ID, make_tiny_checkpoint
-from tests.utils.guided_tables import regex_table, vocabulary
 
 VOCAB = 512
 _paths: dict[str, str] = {}

@@ -21,6 +21,7 @@ from tandem_serve.gpu_worker.guided import GuidedBatch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
+from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
     VOCAB,
@@ -34,7 +35,6 @@ from tests.gpu_worker.guided_utils import (
 )
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
-from tests.utils.guided_tables import choice_regex, json_schema_regex
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 CHOICE = choice_regex(["yes", "no", "maybe", "the quick fox"])

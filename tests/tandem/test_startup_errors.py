@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
+from tandem_serve.harness.processes import free_port
 from tandem_serve.ipc.process import CLI
-from tests.utils.processes import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 

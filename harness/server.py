@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from tandem_serve.bench.harness.processes import REPO_ROOT, free_port, stop_process
+from tandem_serve.harness.processes import REPO_ROOT, free_port, stop_process
 from tandem_serve.ipc.process import CLI
 
 SERVING_TIMEOUT_S = 300.0

@@ -1,7 +1,5 @@
-"""Client patterns for end-to-end tests, each through real gRPC clients: a burst released at
-one instant, clients that stop reading, clients that vanish mid-stream; and waiting for the
-server to be idle.  Tests import no benchmark, so this is the tests' copy of the patterns
-`tandem bench robustness` drives (`bench/robustness/clients.py`)."""
+"""The client patterns of `tandem bench robustness`, each through real gRPC clients: a
+burst released at one instant, clients that stop reading, clients that vanish mid-stream."""
 from __future__ import annotations
 
 import threading
@@ -11,14 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank `q`th percentile (q in 0..100); NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
+from tandem_serve.harness.stats import percentile
 
 WORDS = "once upon a time the quick brown fox river stone cloud light seven".split()
 
@@ -207,15 +198,3 @@ def vanish(target: str, n: int, tokens: int) -> list[str]:
     for t in threads:
         t.join(120)
     return errors
-
-
-def wait_idle(client: Any, timeout: float = 60.0) -> Any:
-    """The admin stats once every block is free and nothing runs or waits (else the last)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = client.stats()
-        if (s.num_free_blocks, s.num_running, s.num_waiting) == (s.num_total_blocks, 0, 0):
-            return s
-        if time.monotonic() > deadline:
-            return s
-        time.sleep(0.05)

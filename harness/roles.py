@@ -4,8 +4,7 @@ Each role is started exactly as `docker/docker-compose.yml` says (its command an
 environment), with 127.0.0.1 and free ports in place of the service names, and
 `RoleSet.restart_policy` plays compose's `restart: unless-stopped`: a role that exits is
 started again (after compose's first back-off, 0.1 s).  `tandem bench robustness` uses it
-to kill roles and watch the set come back (the end-to-end tests keep their own copy in
-tests/utils/roles.py, as tests import no benchmark).
+to kill roles and watch the set come back, and the end-to-end tests to check it.
 """
 from __future__ import annotations
 
@@ -19,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem_serve.bench.harness.processes import free_port
+from tandem_serve.harness.processes import free_port
 from tandem_serve.ipc.process import CLI
 
 # The real checkout, links resolved: the compose file is read from it and the roles run in it.
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker" / "docker-compose.yml"
 ROLES = ["scheduler", "gpu-worker", "postproc-0", "postproc-1", "frontend"]
 RESTART_DELAY = 0.1  # docker's first restart back-off

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_serve.bench.harness.stats import median_result, paired_ratio
+from tandem_serve.harness.stats import median_result, paired_ratio
 
 
 def cell(r: dict[str, Any], key: str) -> str:

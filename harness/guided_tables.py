@@ -1,9 +1,9 @@
-"""Guided-decoding tables for benchmarks, from the serving path's own compiler.
+"""Guided-decoding tables for benchmarks and tests, from the serving path's own compiler.
 
 The server compiles constraints in a worker process with caches (`guided.service`); the
 benchmarks that drive a `ModelRunner` in-process (`bench step --guided`, the GPU check's
 features stage) want a `GuidedTable` for a model folder's tokenizer without either, so this
-calls `guided.compile.Compiler` in-process (tests/utils/guided_tables.py is the tests' copy).
+calls `guided.compile.Compiler` in-process.
 """
 from __future__ import annotations
 

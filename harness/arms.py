@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
-from tandem_serve.bench.harness.processes import CpuMeter
-from tandem_serve.bench.harness.server import Served, engine_counters, serving
+from tandem_serve.harness.processes import CpuMeter
+from tandem_serve.harness.server import Served, engine_counters, serving
 
 T = TypeVar("T")
 # The scheduler reports its counters every 0.2 s: wait longer before reading them.

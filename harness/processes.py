@@ -1,5 +1,5 @@
-"""Processes the benchmarks start and watch, read from /proc: free ports, process trees,
-roles by title, resident memory and CPU time."""
+"""Processes the benchmarks and the end-to-end tests start and watch, read from /proc: free
+ports, process trees, roles by title, resident memory and CPU time."""
 from __future__ import annotations
 
 import os
@@ -7,8 +7,9 @@ import signal
 import socket
 import subprocess
 
-# The checkout the benchmarks run from: servers start there, reports are written there.
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The checkout the benchmarks run from: servers start there, reports are written there.  Links
+# resolved: scripts/gpu-check imports this folder through a view's tandem_serve/harness link.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 STOP_TIMEOUT_S = 60.0
 
 
