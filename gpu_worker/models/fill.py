@@ -15,7 +15,6 @@ from torch import nn
 
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
-from tandem_serve.gpu_worker.models.layers import rope_inv_freq
 from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.moe import grouped_usable
 
@@ -38,7 +37,6 @@ def load_weights(model: CausalLM, get: Get) -> None:
     for n, layer in enumerate(model.layers):
         _fill_layer(a, cast(DecoderLayer, layer), layout.layer_prefix(n), get)
     device = model.embed_tokens.device
-    model.inv_freq = rope_inv_freq(a).to(device)
     model.ropes = [r.to(device) for r in model.ropes]
     if a.gemma_norms:
         model.embed_scale = torch.tensor(a.hidden_size**0.5).to(model.embed_tokens.dtype)

@@ -41,7 +41,6 @@ from tandem_serve.gpu_worker.models.layers import (
     linear,
     pack_linear,
     rms_norm,
-    rope_inv_freq,
 )
 from tandem_serve.gpu_worker.models.moe import experts_forward, route
 from tandem_serve.gpu_worker.models.rope import CosSin, model_ropes
@@ -200,7 +199,6 @@ class CausalLM(nn.Module):
             self.lm_head = self.embed_tokens
         else:
             self.lm_head = _param((args.vocab_size, args.hidden_size))
-        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         self.ropes, rope_of_layer = model_ropes(args)
         for layer, index in zip(self.layers, rope_of_layer, strict=True):
             cast(DecoderLayer, layer).rope_index = index

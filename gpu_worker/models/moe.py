@@ -6,14 +6,15 @@ weights renormalised to sum to 1 when the family does (`norm_topk_prob`; Mixtral
 Experts: every expert's gate|up and down weights are stacked at load into one tensor per
 projection ([E, 2I, H] and [E, H, I]). A forward sorts the T*k (token, expert) pairs by
 expert, gathers their rows, runs one grouped matmul per projection over the experts'
-contiguous row ranges (`torch.nn.functional.grouped_mm`: a CUTLASS kernel on CUDA, a loop
-in C++ on CPU), weighs each row by its routing weight, puts the rows back in token order and
+contiguous row ranges (`torch.nn.functional.grouped_mm`: a CUTLASS kernel for bfloat16 on
+CUDA, a loop in C++ on CPU), weighs each row by its routing weight, puts the rows back in token order and
 sums each token's k rows. The group offsets are computed on the device (`searchsorted` over
 the sorted expert ids), so nothing is read back to the host and every shape is fixed by T
 and k: the K-step loop stays sync-free and CUDA graphs can capture it. This is transformers'
 own `grouped_mm` experts path, operation for operation, so float32 results match it.
 
-Where the grouped kernel cannot run (strides not 16-byte multiples, an old GPU), each pair
+Where the grouped kernel cannot run (strides not 16-byte multiples; on CUDA float16,
+float32 or a pre-sm80 GPU), each pair
 gathers its expert's weights and one batched matmul runs them: the same numbers, at the cost
 of copying T*k experts' weights per forward.
 
@@ -36,13 +37,15 @@ _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def grouped_usable(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...]) -> bool:
     """Whether torch's grouped matmul serves these weights: every row stride a multiple of
-    16 bytes, and on CUDA an sm80+ device."""
+    16 bytes; on CUDA, bfloat16 on an sm80+ device (what its kernel takes)."""
     if _grouped_mm is None:
         return False
     width = torch.empty((), dtype=dtype).element_size()
     if any(d * width % 16 for d in dims):
         return False
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
+    return True
 
 
 def route(x: torch.Tensor, router: torch.Tensor, args: ModelArgs
