@@ -7,8 +7,8 @@ Experts: every expert's gate|up and down weights are stacked at load into one te
 projection ([E, 2I, H] and [E, H, I]). A forward sorts the T*k (token, expert) pairs by
 expert, gathers their rows, runs one grouped matmul per projection over the experts'
 contiguous row ranges (`torch.nn.functional.grouped_mm`: a CUTLASS kernel for bfloat16 on
-CUDA, a loop in C++ on CPU), weighs each row by its routing weight, puts the rows back in token order and
-sums each token's k rows. The group offsets are computed on the device (`searchsorted` over
+CUDA, a loop in C++ on CPU), weighs each row by its routing weight, puts the rows back in
+token order and sums each token's k rows. The group offsets are computed on the device (`searchsorted` over
 the sorted expert ids), so nothing is read back to the host and every shape is fixed by T
 and k: the K-step loop stays sync-free and CUDA graphs can capture it. This is transformers'
 own `grouped_mm` experts path, operation for operation, so float32 results match it.
