@@ -8,15 +8,15 @@ projection ([E, 2I, H] and [E, H, I]). A forward sorts the T*k (token, expert) p
 expert, gathers their rows, runs one grouped matmul per projection over the experts'
 contiguous row ranges (`torch.nn.functional.grouped_mm`: a CUTLASS kernel for bfloat16 on
 CUDA, a loop in C++ on CPU), weighs each row by its routing weight, puts the rows back in
-token order and sums each token's k rows. The group offsets are computed on the device (`searchsorted` over
-the sorted expert ids), so nothing is read back to the host and every shape is fixed by T
-and k: the K-step loop stays sync-free and CUDA graphs can capture it. This is transformers'
-own `grouped_mm` experts path, operation for operation, so float32 results match it.
+token order and sums each token's k rows. The group offsets are computed on the device
+(`searchsorted` over the sorted expert ids), so nothing is read back to the host and every
+shape is fixed by T and k: the K-step loop stays sync-free and CUDA graphs can capture it.
+This is transformers' own `grouped_mm` experts path, operation for operation, so float32
+results match it.
 
 Where the grouped kernel cannot run (strides not 16-byte multiples; on CUDA float16,
-float32 or a pre-sm80 GPU), each pair
-gathers its expert's weights and one batched matmul runs them: the same numbers, at the cost
-of copying T*k experts' weights per forward.
+float32 or a pre-sm80 GPU), each pair gathers its expert's weights and one batched matmul
+runs them: the same numbers, at the cost of copying T*k experts' weights per forward.
 
 Tensor parallelism splits each expert's intermediate dimension like a dense MLP's (gate|up
 by rows, down by columns); the block's output is then a partial sum the layer's all-reduce
