@@ -13,6 +13,12 @@ Two code paths:
 
 Anything derived from ``AttentionMetadata`` alone (redirected slots, gather indices, masks) is
 built once per forward by :func:`prepare_attention` and shared by every layer.
+
+Sliding-window layers read only the blocks that hold a key inside their window: decode gathers
+the last ``ceil((w - 1) / block_size) + 1`` blocks of each row (a fixed count, so CUDA graphs
+keep static shapes) and a prefill that reads its context back starts at the block of the first
+key its first query can see. Full-attention layers still read every block, so the blocks are
+kept (the block table is shared by every layer).
 """
 
 from __future__ import annotations
@@ -92,8 +98,11 @@ class _PrefillSeq:
     # Block ids covering the context; None when the whole context is this forward's tokens
     # (then attention runs on the fresh k/v and the cache is only written).
     block_ids: torch.Tensor | None
-    # Boolean [q_len, ctx_len] masks keyed by sliding window; None entry = plain causal.
+    # Boolean [q_len, ctx_len - first key] masks keyed by sliding window; None = plain causal.
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    # Per window, the first key position read back from the cache (a block boundary): keys
+    # before it are outside the window of every query of the sequence.
+    first_key: dict[int | None, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +117,8 @@ class AttentionPlan:
     gather_idx: torch.Tensor | None = None  # [S * nb] block ids
     gather_len: int = 0  # nb * block_size
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [S,1,1,L]
+    # Windows that reach fewer blocks than the rows hold: their own (block ids, length).
+    window_gathers: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     # prefill (SDPA path)
     seqs: list[_PrefillSeq] = field(default_factory=list)
     # flash path
@@ -184,9 +195,33 @@ def _prepare_decode(
     zero = torch.zeros((), dtype=dtype, device=device)
     neg_inf = torch.full((), float("-inf"), dtype=dtype, device=device)
     for w in windows:
-        m = valid if w is None else valid & (pos[None, :] >= seq_lens - w)
+        if w is not None and _window_span(w, bs) < nb:
+            m = _prepare_window_gather(plan, bt, seq_lens, w, nb)
+        else:
+            m = valid if w is None else valid & (pos[None, :] >= seq_lens - w)
         # Additive float mask: SDPA would otherwise convert a bool mask on every layer.
         plan.decode_masks[w] = torch.where(m, zero, neg_inf)[:, None, None, :]
+
+
+def _window_span(window: int, block_size: int) -> int:
+    """The most blocks `window` consecutive positions can touch."""
+    return -(-(window - 1) // block_size) + 1
+
+
+def _prepare_window_gather(plan: AttentionPlan, bt: torch.Tensor, seq_lens: torch.Tensor,
+                           window: int, nb: int) -> torch.Tensor:
+    """Gather only each row's blocks from the one holding its oldest visible key on (a fixed
+    count, computed on the device); the validity mask [S, span * block_size] of what it read."""
+    bs = plan.block_size
+    span = _window_span(window, bs)
+    first = (seq_lens - window).clamp(min=0) // bs  # [S, 1]
+    cols = first + torch.arange(span, device=bt.device)  # [S, span]
+    # Past the table: clamped onto a real block, and masked below (its positions >= seq_len).
+    ids = bt.gather(1, cols.clamp(max=nb - 1)).clamp(0, plan.num_blocks - 1).reshape(-1)
+    plan.window_gathers[window] = (ids, span * bs)
+    offsets = torch.arange(bs, device=bt.device)
+    pos = (cols[:, :, None] * bs + offsets).reshape(cols.shape[0], span * bs)
+    return (pos < seq_lens.clamp(min=1)) & (pos >= seq_lens - window)
 
 
 def _prepare_prefill(
@@ -206,15 +241,17 @@ def _prepare_prefill(
             nb = -(-ctx_len // bs)
             block_ids = meta.block_tables[i, :nb].to(device=device, dtype=torch.int64)
         seq = _PrefillSeq(q_start=q_start, q_len=q_len, ctx_len=ctx_len, block_ids=block_ids)
-        q_pos = None
+        q_pos = torch.arange(prefix, ctx_len, device=device)[:, None]
         for w in windows:
             if prefix == 0 and (w is None or q_len <= w):
                 seq.masks[w] = None  # plain causal: SDPA's is_causal is exact here
                 continue
-            if q_pos is None:
-                q_pos = torch.arange(prefix, ctx_len, device=device)[:, None]
-                k_pos = torch.arange(ctx_len, device=device)[None, :]
-                causal = k_pos <= q_pos
+            # Read back from the block of the first key the first query sees (fresh k/v:
+            # from 0, they are all in hand).
+            first = 0 if w is None or prefix == 0 else max(0, prefix - w + 1) // bs * bs
+            seq.first_key[w] = first
+            k_pos = torch.arange(first, ctx_len, device=device)[None, :]
+            causal = k_pos <= q_pos
             # HF convention: a query sees keys with q - k < window.
             seq.masks[w] = causal if w is None else causal & (k_pos > q_pos - w)
         plan.seqs.append(seq)
@@ -270,11 +307,14 @@ def _decode_sdpa(
     hkv = k_cache.shape[2]
     n_blk = k_cache.shape[0]
     assert plan.gather_idx is not None
+    idx, length = plan.gather_idx, plan.gather_len
+    if sliding_window in plan.window_gathers:
+        idx, length = plan.window_gathers[sliding_window]
     # index_select over whole flattened blocks is much faster on CPU than advanced indexing.
-    kg = k_cache.view(n_blk, -1).index_select(0, plan.gather_idx)
-    vg = v_cache.view(n_blk, -1).index_select(0, plan.gather_idx)
-    kg = kg.view(s, plan.gather_len, hkv, d).transpose(1, 2)
-    vg = vg.view(s, plan.gather_len, hkv, d).transpose(1, 2)
+    kg = k_cache.view(n_blk, -1).index_select(0, idx)
+    vg = v_cache.view(n_blk, -1).index_select(0, idx)
+    kg = kg.view(s, length, hkv, d).transpose(1, 2)
+    vg = vg.view(s, length, hkv, d).transpose(1, 2)
     # GQA without repeating K/V: the query heads sharing a kv head become that head's "query
     # positions" (all with the same length mask, since decode has one real position per row).
     qg = q.view(s, hkv, hq // hkv, d)
@@ -307,10 +347,13 @@ def _prefill_sdpa(
             ks = k[a:b].transpose(0, 1).unsqueeze(0)
             vs = v[a:b].transpose(0, 1).unsqueeze(0)
         else:
-            # Context spans earlier chunks / a shared prefix: read it back from the cache.
-            n = seq.ctx_len
-            ks = k_cache.view(n_blk, -1).index_select(0, seq.block_ids).view(-1, hkv, d)[:n]
-            vs = v_cache.view(n_blk, -1).index_select(0, seq.block_ids).view(-1, hkv, d)[:n]
+            # Context spans earlier chunks / a shared prefix: read it back from the cache,
+            # from the first block this layer's window reaches.
+            first = seq.first_key.get(sliding_window, 0)
+            n = seq.ctx_len - first
+            blocks = seq.block_ids[first // plan.block_size:]
+            ks = k_cache.view(n_blk, -1).index_select(0, blocks).view(-1, hkv, d)[:n]
+            vs = v_cache.view(n_blk, -1).index_select(0, blocks).view(-1, hkv, d)[:n]
             ks = ks.transpose(0, 1).unsqueeze(0)
             vs = vs.transpose(0, 1).unsqueeze(0)
         mask = seq.masks[sliding_window]

@@ -57,6 +57,7 @@ FUSED: dict[str, tuple[str, ...]] = {
     "down": ("down_proj",),
 }
 _PLACE = {sub: (fused, i) for fused, subs in FUSED.items() for i, sub in enumerate(subs)}
+FUSED_OF = {sub: fused for sub, (fused, _) in _PLACE.items()}
 
 
 class LoraWeights:
@@ -65,13 +66,16 @@ class LoraWeights:
     def __init__(self, shapes: ModelShapes, cache_dir: str, max_loras: int, max_rank: int,
                  dtype: torch.dtype, device: torch.device,
                  split: Callable[[LoraModule, str, torch.Tensor], torch.Tensor] | None = None,
-                 full_shapes: ModelShapes | None = None) -> None:
+                 full_shapes: ModelShapes | None = None,
+                 expert_layers: tuple[bool, ...] = ()) -> None:
         # Under tensor parallelism `shapes` are this rank's modules and `full_shapes` the
         # model's (what an adapter's files hold); `split` cuts a file's A or B to the rank's
         # part (`tensor_parallel_split`).
         self.shapes = shapes
         self.full_shapes = full_shapes or shapes
         self.split = split
+        # Per layer: whether its MLP is a mixture of experts (no gate/up/down to adapt).
+        self.expert_layers = expert_layers
         self.cache_dir = cache_dir
         self.max_loras = max_loras
         self.max_rank = max_rank
@@ -111,6 +115,7 @@ class LoraWeights:
         self.clear(slot)
         try:
             adapter = read_adapter(self.cache_dir, adapter_id, self.full_shapes, self.max_rank)
+            self._check_experts(adapter)
             self._copy_in(slot, adapter)
         except Exception as exc:
             self.clear(slot)
@@ -122,6 +127,16 @@ class LoraWeights:
         self.failed.pop(slot, None)
         log.info("adapter %r loaded into slot %d (rank %d, %s)", adapter_id, slot,
                  adapter.rank, ", ".join(adapter.targets))
+
+    def _check_experts(self, adapter: LoraAdapter) -> None:
+        """Experts are stacked per projection, not linear layers: an adapter on the MLP of a
+        mixture-of-experts layer is refused rather than silently left out."""
+        for m in adapter.modules:
+            if FUSED_OF[m.module] in ("gate_up", "down") and self.expert_layers \
+                    and self.expert_layers[m.layer]:
+                raise AdapterError(adapter.adapter_id, f"adapts {m.module} of layer {m.layer}, "
+                                   "whose MLP is a mixture of experts; adapters on experts "
+                                   "are not supported")
 
     def clear(self, slot: int) -> None:
         for layer in range(self.shapes.num_layers):

@@ -100,7 +100,7 @@ class ModelRunner:
                         if tp is not None and tp.shard.size > 1 else None)
             self.lora = LoraWeights(ModelShapes.of(cfg), adapter_cache, max_loras,
                                     max_lora_rank, self.dtype, self.device, tp_split,
-                                    ModelShapes.of(whole))
+                                    ModelShapes.of(whole), cfg.moe_layers)
             log.info("LoRA: %d adapter slots of rank <= %d (%.1f MiB)", max_loras,
                      max_lora_rank, self.lora.nbytes / 2**20)
         self._adapter_failures: list[AdapterFailed] = []
@@ -245,9 +245,13 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=dev),
             query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
+        history_lens = None
+        if self.model.uses_history_lens:  # LongRoPE: each token's request's history length
+            history_lens = torch.tensor(np.repeat([len(r.history) for r in reqs], lens),
+                                        dtype=torch.int64, device=dev)
         hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                             torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta,
-                            self._lora_context(adapter_rows))
+                            self._lora_context(adapter_rows), history_lens)
         sel = prompt_logprobs.select_rows(reqs, starts, offsets[:-1].tolist(), lens)
         self._details += prompt_logprobs.score(self.model, hidden, sel)
         for r in reqs:

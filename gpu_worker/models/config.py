@@ -1,7 +1,8 @@
 """ModelArgs: the decoder's shape and family flags, parsed from a HF config.json.
 
 Kept apart from the layers so loading can size the KV cache (and reject an unsupported
-checkpoint) from the config alone, before any weights or modules exist.
+checkpoint) from the config alone, before any weights or modules exist. Family specifics
+are in `config_families`, RoPE in `config_rope`.
 """
 
 from __future__ import annotations
@@ -9,19 +10,40 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem_serve.gpu_worker.models.config_families import (
+    GEMMA3,
+    MIXTRAL,
+    PHI3,
+    QWEN3_MOE,
+    bias_fields,
+    gemma3_fields,
+    moe_fields,
+    sliding_windows,
+)
+from tandem_serve.gpu_worker.models.config_rope import SUPPORTED_ROPE_TYPES, rope_fields
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelArgs"]
+
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    QWEN3_MOE,
+    MIXTRAL,
+    GEMMA3,
+    PHI3,
 )
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": QWEN3_MOE,
+    "mixtral": MIXTRAL,
+    "gemma3_text": GEMMA3,
+    "phi3": PHI3,
 }
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 
 # hidden_act values the decoder implements (gpu_worker.models.layers.ACTIVATIONS).
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu", "swish", "gelu", "gelu_pytorch_tanh")
@@ -32,7 +54,7 @@ class ModelArgs:
     architecture: str
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLP's (an MoE model's experts: moe_intermediate_size)
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -45,6 +67,12 @@ class ModelArgs:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_position_embeddings: int | None = None
+    rotary_dim: int = 0  # partial rotary: RoPE on the first rotary_dim dims (0: all of them)
+    # LongRoPE (Phi-3): per-frequency divisors and the cos/sin scale.
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' own RoPE base
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
@@ -53,6 +81,18 @@ class ModelArgs:
     hidden_act: str = "silu"
     # Per layer: None = full attention, else the sliding window (keys with q - k < window).
     sliding_windows: tuple[int | None, ...] = ()
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    # Gemma: (1 + w) norms in float32, norms after attention and around the MLP, embeddings
+    # scaled by sqrt(hidden).
+    gemma_norms: bool = False
+    final_logit_softcapping: float | None = None
+    # Mixture of experts (num_experts 0: dense). moe_layers: per layer, experts or a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+    router_weights_fp32: bool = False  # Mixtral weighs expert outputs in float32
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -60,6 +100,9 @@ class ModelArgs:
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     @classmethod
     def from_hf_config(
@@ -76,32 +119,12 @@ class ModelArgs:
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         layers = int(cfg["num_hidden_layers"])
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-
-        # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older files use
-        # `rope_scaling` (`type` or `rope_type`) plus a top-level `rope_theta`.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type") or rope.get("type") or "default"
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-        prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-        if prf not in (None, 1, 1.0):
-            raise ValueError(f"unsupported partial_rotary_factor {prf}")
-
-        act = cfg.get("hidden_act", "silu")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
         if act not in SUPPORTED_ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}")
-
-        attention_bias = bool(cfg.get("attention_bias", False))
-        if arch == "Qwen2ForCausalLM":
-            qkv_bias, o_bias = True, False
-        elif arch == "MistralForCausalLM":
-            qkv_bias = o_bias = False
-        else:
-            qkv_bias = o_bias = attention_bias
-
+        family: dict[str, Any] = {**bias_fields(cfg, arch), **moe_fields(cfg, arch, layers)}
+        if arch == GEMMA3:
+            family.update(gemma3_fields(cfg))
         gen = generation_config or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
@@ -119,27 +142,16 @@ class ModelArgs:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            rope_theta=theta,
-            rope_type=rope_type,
-            rope_factor=float(rope.get("factor", 1.0)),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            # A top-level value wins over the rope dict's, as in transformers.
-            rope_original_max_position_embeddings=int(
-                cfg.get("original_max_position_embeddings")
-                or rope.get("original_max_position_embeddings")
-                or max_pos
-            ),
-            qkv_bias=qkv_bias,
-            o_bias=o_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            **rope_fields(cfg, arch, head_dim, max_pos),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3),
+            # Gemma 3 ties its head unless told otherwise (its config class default).
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == GEMMA3)),
             hidden_act=act,
-            sliding_windows=_sliding_windows(cfg, arch, layers),
+            sliding_windows=sliding_windows(cfg, arch, layers),
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
+            **family,
         )
 
 
@@ -154,20 +166,3 @@ def _architecture(cfg: dict[str, Any]) -> str:
     raise ValueError(
         f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
-
-
-def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
-        return (int(window) if window else None,) * layers
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        # HF nulls sliding_window unless use_sliding_window; layer_types says which layers use it
-        # (older configs: layers >= max_window_layers).
-        if not window or not cfg.get("use_sliding_window", False):
-            return (None,) * layers
-        types = cfg.get("layer_types")
-        if types is None:
-            first = int(cfg.get("max_window_layers", layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
-        return tuple(int(window) if t == "sliding_attention" else None for t in types)
-    return (None,) * layers

@@ -1,6 +1,7 @@
 """Stateless layer math shared by the decoders: RoPE, RMSNorm and the (oneDNN-packed) linear.
 
-Numerics follow HF: RMSNorm in float32 then cast, RoPE inverse frequencies in float32.
+Numerics follow HF: RMSNorm in float32 then cast (Gemma: scaled in float32, then cast), RoPE
+inverse frequencies in float32.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, computed exactly as transformers does."""
-    dim = args.head_dim
+    """Inverse frequencies [rotary_dim / 2] in float32, computed exactly as transformers does."""
+    dim = args.rotary_dim or args.head_dim
     base = args.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
     if args.rope_type == "linear":
@@ -51,9 +52,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: ``weight`` is (1 + w) in float32 (folded at load), applied before the
+    cast back, as HF's Gemma3RMSNorm does."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * weight).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, 1, D] (both halves). HF's rotate_half formulation."""
-    half = x.shape[-1] // 2
+    """x [T, H, D]; cos/sin [T, 1, R] (both halves), R <= D: partial rotary leaves the last
+    D - R dims as they are. HF's rotate_half formulation."""
+    rot = cos.shape[-1]
+    if rot != x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 

@@ -8,9 +8,11 @@ import zlib
 
 import torch
 
+from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from tandem_serve.gpu_worker.models.fill import load_weights
 from tandem_serve.gpu_worker.models.llama import CausalLM
-from tandem_serve.gpu_worker.models.sharding import Shard, checkpoint_part, local_args
+from tandem_serve.gpu_worker.models.sharding import Part, Shard, checkpoint_part, local_args
 from tandem_serve.gpu_worker.weights import SafetensorsCheckpoint, read_json
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
@@ -56,7 +58,7 @@ def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                onednn: bool = True, flash_attn: bool = True,
                shard: Shard | None = None, load_format: str = "auto") -> CausalLM:
-    """Load a Llama/Mistral/Qwen2/Qwen3 checkpoint into our CausalLM.
+    """Load a checkpoint of a supported architecture into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
     (see `pack_linear`); False keeps plain F.linear.  `flash_attn`: attend with flash_attn
@@ -79,11 +81,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     args = load_model_args(model_dir)
     shard = shard or Shard()
     # The checkpoint has the whole model's shapes; this rank's modules have its own.
-    expected = CausalLM(args).expected_weights()
+    expected = layout.expected_weights(args)
     model = CausalLM(local_args(args, shard))
     if load_format == "dummy":
-        model.load_weights(lambda name: _dummy_part(name, expected[name], args, shard, dtype,
-                                                    device))
+        load_weights(model, lambda name: _dummy_part(name, expected[name], args, shard, dtype,
+                                                     device))
     else:
         _load_checkpoint(model, model_dir, expected, shard, dtype, device)
     if onednn:
@@ -107,13 +109,15 @@ def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard
 def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[int, ...]],
                      shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
     args = load_model_args(model_dir)
+    stored = layout.checkpoint_shapes(args)
+    views = layout.views(args)
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
-        missing = [n for n in expected if n not in present]
+        missing = [n for n in stored if n not in present]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ValueError(f"missing weight {missing[0]!r}{more} in {model_dir}")
-        for name, shape in expected.items():
+        for name, shape in stored.items():
             found = ckpt.shape(name)
             if found != shape:
                 raise ValueError(
@@ -122,7 +126,7 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
                 )
         extra = sorted(
             n
-            for n in present - expected.keys()
+            for n in present - stored.keys()
             if not n.endswith(_HARMLESS_SUFFIXES) and n != "lm_head.weight"
         )
         if extra:
@@ -131,6 +135,19 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
             part = checkpoint_part(name, args, shard)
             if part.zeros:
                 return torch.zeros(expected[name], dtype=dtype, device=device)
+            if name in views:  # a part of a fused tensor: its rows there
+                fused, first = views[name]
+                part = _rows_of_fused(part, first, expected[name][0])
+                return ckpt.get_part(fused, dtype, part.dim, part.start, part.stop)
             return ckpt.get_part(name, dtype, part.dim, part.start, part.stop)
 
-        model.load_weights(get)
+        load_weights(model, get)
+
+
+def _rows_of_fused(part: Part, first: int, rows: int) -> Part:
+    """A part of a fused tensor's slice [first, first + rows) as a part of the fused tensor
+    (the slices are column-parallel: a rank's part is rows, never columns)."""
+    if part.dim is None:
+        return Part(0, first, first + rows)
+    assert part.dim == 0, "fused tensors are split by rows"
+    return Part(0, first + part.start, first + part.stop)

@@ -13,6 +13,9 @@ each tensor from the checkpoint.
 | o_proj | row | its query heads' columns; bias on rank 0 | one all-reduce |
 | gate_proj, up_proj (+ bias) | column | rows [r I/N, (r+1) I/N) | none |
 | down_proj | row | the matching columns; bias on rank 0 | one all-reduce |
+| each expert's gate/up (w1/w3) | column | rows [r I_e/N, (r+1) I_e/N) of every expert | none |
+| each expert's down (w2) | row | the matching columns | one all-reduce (per MoE block) |
+| router (mlp.gate) | replicated | all of it | none |
 | norms | replicated | all of it | none |
 | lm_head (or tied embedding) | vocab-parallel | rows [r V/N, (r+1) V/N) | all-gather logits |
 
@@ -72,9 +75,11 @@ def split_problems(args: ModelArgs, size: int) -> list[str]:
     if size <= 1:
         return []
     out = []
-    for name, value in (("num_attention_heads", args.num_heads),
-                        ("intermediate_size", args.intermediate_size),
-                        ("vocab_size", args.vocab_size)):
+    sizes = [("num_attention_heads", args.num_heads),
+             ("intermediate_size", args.intermediate_size), ("vocab_size", args.vocab_size)]
+    if args.num_experts:
+        sizes.append(("moe_intermediate_size", args.moe_intermediate_size))
+    for name, value in sizes:
         if value % size:
             out.append(f"{name} {value} is not divisible by {FLAG} {size}")
     kv = args.num_kv_heads
@@ -113,7 +118,8 @@ def local_args(args: ModelArgs, shard: Shard) -> ModelArgs:
     check_split(args, shard.size)
     return dataclasses.replace(args, num_heads=args.num_heads // shard.size,
                                num_kv_heads=local_kv_heads(args, shard.size),
-                               intermediate_size=args.intermediate_size // shard.size)
+                               intermediate_size=args.intermediate_size // shard.size,
+                               moe_intermediate_size=args.moe_intermediate_size // shard.size)
 
 
 def vocab_range(args: ModelArgs, shard: Shard) -> tuple[int, int]:
@@ -128,9 +134,10 @@ def style(name: str) -> Style:
     """How a checkpoint tensor (or the module it belongs to) is split."""
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return "vocab"
-    if any(m in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+    if any(m in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", ".w1.",
+                               ".w3.")):
         return "column"
-    if "o_proj" in name or "down_proj" in name:
+    if any(m in name for m in ("o_proj", "down_proj", ".w2.")):
         return "row"
     return "replicated"
 
@@ -151,8 +158,9 @@ def checkpoint_part(name: str, args: ModelArgs, shard: Shard) -> Part:
     elif "k_proj" in name or "v_proj" in name:
         first, last = kv_heads(args, shard)
         rows = (first * d, last * d)
-    else:  # gate_proj, up_proj, down_proj
-        n = args.intermediate_size // shard.size
+    else:  # gate_proj, up_proj, down_proj; an expert's are its own width
+        width = args.moe_intermediate_size if ".experts." in name else args.intermediate_size
+        n = width // shard.size
         rows = (shard.rank * n, (shard.rank + 1) * n)
     if kind == "column":  # weight [out, in] and bias [out]: split the output rows
         return Part(0, *rows)

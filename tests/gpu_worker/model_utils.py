@@ -282,11 +282,17 @@ class PagedDriver:
             max_seq_len=max(seq_lens) + self.slack,
             is_decode=False,
         )
+        history_lens = None
+        if self.model.uses_history_lens:  # LongRoPE: each token's request's history length
+            history_lens = torch.tensor([len(s.tokens) for s, n in items for _ in range(n)],
+                                        dtype=torch.int64, device=dev)
         hidden = self.model(
             torch.tensor(ids, dtype=torch.int64, device=dev),
             torch.tensor(pos, dtype=torch.int64, device=dev),
             self.kv_caches,
             meta,
+            None,
+            history_lens,
         )
         last = torch.tensor([q - 1 for q in qsl[1:]], device=dev)
         return self.model.compute_logits(hidden[last])
