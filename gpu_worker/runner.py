@@ -84,6 +84,10 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
+        # Where LongRoPE switches factors (0: not a LongRoPE model); the scheduler's prefix
+        # cache must know (WorkerReady.long_rope_from).
+        self.long_rope_from = (cfg.rope_original_max_position_embeddings or 0) \
+            if cfg.rope_type == "longrope" else 0
         self.block_size = block_size
         self.num_blocks = num_kv_blocks or self._blocks_for(kv_cache_memory, max_num_seqs)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all

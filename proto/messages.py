@@ -300,6 +300,9 @@ class WorkerReady:
     block_size: int
     max_model_len: int
     vocab_size: int
+    # LongRoPE (Phi-3): a history longer than this is rotated with other factors, so KV of
+    # the same prompt tokens differs with the request's length; 0: no such model.
+    long_rope_from: int = 0
 
 
 # ---------------------------------------------------------------- postproc -> scheduler

@@ -38,13 +38,25 @@ log = logging.getLogger("tandem.scheduler")
 OnScheduler = Callable[[Scheduler, Any], object]
 
 
+def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
+    """Off for a LongRoPE model that may run past its original context: the same prompt
+    tokens then have KV rotated with other factors depending on the request's length, and a
+    block hash of the tokens alone would share the wrong KV."""
+    if cfg.enable_prefix_caching and 0 < ready.long_rope_from < ready.max_model_len:
+        log.warning("prefix caching is off: LongRoPE rotates histories longer than %d tokens "
+                    "with other factors (--max-model-len %d keeps it on)",
+                    ready.long_rope_from, ready.long_rope_from)
+        return False
+    return cfg.enable_prefix_caching
+
+
 def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
     return SchedulerParams(
         num_blocks=ready.num_kv_blocks, block_size=ready.block_size,
         num_steps=cfg.num_scheduler_steps, max_model_len=ready.max_model_len,
         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
         async_mode=cfg.async_postproc, num_postproc_workers=cfg.num_postproc_workers,
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=prefix_caching(cfg, ready),
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
         max_loras=cfg.max_loras if cfg.adapter_cache else 0)

@@ -96,6 +96,8 @@ def test_runner_busy_batch_preemption_and_prefix(ckpt_root: Path, family: str, k
                                                  per_step: bool) -> None:
     path = checkpoint(ckpt_root, family, published=True)
     runner = make_runner(path)
+    # The scheduler turns prefix caching off past this (scheduler.main.prefix_caching).
+    assert runner.long_rope_from == (PHI3_ORIGINAL if family == "phi3" else 0)
     runner.step_guard = forbid_host_sync
     d = Driver(runner, seed=len(family))
     p = random_prompts(LENGTHS, 512, seed=7)
