@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed
@@ -66,6 +67,8 @@ class SchedulerStats:
     num_failed: int = 0
     loaded_adapters: tuple[str, ...] = ()  # resident in the worker's slots, slot order
     adapter_loads: int = 0
+    running_adapters: tuple[str, ...] = ()  # of running requests, in order of first appearance
+    waiting_adapters: tuple[str, ...] = ()  # of waiting (and preempted) requests, likewise
 
 
 @dataclass
@@ -210,6 +213,8 @@ class SchedulerState:
             num_failed=self._num_failed,
             loaded_adapters=tuple(self._lora.resident),
             adapter_loads=self._lora.num_loads,
+            running_adapters=_adapters(self._running) if self.params.max_loras else (),
+            waiting_adapters=_adapters(self._waiting) if self.params.max_loras else (),
         )
 
     def check_invariants(self) -> None:
@@ -272,3 +277,7 @@ class SchedulerState:
 
 def _guided(req: Request) -> bool:
     return req.sampling.guided_kind != GuidedKind.NONE
+
+
+def _adapters(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.adapter_id for r in requests if r.adapter_id))
