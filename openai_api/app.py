@@ -7,6 +7,8 @@
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
+    GET  /server_info                     sglang's worker description, the part its router
+                                          reads (the model's name)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
@@ -162,6 +164,18 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    # sglang-router (0.3) asks each worker for /server_info (/get_server_info before sglang
+    # renamed it) when it registers it, and lists the model by its served_model_name: without
+    # it the router's /v1/models says "unknown". vLLM has no such endpoint; this is sglang's
+    # shape with the fields Tandem knows.
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        info: dict[str, Any] = {"served_model_name": models.base, "model_path": models.names[-1]}
+        if max_model_len() is not None:
+            info["context_length"] = max_model_len()
+        return info
 
     app.add_middleware(BodyLimit)
     return app
