@@ -17,9 +17,11 @@ What the metrics count, and where it differs from a plain reading:
   spread evenly over the tokens it carries (a delta of several tokens is one of several steps
   read at once, not one slow token).
 - `finished_reason`: "stop" (EOS, a stop token or string), "length" (max_tokens, the model
-  length, the time limit) and "abort" (the client went away, or an engine error): the
-  `finish_reason` the HTTP API answers.  Every ended request is counted there once and
-  observed once in the e2e histogram, aborted ones included.
+  length, the time limit) and "abort" (the client went away, or the engine ended it with
+  CANCELLED or ERROR): the `finish_reason` the HTTP API answers.  Every request that ends so
+  is counted there once and observed once in the e2e histogram; one answered with an error
+  status instead (admission's 429, a failed process, a client too slow to read) is in
+  neither.  The prefix-cache counters include the warm-up's few prompt tokens.
 - The gauges and prefix-cache counters follow the scheduler's reports (`EngineStats`, every
   0.2 s); `kv_cache_usage_perc` counts cached blocks no request holds as free, as vLLM does.
 """
