@@ -20,6 +20,7 @@ import numpy as np
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.stream_buffer import StreamBuffer
+from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
@@ -90,9 +91,14 @@ class _Recording:
 
 
 class EngineClient:
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, model_name: str = "") -> None:
+        """`model_name`: the vLLM-named metrics' model_name label (the name /v1/models lists
+        first; the --model path when not given)."""
         addr = cfg.addresses
         self.cfg = cfg
+        self.vllm_metrics = VllmMetrics(model_name or cfg.model,
+                                        cfg.max_loras if cfg.adapter_cache else 0,
+                                        cfg.enable_prefix_caching)
         self._inbox: AsyncReceiver = AsyncReceiver(addr.frontend_inbox, bind=True)
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
         self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
@@ -133,6 +139,7 @@ class EngineClient:
                 self._route(msg.request_id, msg)
             elif isinstance(msg, WorkerReady):
                 self.limits = msg
+                self.vllm_metrics.on_ready(msg)
                 self._check_ready()
             elif isinstance(msg, Ready):
                 self._ready_postproc.add(msg.index)
@@ -146,6 +153,7 @@ class EngineClient:
             elif isinstance(msg, EngineStats):
                 self.stats = msg
                 metrics.on_stats(msg)
+                self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):
                 metrics.on_postproc_stats(msg)
             else:
@@ -202,7 +210,8 @@ class EngineClient:
                        name: str = "", request_id: int | None = None,
                        arrived: float | None = None,
                        guided: GuidedTable | GuidedGrammar | None = None,
-                       adapter_id: str = "") -> AsyncIterator[OutputDelta]:
+                       adapter_id: str = "", metered: bool = True
+                       ) -> AsyncIterator[OutputDelta]:
         """Deltas of one request until its final one; aborts it when the caller goes away.
 
         `deadline` (time.monotonic()) ends the request with TIME_LIMIT when it passes.
@@ -211,6 +220,8 @@ class EngineClient:
         `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
         `guided`: the compiled constraint `sampling.guided_id` names (travels with the request).
         `adapter_id`: a LoRA adapter the caller validated ("": the base model).
+        `metered`: False leaves the request out of the vLLM-named metrics, which count clients'
+        requests (the frontend's warm-up is not one).
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
@@ -220,6 +231,7 @@ class EngineClient:
         self._streams[rid] = stream
         prompt = np.asarray(prompt_ids, dtype=np.int32)
         ended_by_engine = False  # else (cancel, time limit, death) we must abort it
+        meter = self.vllm_metrics.request(len(prompt_ids), stream.started) if metered else None
         try:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
@@ -229,7 +241,8 @@ class EngineClient:
             while True:
                 item = await self._next(stream, deadline)
                 if item is None:  # time limit
-                    yield OutputDelta(rid, "", -1, finish_reason=FinishReason.TIME_LIMIT)
+                    yield _metered(meter, OutputDelta(rid, "", -1,
+                                                      finish_reason=FinishReason.TIME_LIMIT))
                     return
                 if isinstance(item, EngineError):
                     raise item
@@ -241,14 +254,18 @@ class EngineClient:
                 if isinstance(item, RequestFailed):  # e.g. outgrew the KV cache: TOKEN_LIMIT
                     log.warning("[%s] request %d ended by the scheduler: %s", name or "-", rid,
                                 item.message)
-                    yield OutputDelta(rid, "", -1, finish_reason=item.reason)
+                    yield _metered(meter, OutputDelta(rid, "", -1, finish_reason=item.reason))
                     return
                 assert isinstance(item, OutputDelta), type(item)
                 ended_by_engine = item.finish_reason != FinishReason.NOT_FINISHED
-                last_at = _observe(stream.started, last_at, item)
+                last_at = _observe(stream.started, last_at, _metered(meter, item))
                 yield item
                 if ended_by_engine:
                     return
+        except (GeneratorExit, asyncio.CancelledError):  # the caller went away
+            if meter is not None:
+                meter.on_abort(time.monotonic())
+            raise
         finally:
             del self._streams[rid]
             # An overflow aborted it already; an orphan's roles are gone.
@@ -321,6 +338,12 @@ class EngineClient:
         self._to_worker.close()
         for s in self._to_postproc:
             s.close()
+
+
+def _metered(meter: RequestMeter | None, d: OutputDelta) -> OutputDelta:
+    if meter is not None:
+        meter.on_delta(d, time.monotonic())
+    return d
 
 
 def _observe(started: float, last_at: float | None, d: OutputDelta) -> float:

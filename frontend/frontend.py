@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from tandem_serve.frontend.guided import Compiled, attach, compile_spec
 from tandem_serve.frontend.validation import Limits, Request
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import OutputDelta
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
@@ -45,6 +47,13 @@ class RequestLog(logging.LoggerAdapter):
         assert self.extra is not None
         kwargs.setdefault("extra", {}).update(self.extra)
         return f"[{self.extra['correlation_id']}] {msg}", kwargs
+
+
+def served_names(cfg: ServerConfig) -> tuple[str, ...]:
+    """The name /v1/models lists first (--served-model-name, else the folder's name), and the
+    --model path as given, which clients may send too."""
+    folder = os.path.basename(os.path.normpath(cfg.model)) or cfg.model
+    return tuple(dict.fromkeys([cfg.served_model_name or folder, cfg.model]))
 
 
 def request_log(correlation_id: str | None) -> RequestLog:

@@ -34,8 +34,8 @@ from grpc_health.v1 import health_pb2
 from tandem_serve.frontend import guided
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.frontend.engine_client import EngineClient
-from tandem_serve.frontend.frontend import Frontend
-from tandem_serve.frontend.metrics import serve_metrics
+from tandem_serve.frontend.frontend import Frontend, served_names
+from tandem_serve.frontend.metrics import exposition, serve_metrics
 from tandem_serve.frontend.ports import bound_socket, check_ports
 from tandem_serve.frontend.standalone import SetKeeper
 from tandem_serve.frontend.validation import Limits
@@ -111,18 +111,19 @@ class FrontendMain:
         server = bound_grpc_server(self.cfg)
         http_sock = bound_socket("--http-port", self.cfg.host, self.cfg.http_port) \
             if self.cfg.http_port else None
-        engine = EngineClient(self.cfg)
+        engine = EngineClient(self.cfg, served_names(self.cfg)[0])
         engine.start()
         frontend = Frontend(engine, tok, adapters)
+        metrics = exposition(engine.vllm_metrics.registry)
         failed = self.supervisor.start()
         s = Servers(frontend, server, add_services(server, frontend))
         await server.start()
         if http_sock is not None:
             from tandem_serve.openai_api.server import create_http_server
 
-            s.http = create_http_server(self.cfg, frontend, http_sock)
+            s.http = create_http_server(self.cfg, frontend, http_sock, metrics)
             await s.http.start()
-        serve_metrics(self.cfg.metrics_port)
+        serve_metrics(self.cfg.metrics_port, metrics)
         await set_health(s.health, "", SERVING)
         await s.set_ready(False)
         loop = asyncio.get_running_loop()
@@ -271,7 +272,7 @@ async def _warm_up(engine: EngineClient, tok: Tokenizer) -> None:
     """One short greedy request through every process before readiness turns on."""
     ids = tok.encode("warm up") or [0]
     sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))
-    async for _ in engine.generate(ids, sampling, OutputOptions()):
+    async for _ in engine.generate(ids, sampling, OutputOptions(), metered=False):
         pass
 
 

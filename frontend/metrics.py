@@ -2,7 +2,17 @@
 scheduler's periodic EngineStats, so one endpoint covers every process."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from collections.abc import Iterator
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
 
 from tandem_serve.proto.messages import EngineStats, PostprocStats
 
@@ -42,9 +52,33 @@ POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
 _lag_by_worker: dict[int, int] = {}
 
 
-def serve_metrics(port: int) -> None:
+class _Both:
+    """A collector of every metric of several registries, for one exposition."""
+
+    def __init__(self, *registries: CollectorRegistry) -> None:
+        self._registries = registries
+
+    def collect(self) -> Iterator[Metric]:
+        for registry in self._registries:
+            yield from registry.collect()
+
+    def describe(self) -> list[Metric]:
+        return []  # the registries checked their own names: nothing to check twice
+
+
+def exposition(server: CollectorRegistry) -> CollectorRegistry:
+    """What /metrics shows (on the HTTP port and `--metrics-port`): these tandem_* metrics,
+    which live in prometheus_client's global registry, and the server's own registry (the
+    vLLM-named metrics, `frontend/vllm_metrics.py`)."""
+    # Without names to describe it by, a restricted scrape (?name[]=...) asks it too.
+    both = CollectorRegistry(support_collectors_without_names=True)
+    both.register(_Both(REGISTRY, server))
+    return both
+
+
+def serve_metrics(port: int, registry: CollectorRegistry = REGISTRY) -> None:
     if port:
-        start_http_server(port)
+        start_http_server(port, registry=registry)
 
 
 def on_stats(s: EngineStats) -> None:

@@ -5,7 +5,10 @@
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     GET  /health                          200 when serving; 503 while starting or draining
-    GET  /metrics                         the frontend's Prometheus registry (every process)
+    GET  /metrics                         every process's Prometheus metrics: tandem_* and
+                                          vLLM's (frontend/vllm_metrics.py)
+    GET  /server_info                     sglang's worker description, the part its router
+                                          reads (the model's name)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
@@ -17,7 +20,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -108,7 +111,7 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -160,7 +163,19 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    # sglang-router (0.3) asks each worker for /server_info (/get_server_info before sglang
+    # renamed it) when it registers it, and lists the model by its served_model_name: without
+    # it the router's /v1/models says "unknown". vLLM has no such endpoint; this is sglang's
+    # shape with the fields Tandem knows.
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        info: dict[str, Any] = {"served_model_name": models.base, "model_path": models.names[-1]}
+        if max_model_len() is not None:
+            info["context_length"] = max_model_len()
+        return info
 
     app.add_middleware(BodyLimit)
     return app

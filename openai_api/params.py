@@ -70,6 +70,11 @@ def check_unsupported(body: CommonRequest) -> None:
     """OpenAI fields this server cannot honour pass only at their neutral values."""
     if body.logit_bias:
         raise _unsupported("logit_bias", "leave it unset or empty")
+    if body.no_stop_trim:
+        raise _unsupported("no_stop_trim", "only false; include_stop_str_in_output keeps a "
+                                           "stop string in the text")
+    if body.return_hidden_states:
+        raise _unsupported("return_hidden_states", "only false")
     if isinstance(body, CompletionRequest):
         if body.suffix:
             raise _unsupported("suffix", "insertion is not supported; leave it unset")

@@ -7,7 +7,9 @@ Field names and types are OpenAI's, plus the vLLM extensions a vLLM user sends t
 options). A field nobody declared is a 400 naming it (`extra="forbid"`): a parameter the
 engine would not honour is never dropped silently. OpenAI fields this server cannot honour
 are declared so that their neutral values pass; `params.check_unsupported` answers anything
-else with a 400 naming them.
+else with a 400 naming them. So are the fields sglang-router adds to every body it forwards
+(0.3.2: `no_stop_trim` and `return_hidden_states` on both endpoints, `separate_reasoning` and
+`stream_reasoning` on chat), at the values it sends.
 """
 from __future__ import annotations
 
@@ -70,6 +72,9 @@ class CommonRequest(Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # sglang's, added by sglang-router: only false passes (params.check_unsupported)
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class CompletionRequest(CommonRequest):
@@ -113,3 +118,8 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # sglang's, added by sglang-router: they act only with a reasoning parser, which Tandem
+    # does not have (as sglang without --reasoning-parser), so either value leaves the answer
+    # as it is
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True

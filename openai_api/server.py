@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import ssl
 from collections.abc import Iterator
@@ -18,8 +17,9 @@ from collections.abc import Iterator
 import jinja2
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import REGISTRY, CollectorRegistry
 
-from tandem_serve.frontend.frontend import Frontend
+from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat_template import ChatTemplate
 from tandem_serve.openai_api.serving import Serving
@@ -74,16 +74,10 @@ class HTTPServer:
             log.warning("HTTP server stopped with %s", exc)
 
 
-def served_names(cfg: ServerConfig) -> tuple[str, ...]:
-    """The name /v1/models lists first (--served-model-name, else the folder's name), and the
-    --model path as given, which clients may send too."""
-    folder = os.path.basename(os.path.normpath(cfg.model)) or cfg.model
-    return tuple(dict.fromkeys([cfg.served_model_name or folder, cfg.model]))
-
-
-def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket
-                       ) -> HTTPServer:
-    """The OpenAI-compatible API on `sock`, with the model folder's chat template."""
+def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket,
+                       metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
+    """The OpenAI-compatible API on `sock`, with the model folder's chat template;
+    `metrics`: what GET /metrics shows."""
     try:
         template = ChatTemplate.load(cfg.model, frontend.tok)
     except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
@@ -92,5 +86,5 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
         template = None
     if template is None:
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
-    app = build_app(Serving(frontend, served_names(cfg), template))
+    app = build_app(Serving(frontend, served_names(cfg), template), metrics)
     return HTTPServer(app, sock, cfg)

@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_serve.frontend.frontend import Prepared
+from tandem_serve.frontend.vllm_metrics import FINISH_REASON
 from tandem_serve.openai_api.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
 from tandem_serve.proto.messages import FinishReason, OutputDelta
 
-# OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside.
-FINISH = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
-          FinishReason.MAX_TOKENS: "length", FinishReason.TOKEN_LIMIT: "length",
-          FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "abort",
-          FinishReason.ERROR: "abort"}
+# OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside. The same
+# strings label vllm:request_success_total.
+FINISH = FINISH_REASON
 
 
 @dataclass

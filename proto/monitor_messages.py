@@ -41,6 +41,10 @@ class EngineStats:
     # LoRA: adapters resident in the gpu worker's slots (slot order) and loads since start.
     loaded_adapters: list[str] = field(default_factory=list)
     adapter_loads: int = 0
+    # LoRA: the adapters of running and of waiting requests, each in order of first appearance
+    # (vLLM's lora_requests_info labels, which endpoint pickers read for adapter affinity).
+    running_adapters: list[str] = field(default_factory=list)
+    waiting_adapters: list[str] = field(default_factory=list)
 
 
 @dataclass

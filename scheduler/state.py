@@ -12,6 +12,7 @@ invariants sit next to the state they check.
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed, RequestRejected
@@ -68,6 +69,8 @@ class SchedulerStats:
     num_failed: int = 0
     loaded_adapters: tuple[str, ...] = ()  # resident in the worker's slots, slot order
     adapter_loads: int = 0
+    running_adapters: tuple[str, ...] = ()  # of running requests, in order of first appearance
+    waiting_adapters: tuple[str, ...] = ()  # of waiting (and preempted) requests, likewise
 
 
 @dataclass
@@ -275,6 +278,8 @@ class SchedulerState:
             num_failed=self._num_failed,
             loaded_adapters=tuple(self.lora.resident),
             adapter_loads=self.lora.num_loads,
+            running_adapters=adapters_of(self.running) if self.params.max_loras else (),
+            waiting_adapters=adapters_of(self.waiting) if self.params.max_loras else (),
         )
 
     def check_invariants(self) -> None:
@@ -337,3 +342,7 @@ class SchedulerState:
 
 def _guided(req: Request) -> bool:
     return req.sampling.guided_kind != GuidedKind.NONE
+
+
+def adapters_of(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(r.adapter_id for r in requests if r.adapter_id))

@@ -88,6 +88,7 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         now - times.started, times.num_plans, times.worker_busy_s,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
                         times.steady_idle_s, sched.take_queue_times(),
-                        list(s.loaded_adapters), s.adapter_loads)
+                        list(s.loaded_adapters), s.adapter_loads, list(s.running_adapters),
+                        list(s.waiting_adapters))
     to_frontend.put(stats)
     return now, stats

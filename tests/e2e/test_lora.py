@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tandem_serve.rpc.client import GenerateOptions
-from tests.e2e.server import Server, running
+from tests.e2e.server import Scrape, Server, running
 from tests.hf_reference import hf_greedy
 from tests.lora_utils import ADAPTERS, make_adapter, make_adapters
 
@@ -222,6 +222,28 @@ def test_openai_model_field_names_an_adapter(server: Server, tiny_model_dir: pat
     with pytest.raises(openai.BadRequestError) as bad:
         client.completions.create(model="big", prompt="x", max_tokens=1)
     assert "adapter 'big'" in bad.value.message and "--max-lora-rank 16" in bad.value.message
+
+
+def test_vllm_lora_requests_info_names_the_running_adapters(server: Server) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                           api_key="none", max_retries=0, timeout=120)
+    url = f"http://127.0.0.1:{server.http_port}/metrics"
+
+    def until(running: str) -> dict[str, str]:  # the scheduler reports every 0.2 s
+        deadline = time.monotonic() + 10
+        while True:
+            [labels] = Scrape(url).labels("vllm:lora_requests_info")
+            if labels["running_lora_adapters"] == running or time.monotonic() > deadline:
+                return labels
+            time.sleep(0.05)
+
+    long = client.completions.create(model="team/attn", prompt="Once", max_tokens=1000,
+                                     stream=True, extra_body={"min_tokens": 1000})
+    next(iter(long))
+    assert until("team/attn") == {"max_lora": "8", "running_lora_adapters": "team/attn",
+                                  "waiting_lora_adapters": ""}
+    long.close()
+    assert until("")["running_lora_adapters"] == ""
 
 
 # ------------------------------------------------------------------ K=1 sync, 2 slots

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.server import Server, running
+from tests.e2e.server import Scrape, Server, running
 
 pytestmark = pytest.mark.slow
 
@@ -282,3 +282,53 @@ def test_a_client_that_disconnects_frees_its_blocks(client: openai.OpenAI,
     assert wait_idle(server).tokens_delivered == before
     # The server goes on serving.
     assert client.completions.create(prompt="Still there?", **exactly(3)).choices[0].text
+
+
+def test_vllm_metrics_move_by_exactly_the_usage(client: openai.OpenAI, server: Server) -> None:
+    url = f"http://127.0.0.1:{server.http_port}/metrics"
+    wait_idle(server)
+    before = Scrape(url)
+    long = " ".join(f"word{i}" for i in range(40))  # several KV blocks: its repeat hits them
+    used = [client.completions.create(prompt=["Once upon a time", long], **exactly(5)).usage,
+            client.completions.create(prompt=long, **exactly(2)).usage]
+    *_, last = client.completions.create(prompt="Tandem runs", stream=True, **exactly(
+        4, stream_options={"include_usage": True}))
+    used.append(last.usage)
+    used.append(client.chat.completions.create(messages=CHAT, model=MODEL, max_tokens=3,
+                                               temperature=0).usage)
+    requests = 5
+    after = Scrape(url)
+
+    def moved(name: str, scrape: Scrape = after, **labels: str) -> float:
+        return scrape.total(name, **labels) - before.total(name, **labels)
+
+    assert all(u is not None for u in used)
+    assert moved("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in used if u)
+    assert moved("vllm:generation_tokens_total") == sum(u.completion_tokens for u in used if u)
+    assert moved("vllm:request_success_total") == requests
+    assert moved("vllm:request_success_total", finished_reason="length") >= requests - 1
+    for histogram in ("time_to_first_token", "e2e_request_latency"):
+        assert moved(f"vllm:{histogram}_seconds_count") == requests
+    itl = moved("vllm:inter_token_latency_seconds_count")
+    assert 0 < itl <= moved("vllm:generation_tokens_total") - requests
+    # Every family with vLLM's labels: the served name, engine 0.
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:time_to_first_token_seconds_count",
+                 "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count"):
+        assert after.labels(name) == [{"model_name": MODEL, "engine": "0"}], name
+    [info] = after.labels("vllm:cache_config_info")
+    assert int(info["block_size"]) > 0 and int(info["num_gpu_blocks"]) > 0
+    assert {"tandem_time_to_first_token_seconds_count", "vllm:request_success_total"} <= {
+        n for n, _, _ in after.samples}
+    # The prefix-cache counters follow the scheduler's reports (every 0.2 s): every prompt
+    # token was queried once (nothing was preempted), and the repeated prompt hit.
+    deadline = time.monotonic() + 10
+    while moved("vllm:prefix_cache_queries_total", scrape := Scrape(url)) \
+            < moved("vllm:prompt_tokens_total") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert moved("vllm:prefix_cache_queries_total", scrape) == moved("vllm:prompt_tokens_total")
+    assert moved("vllm:prefix_cache_hits_total", scrape) >= int(info["block_size"])

@@ -247,6 +247,7 @@ def test_metrics_endpoint_fills_histograms(server: Server) -> None:
     assert value("tandem_e2e_request_latency_seconds_count") >= 4
     assert 0.0 < value("tandem_device_busy_ratio") <= 1.0
     assert 'tandem_requests_total{reason="MAX_TOKENS"}' in text
+    assert 'vllm:request_success_total{engine="0",finished_reason="length"' in text
     # Every request is scheduled once, and every one has ended: as many queue times as
     # first tokens.
     queued = value("tandem_queue_time_seconds_count")

@@ -353,9 +353,13 @@ def _tame_openai(chat: bool, model: str) -> dict[str, st.SearchStrategy[Any]]:
         "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"},
                                             {"type": "json_schema"}, {"type": "nope"}]),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        # what sglang-router adds (at false), and their other value
+        "no_stop_trim": st.booleans(), "return_hidden_states": st.booleans(),
     }
     if chat:
         fields["messages"] = st.lists(message, min_size=0, max_size=3)
+        fields["separate_reasoning"] = st.booleans()
+        fields["stream_reasoning"] = st.booleans()
         fields["max_completion_tokens"] = st.integers(-1, 8)
     else:
         fields["prompt"] = st.one_of(text, st.lists(text, max_size=3),

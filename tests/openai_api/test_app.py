@@ -214,6 +214,39 @@ def test_bad_bodies(app: Running) -> None:
     assert httpx.get(app.url + "/v1/completions").status_code == 405
 
 
+# What sglang-router 0.3.2 adds to every body it forwards (captured from it).
+ROUTER_COMPLETION = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                     "skip_special_tokens": True, "return_hidden_states": False}
+ROUTER_CHAT = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+               "continue_final_message": False, "skip_special_tokens": True,
+               "separate_reasoning": True, "stream_reasoning": True,
+               "return_hidden_states": False}
+
+
+def test_what_a_router_adds_passes_at_its_values_and_server_info(app: Running) -> None:
+    r = post(app, "/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2,
+                                      **ROUTER_COMPLETION})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "w0 w1", r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 2, **ROUTER_CHAT}
+    # Without a reasoning parser either value changes nothing. This server has no chat
+    # template, so the body passes validation and stops at the messages.
+    for reasoning in (True, False):
+        r = post(app, "/v1/chat/completions", {**chat, "separate_reasoning": reasoning,
+                                               "stream_reasoning": reasoning})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    for field in ("no_stop_trim", "return_hidden_states"):
+        for path, body in (("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", chat)):
+            r = post(app, path, {**body, field: True})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == field and "only false" in r.text
+    # What sglang-router reads when it registers a worker: the name to list the model by.
+    info = httpx.get(app.url + "/server_info").json()
+    assert info == {"served_model_name": "tiny", "model_path": "/models/tiny",
+                    "context_length": 256}
+    assert httpx.get(app.url + "/get_server_info").json() == info
+
+
 def test_health_follows_readiness_and_metrics_are_served(app: Running) -> None:
     assert httpx.get(app.url + "/health").status_code == 200
     app.frontend.accepting = False

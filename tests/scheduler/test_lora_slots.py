@@ -63,6 +63,16 @@ def test_a_request_waits_at_the_head_while_every_slot_is_held() -> None:
     sched.check_invariants()
 
 
+def test_stats_name_the_adapters_of_running_and_waiting_requests() -> None:
+    sched = Scheduler(params(max_loras=1))
+    for rid, adapter in enumerate(["x", "y", "", "y", "x"], 1):
+        add(sched, rid, adapter)
+    sched.build_plan()  # request 1 runs with x's slot; 2 waits for it, and 3-5 behind it
+    s = sched.stats
+    assert (s.running_adapters, s.waiting_adapters) == (("x",), ("y", "x"))
+    assert Scheduler(params()).stats.running_adapters == ()  # adapters off
+
+
 def test_prefix_cache_never_shares_kv_across_adapters() -> None:
     sched = Scheduler(params(num_steps=1, max_loras=2))
     prompt = list(range(1, 14))  # three full blocks of 4
