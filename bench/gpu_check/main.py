@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tandem_serve.bench.gpu_check.families import stage_families
 from tandem_serve.bench.gpu_check.features import stage_features
 from tandem_serve.bench.gpu_check.parity import stage_parity
 from tandem_serve.bench.gpu_check.plans import CPU_PLAN, GPU_PLAN, NEEDS, QUICK_PLAN
@@ -46,7 +47,7 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
-        ("step", stage_step)]
+        ("step", stage_step), ("families", stage_families)]
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]
