@@ -3,8 +3,21 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Iterator
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch at one intra-op thread for a module: its models and tensors are tiny, and on a
+    shared 2-core box intra-op threads only add barrier waits."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -3,23 +3,13 @@ mode counts spans.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.gpu_worker.runner_driver import checkpoint
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The runner tests' setting: the models are tiny, and on a shared 2-core box intra-op
-    # threads only add barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the runner tests' setting
 
 
 @pytest.fixture(scope="module")

@@ -1,23 +1,16 @@
 """What every gpu worker test module shares."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.gpu_worker.runner_driver import checkpoint
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # The models and tensors here are tiny; on a shared 2-core box intra-op threads only add
-    # barrier waits.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every module here runs torch at one thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="session")
