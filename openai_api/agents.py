@@ -19,6 +19,7 @@ from tandem_serve.openai_api.reasoning import ReasoningParser, after_thought, re
 from tandem_serve.openai_api.tool_parsers import tool_parser
 from tandem_serve.openai_api.tool_parsers.base import ToolParser
 from tandem_serve.openai_api.tools import AgentSettings, ToolPlan, plan, template_message
+from tandem_serve.proto.messages import OutputOptions
 
 
 @dataclass
@@ -59,6 +60,19 @@ class Agents:
         if start is not None:
             out.start = start
         return out
+
+    @staticmethod
+    def keep_special_tokens(body: ChatCompletionRequest, output: Output | None,
+                            options: OutputOptions, eos_texts: tuple[str, ...]) -> None:
+        """A parser whose marker is a special token reads text that keeps them, unless the
+        request said otherwise; the EOS token's text then ends the output, and is cut."""
+        parser = output.parser if output is not None else None
+        if output is None or parser is None or output.mode != ToolMode.AUTO \
+                or not parser.keeps_special_tokens \
+                or "skip_special_tokens" in body.model_fields_set:
+            return
+        options.skip_special_tokens = False
+        output.eos_texts = eos_texts
 
     def guided(self, chat: ChatPlan, output: Output | None) -> GuidedSpec | None:
         if chat.guided is None or output is None or output.reasoning is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from tandem_serve.openai_api.reasoning import ReasoningParser, Start
 from tandem_serve.openai_api.tool_parsers.base import CallDelta, ToolCall, ToolParser, ToolStream
+from tandem_serve.openai_api.tool_parsers.json_scan import partial_suffix
 
 
 class ToolMode(str, Enum):
@@ -56,18 +57,31 @@ class Output:
     max_calls: int | None = None  # 1 with parallel_tool_calls: false
     reasoning: ReasoningParser | None = None
     start: Start = Start.CONTENT
+    # The text of the EOS tokens, when special tokens are kept in the text (mistral's
+    # [TOOL_CALLS]): the one the output ends with is no part of the message.
+    eos_texts: tuple[str, ...] = ()
 
     def stream(self) -> MessageStream:
         return MessageStream(self)
 
     def message(self, text: str) -> Message:
-        reasoning, content = self._split(text, True)
+        reasoning, content = self._split(self.trim(text, True), True)
         calls: list[ToolCall] = []
         if self.parser is not None:
             content, calls = self.parser.parse(content, self.new_id)
             calls = calls[:self.max_calls]
         return Message(reasoning if self.reasoning is not None and reasoning else None,
                        None if calls and not content else content, calls)
+
+    def trim(self, text: str, final: bool) -> str:
+        """The text without the EOS token's text it ends with; until the text is final, a
+        possible start of one waits."""
+        for eos in self.eos_texts:
+            if text.endswith(eos):
+                return text[:-len(eos)]
+            if not final:
+                text = text[:len(text) - partial_suffix(text, eos)]
+        return text
 
     def _split(self, text: str, final: bool) -> tuple[str, str]:
         if self.reasoning is None:
@@ -98,7 +112,7 @@ class MessageStream:
 
     def feed(self, delta: str, final: bool) -> MessageDelta:
         self.text += delta
-        reasoning, content = self.output._split(self.text, final)
+        reasoning, content = self.output._split(self.output.trim(self.text, final), final)
         out = MessageDelta(reasoning[len(self.reasoning):])
         self.reasoning += out.reasoning
         fresh = content[len(self.content_in):]

@@ -260,6 +260,9 @@ class Serving:
                 prompts = [await self.chat_prompt(body, plan.tools.tools)]
                 output = self.agents.output(plan, prompts[0].text)
                 params.guided = self.agents.guided(plan, output)
+                self.agents.keep_special_tokens(body, output, params.req.options, tuple(
+                    self.frontend.tok.decode([i], skip_special_tokens=False)
+                    for i in limits.eos_token_ids))
             else:
                 assert isinstance(body, CompletionRequest)
                 prompts = await self.completion_prompts(body, limits)

@@ -101,6 +101,8 @@ class ToolParser:
     """One model family's way of writing calls into its text."""
 
     name: ClassVar[str] = ""
+    # Its marker is a special token in its models' tokenizers: the text must keep them.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError

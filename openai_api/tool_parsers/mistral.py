@@ -4,9 +4,10 @@
     [TOOL_CALLS]get_weather{"city": "Paris"}[TOOL_CALLS]now{}      (tokenizer v11+; also with
                                                                    [ARGS] after the name)
 
-`[TOOL_CALLS]` is a special token in Mistral's tokenizers, which the detokenizer drops unless
-the request keeps special tokens (`skip_special_tokens: false`). Mistral's chat templates
-want tool-call ids of 9 letters and digits, so this parser makes those.
+`[TOOL_CALLS]` is a special token in Mistral's tokenizers, which the detokenizer drops, so a
+request this parser reads keeps special tokens in its text (as vLLM does; unless the request
+sets `skip_special_tokens` itself), and the EOS token's text is cut off the end. Mistral's
+chat templates want tool-call ids of 9 letters and digits, so this parser makes those.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ _ALPHANUMERIC = string.ascii_letters + string.digits
 
 class MistralParser(ToolParser):
     name = "mistral"
+    keeps_special_tokens = True
 
     def new_id(self) -> str:
         return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))

@@ -52,6 +52,8 @@ SCRIPTS = {
     "required": '[{"name": "get_weather", "parameters": {"city": "Paris", "unit": '
                 '"celsius"}}, {"name": "get_time", "parameters": {}}]',
     "named": '{"city": "Paris", "unit": "celsius"}',
+    # With special tokens kept, the EOS token's text ends the output.
+    "mistral": 'Sure.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]</s>',
 }
 PIECE = 3  # characters per delta: calls and markers arrive cut up
 
@@ -60,6 +62,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.ids = 0
         self.prompts: list[str] = []
+        self.options: list[OutputOptions] = []
 
     def new_request_id(self) -> int:
         self.ids += 1
@@ -72,6 +75,7 @@ class ScriptedEngine:
                        ) -> AsyncIterator[OutputDelta]:
         prompt = tok().decode(prompt_ids)
         self.prompts.append(prompt)
+        self.options.append(options)
         keys = re.findall(r"SCRIPT:([a-z_]+)", prompt)
         key = keys[-1] if keys else "hello"
         text = SCRIPTS[key]

@@ -289,3 +289,22 @@ def test_responses_mistakes_name_the_responses_field(agents: AgentApp, param: st
     r = httpx.post(agents.url + "/v1/responses", json=body, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_mistral_keeps_its_special_marker_and_drops_the_eos_text() -> None:
+    app = AgentApp(AgentSettings(auto_tool_choice=True, tool_parser="mistral"))
+    try:
+        r = chat(app, "mistral", tools=TOOLS)
+        assert app.engine.options[-1].skip_special_tokens is False  # [TOOL_CALLS] survives
+        message = r.choices[0].message
+        assert message.content == "Sure." and r.choices[0].finish_reason == "tool_calls"
+        [call] = message.tool_calls or []
+        assert len(call.id) == 9 and call.function.arguments == '{"city": "Paris"}'
+        _, streamed = joined_stream(app, "mistral", tools=TOOLS)
+        assert streamed["content"] == "Sure."
+        assert [c[1:] for c in streamed["calls"].values()] == [["get_weather",
+                                                                '{"city": "Paris"}']]
+        chat(app, "mistral", tools=TOOLS, extra_body={"skip_special_tokens": True})
+        assert app.engine.options[-1].skip_special_tokens is True  # the request's word
+    finally:
+        app.stop()
