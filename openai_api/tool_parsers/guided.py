@@ -53,4 +53,6 @@ class NamedParser(ToolParser):
 
     def scan(self, text: str, final: bool) -> Scan:
         args = text.lstrip()
+        if not args and not final:
+            return Scan("")  # the call starts with its first character (after a thought)
         return Scan("", [CallScan(self.function, args, final)])

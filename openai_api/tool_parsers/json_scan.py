@@ -48,6 +48,9 @@ def value_end(text: str, i: int, final: bool) -> int | None:
         return None
     c = text[i]
     if c in "{[":
+        fast = _decoded_end(text, i)
+        if fast != _UNKNOWN:
+            return fast
         depth = 0
         for part in _STRUCTURE.finditer(text, i):
             token = part.group()
@@ -71,6 +74,25 @@ def value_end(text: str, i: int, final: bool) -> int | None:
                                or rest == "-"):
         return None  # a number or literal still being written
     raise Invalid(f"no JSON value starts at {rest[:20]!r}")
+
+
+_DECODER = json.JSONDecoder()
+_UNKNOWN = -1
+
+
+def _decoded_end(text: str, i: int) -> int | None:
+    """The end of a valid JSON value at text[i] by the C decoder, None when the decoder ran
+    out of text (the value is still being written), _UNKNOWN otherwise (invalid JSON: the
+    bracket count decides). Rescanning a growing argument in Python on every delta costs
+    O(n) per delta; this keeps that at C speed."""
+    try:
+        return _DECODER.raw_decode(text, i)[1]
+    except json.JSONDecodeError as exc:
+        if exc.pos >= len(text):
+            return None
+        if exc.msg.startswith("Unterminated string") and _STRING.match(text, exc.pos) is None:
+            return None
+        return _UNKNOWN
 
 
 @dataclass

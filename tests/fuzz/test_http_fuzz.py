@@ -5,8 +5,8 @@ Random JSON bodies for /v1/completions, /v1/chat/completions (`strategies.openai
 and tool choices among them), any JSON value in any field, non-objects, and bodies that are
 not JSON at all.  Every answer is 200 or a 400 with an OpenAI-shaped error (404 only for a
 model name the server does not serve); never a 5xx, a 422 or a dropped connection; a 200
-stream ends with `data: [DONE]` (a response stream with `response.completed`).  Afterwards /health is 200, every KV
-block is free and greedy output still equals HF.
+stream ends with `data: [DONE]` (a response stream with `response.completed`).  Afterwards
+/health is 200, every KV block is free and greedy output still equals HF.
 
 The size and seed knobs are the gRPC fuzz's (`TANDEM_FUZZ_EXAMPLES`, `TANDEM_FUZZ_SEED`).
 """

@@ -194,3 +194,15 @@ def test_tool_calls_are_read_from_the_content_after_the_thought() -> None:
             got["a"] += "".join(c.arguments for c in d.calls)
         assert (got["r"], got["c"], got["a"]) == (message.reasoning, message.content,
                                                   '{"a": 1}')
+
+
+def test_a_named_call_starts_after_the_thought() -> None:
+    parser = reasoning_parser("deepseek_r1")
+    output = Output(ToolMode.NAMED, NamedParser("f"), reasoning=parser, start=Start.THOUGHT)
+    stream = output.stream()
+    kinds = []
+    for piece in ["Thinking", " hard</think>", "\n", '{"a"', ": 1}"]:
+        d = stream.feed(piece, False)
+        kinds += ["reasoning"] * bool(d.reasoning) + ["call"] * bool(d.calls)
+    assert kinds == ["reasoning", "reasoning", "call", "call"]
+    assert [(c.name, c.arguments) for c in stream.tools.calls] == [("f", '{"a": 1}')]  # type: ignore[union-attr]
