@@ -42,7 +42,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 @dataclass
 class Job:
-    """A request submitted: its choices, and their deltas from the second one on."""
+    """A request submitted, every choice started: its choices and their deltas."""
 
     rlog: RequestLog
     arrived: float

@@ -169,6 +169,20 @@ def test_none_and_auto_and_a_conversation_that_goes_on(client: openai.OpenAI) ->
     assert "<tool_response>\n18 degrees, sunny\n</tool_response>" in prompt.text
 
 
+def test_a_schema_guided_decoding_cannot_compile_is_a_400_naming_it(
+        client: openai.OpenAI) -> None:
+    lookahead = {"type": "object", "properties": {"a": {"type": "string",
+                                                        "pattern": "^(?=x)x$"}}}
+    tools = [TOOLS[0], {"type": "function", "function": {"name": "f",
+                                                         "parameters": lookahead}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(  # type: ignore[call-overload]
+            model=MODEL, messages=ASK, tools=tools, max_tokens=8,
+            tool_choice={"type": "function", "function": {"name": "f"}})
+    assert isinstance(err.value.body, dict)
+    assert err.value.body["param"] == "tools[1].function.parameters", err.value.body
+
+
 def test_responses_equal_the_greedy_chat_answer(client: openai.OpenAI) -> None:
     question = "Name three colours."
     chat = client.chat.completions.create(  # type: ignore[call-overload]
