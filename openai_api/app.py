@@ -4,6 +4,7 @@
                                           LoRA adapters (openai_api/models.py)
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
+    POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses.py)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
@@ -28,6 +29,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from tandem_serve.openai_api.responses import ResponsesRequest
+from tandem_serve.openai_api.responses_stream import respond
 from tandem_serve.openai_api.serving import Serving
 
 log = logging.getLogger("tandem.http")
@@ -153,6 +156,10 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Response:
         return await serving.create(request, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        return await respond(serving, request, body)
 
     @app.get("/health")
     async def health() -> Response:

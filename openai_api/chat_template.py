@@ -4,7 +4,8 @@ without importing transformers (which imports torch).
 Where the template comes from (transformers 5's order): `chat_template.jinja` and
 `chat_templates/*.jinja` in the model folder win over the `chat_template` entry of
 tokenizer_config.json (a string, or a list of {"name", "template"}); of several named
-templates, "default" is used ("tool_use" is not: this server has no tools).
+templates, "default" is used, and "tool_use" for a request with tools when there is one.
+`--chat-template` (a file, or the template's text) replaces them all.
 
 How it renders: jinja2's `ImmutableSandboxedEnvironment` (the template is code from the
 checkpoint's author; the sandbox keeps it from reaching Python internals) with
@@ -94,8 +95,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
-def find_template(model_dir: str) -> str | None:
-    """The default chat template of a model folder, or None when it has none."""
+def find_templates(model_dir: str) -> dict[str, str]:
+    """A model folder's chat templates by name ("default", "tool_use", ...)."""
     root = Path(model_dir)
     named: dict[str, str] = {}
     if (root / CHAT_TEMPLATE_FILE).is_file():
@@ -110,23 +111,48 @@ def find_template(model_dir: str) -> str | None:
             config = {}
         entry = config.get("chat_template") if isinstance(config, dict) else None
         if isinstance(entry, str):
-            return entry
+            return {"default": entry}
         if isinstance(entry, list):
             named = {t["name"]: t["template"] for t in entry
                      if isinstance(t, dict) and isinstance(t.get("template"), str)}
-    return named.get("default")
+    return named
+
+
+def find_template(model_dir: str) -> str | None:
+    """The default chat template of a model folder, or None when it has none."""
+    return find_templates(model_dir).get("default")
+
+
+def template_source(value: str) -> str:
+    """`--chat-template`: a file's text, or the template itself when it is one (vLLM's rule:
+    a value with jinja markup that names no file)."""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(mark in value for mark in ("{{", "{%")):
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r} is neither a file nor a template")
 
 
 class ChatTemplate:
-    def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
+    def __init__(self, source: str, special_tokens: dict[str, str],
+                 tool_use: str | None = None) -> None:
         self.source = source
         self._template = _environment().from_string(source)
+        # transformers renders a request with tools through the "tool_use" template if the
+        # checkpoint names one.
+        self._tool_use = _environment().from_string(tool_use) if tool_use else None
         self._special = dict(special_tokens)
 
     @classmethod
-    def load(cls, model_dir: str, tok: Tokenizer) -> ChatTemplate | None:
-        source = find_template(model_dir)
-        return None if source is None else cls(source, tok.special_tokens_map)
+    def load(cls, model_dir: str, tok: Tokenizer, override: str = "") -> ChatTemplate | None:
+        """The checkpoint's templates, or `--chat-template`'s (then for every request)."""
+        if override:
+            return cls(template_source(override), tok.special_tokens_map)
+        named = find_templates(model_dir)
+        source = named.get("default")
+        return None if source is None else cls(source, tok.special_tokens_map,
+                                               named.get("tool_use"))
 
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
@@ -143,7 +169,9 @@ class ChatTemplate:
             final, chat[-1] = _tag_final(chat[-1])
         variables = {**self._special, **(kwargs or {})}
         try:
-            text = self._template.render(messages=chat, tools=tools, documents=documents,
+            template = self._tool_use if tools and self._tool_use is not None \
+                else self._template
+            text = template.render(messages=chat, tools=tools, documents=documents,
                                          add_generation_prompt=add_generation_prompt,
                                          **variables)
         except jinja2.exceptions.TemplateError as exc:

@@ -82,12 +82,12 @@ def check_unsupported(body: CommonRequest) -> None:
             raise _unsupported("best_of", "only 1; use n for several choices")
     if not isinstance(body, ChatCompletionRequest):
         return
-    for name in ("tools", "functions"):
-        if getattr(body, name):
-            raise _unsupported(name, "tool calling is not supported")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none"):
-            raise _unsupported(name, "tool calling is not supported; use 'none'")
+    # tools / tool_choice: openai_api/tools.py; the deprecated functions API is not served.
+    if body.functions:
+        raise _unsupported("functions", "the deprecated form of tool calling; use tools")
+    if body.function_call not in (None, "none"):
+        raise _unsupported("function_call", "the deprecated form of tool calling; use "
+                                            "tool_choice")
     for name in ("audio", "prediction", "reasoning_effort", "metadata", "web_search_options"):
         if getattr(body, name) is not None:
             raise _unsupported(name, "leave it unset")

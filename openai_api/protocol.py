@@ -118,8 +118,7 @@ class ChatCompletionRequest(CommonRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # sglang's, added by sglang-router: they act only with a reasoning parser, which Tandem
-    # does not have (as sglang without --reasoning-parser), so either value leaves the answer
-    # as it is
+    # sglang's, added by sglang-router (both true): without --reasoning-parser either value
+    # leaves the answer as it is (as in sglang); with one, false is a 400 (`agents.Agents`)
     separate_reasoning: bool = True
     stream_reasoning: bool = True

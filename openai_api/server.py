@@ -23,6 +23,7 @@ from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat_template import ChatTemplate
 from tandem_serve.openai_api.serving import Serving
+from tandem_serve.openai_api.tools import AgentSettings
 from tandem_serve.proto.config import ServerConfig
 
 log = logging.getLogger("tandem.http")
@@ -79,12 +80,14 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
     """The OpenAI-compatible API on `sock`, with the model folder's chat template;
     `metrics`: what GET /metrics shows."""
     try:
-        template = ChatTemplate.load(cfg.model, frontend.tok)
+        template = ChatTemplate.load(cfg.model, frontend.tok, cfg.chat_template)
     except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
         log.warning("the chat template of %s does not compile (%s): chat completions are "
                     "off", cfg.model, exc)
         template = None
     if template is None:
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
-    app = build_app(Serving(frontend, served_names(cfg), template), metrics)
+    agents = AgentSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
+                           cfg.reasoning_parser)
+    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics)
     return HTTPServer(app, sock, cfg)

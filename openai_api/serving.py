@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -23,18 +23,33 @@ from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
 from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.openai_api import params as P
+from tandem_serve.openai_api.agents import Agents
 from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.logprobs import TokenPieces
-from tandem_serve.openai_api.models import Models
+from tandem_serve.openai_api.message import Output
+from tandem_serve.openai_api.models import Models, Target
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
 from tandem_serve.openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
+from tandem_serve.openai_api.tools import AgentSettings
 from tandem_serve.proto.messages import OutputDelta
 
 T = TypeVar("T")
 Shape = CompletionShape | ChatShape
 _END = object()
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Job:
+    """A request submitted, every choice started: its choices and their deltas."""
+
+    rlog: RequestLog
+    arrived: float
+    target: Target
+    choices: list[Choice]
+    deltas: Deltas
+    prompt_tokens: int
 
 
 @dataclass
@@ -142,12 +157,14 @@ class Serving:
     """The two endpoints' logic; `app` binds it to routes."""
 
     def __init__(self, frontend: Frontend, model_names: tuple[str, ...],
-                 chat_template: ChatTemplate | None) -> None:
+                 chat_template: ChatTemplate | None, agents: AgentSettings | None = None
+                 ) -> None:
         self.frontend = frontend
         # The base model's names (the first is the one /v1/models lists) and its adapters.
         self.models = Models(model_names, frontend.adapters, int(time.time()))
         self.chat_template = chat_template
         self.pieces = TokenPieces(frontend.tok)
+        self.agents = Agents(agents)
 
     # ------------------------------------------------------------------ prompts
 
@@ -176,20 +193,21 @@ class Serving:
             out.append(Prompt(self.frontend.tok.decode(value), list(value), field))
         return out
 
-    async def chat_prompt(self, body: ChatCompletionRequest) -> Prompt:
+    async def chat_prompt(self, body: ChatCompletionRequest,
+                          tools: list[dict[str, Any]] | None = None) -> Prompt:
         if self.chat_template is None:
             raise ValidationError("messages", "this model has no chat template (no "
                                               "chat_template.jinja or tokenizer_config.json "
                                               "chat_template); use /v1/completions")
-        messages = [_message(i, m.model_dump(exclude_none=True))
-                    for i, m in enumerate(body.messages)]
+        messages = self.agents.messages([_message(i, m.model_dump(exclude_none=True))
+                                         for i, m in enumerate(body.messages)])
         template = self.chat_template
 
         def render() -> str:
             try:
                 return template.render(
                     messages, add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
+                    continue_final_message=body.continue_final_message, tools=tools,
                     kwargs=body.chat_template_kwargs)
             except TemplateError as exc:
                 raise ValidationError("messages", str(exc)) from None
@@ -202,6 +220,32 @@ class Serving:
     # ------------------------------------------------------------------ endpoints
 
     async def create(self, request: HTTPRequest, body: CommonRequest) -> Response:
+        job = await self.begin(request, body)
+        if isinstance(job, Response):
+            return job
+        chat = isinstance(body, ChatCompletionRequest)
+        opts = body.stream_options
+        reply = Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                      created=int(time.time()), model=job.target.name,
+                      include_usage=bool(body.stream and opts and opts.include_usage),
+                      continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
+                      return_token_ids=body.return_token_ids)
+        shape: Shape = ChatShape(reply, self.pieces) if chat else CompletionShape(reply,
+                                                                                  self.pieces)
+        deltas, choices, rlog = job.deltas, job.choices, job.rlog
+        if body.stream:
+            return StreamingResponse(
+                self._sse(deltas, choices, shape, job.prompt_tokens, rlog, job.arrived),
+                media_type="text/event-stream", headers=SSE_HEADERS)
+        if not await self.collect(request, job, lambda i, d: shape.add(choices[i], d)):
+            return Response(status_code=499)
+        use = usage(job.prompt_tokens, sum(c.generated for c in choices))
+        return JSONResponse(shape.response(choices, use))
+
+    async def begin(self, request: HTTPRequest, body: CommonRequest) -> Job | Response:
+        """Validate, build the prompts, compile the constraint and submit: the job once every
+        choice has its first delta, or the response that says why not (an error raises
+        ApiError; a client gone before the first token gets 499)."""
         arrived = time.monotonic()
         rlog = request_log(request.headers.get("x-correlation-id")
                            or request.headers.get("x-request-id"))
@@ -210,14 +254,22 @@ class Serving:
         try:
             limits = self.frontend.ready_limits()
             params = P.validate(body, limits)
-            P.route_guided(params.req, params.guided)
+            output = None
             if isinstance(body, ChatCompletionRequest):
-                prompts = [await self.chat_prompt(body)]
+                plan = self.agents.plan(body, params.guided)
+                prompts = [await self.chat_prompt(body, plan.tools.tools)]
+                output = self.agents.output(plan, prompts[0].text)
+                params.guided = self.agents.guided(plan, output)
+                self.agents.keep_special_tokens(body, output, params.req.options, tuple(
+                    self.frontend.tok.decode([i], skip_special_tokens=False)
+                    for i in limits.eos_token_ids))
             else:
                 assert isinstance(body, CompletionRequest)
                 prompts = await self.completion_prompts(body, limits)
+            P.route_guided(params.req, params.guided)
             choices = self._choices(params, prompts, limits, arrived, target.adapter_id,
-                                    echo=isinstance(body, CompletionRequest) and body.echo)
+                                    echo=isinstance(body, CompletionRequest) and body.echo,
+                                    output=output)
         except ValidationError as exc:
             rlog.info("rejected: 400: %s", exc)
             raise ApiError.bad_parameter(exc) from None
@@ -229,14 +281,6 @@ class Serving:
             rlog.info("rejected: %s: %s", exc.code, exc)
             raise ApiError.from_engine(exc, params.guided.field if params.guided else None
                                        ) from None
-        opts = body.stream_options
-        reply = Reply(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
-                      created=int(time.time()), model=target.name,
-                      include_usage=bool(body.stream and opts and opts.include_usage),
-                      continuous_usage=bool(body.stream and opts and opts.continuous_usage_stats),
-                      return_token_ids=body.return_token_ids)
-        shape: Shape = ChatShape(reply, self.pieces) if chat else CompletionShape(reply,
-                                                                                  self.pieces)
         rlog.info("%s%s: %d choices, %d prompt tokens, max_tokens %d%s%s",
                   "chat" if chat else "completion", " stream" if body.stream else "",
                   len(choices), sum(len(p.ids) for p in prompts),
@@ -244,7 +288,6 @@ class Serving:
                   f", adapter {target.adapter_id}" if target.adapter_id else "",
                   f", user {body.user!r}" if body.user else "")
         deltas = Deltas([self.frontend.generate(c.p, rlog.cid) for c in choices])
-        prompt_tokens = sum(len(p.ids) for p in prompts)
         try:
             await unless_disconnected(request, deltas.start())
         except ClientGone:
@@ -255,26 +298,27 @@ class Serving:
             await deltas.aclose()
             rlog.warning("failed: %s: %s", exc.code, exc)
             raise ApiError.from_engine(exc) from None
-        if body.stream:
-            return StreamingResponse(
-                self._sse(deltas, choices, shape, prompt_tokens, rlog, arrived),
-                media_type="text/event-stream", headers=SSE_HEADERS)
+        return Job(rlog, arrived, target, choices, deltas, sum(len(p.ids) for p in prompts))
+
+    async def collect(self, request: HTTPRequest, job: Job,
+                      add: Callable[[int, OutputDelta], None]) -> bool:
+        """Every delta of a job answered as one JSON body; False if the client went away."""
         try:
-            await unless_disconnected(request, self._collect(deltas, choices, shape))
+            await unless_disconnected(request, _each(job.deltas, add))
         except ClientGone:
-            rlog.info("client went away; request cancelled")
-            return Response(status_code=499)
+            job.rlog.info("client went away; request cancelled")
+            return False
         except EngineError as exc:
-            rlog.warning("failed: %s: %s", exc.code, exc)
+            job.rlog.warning("failed: %s: %s", exc.code, exc)
             raise ApiError.from_engine(exc) from None
         finally:
-            await deltas.aclose()
-        self._log_done(rlog, choices, arrived)
-        use = usage(prompt_tokens, sum(c.generated for c in choices))
-        return JSONResponse(shape.response(choices, use))
+            await job.deltas.aclose()
+        self._log_done(job.rlog, job.choices, job.arrived)
+        return True
 
     def _choices(self, params: P.Params, prompts: list[Prompt], limits: Limits,
-                 arrived: float, adapter_id: str, echo: bool) -> list[Choice]:
+                 arrived: float, adapter_id: str, echo: bool, output: Output | None = None
+                 ) -> list[Choice]:
         out: list[Choice] = []
         eos = frozenset(limits.eos_token_ids)
         for i, prompt in enumerate(prompts):
@@ -284,13 +328,10 @@ class Serving:
                 p = self.frontend.prepared(replace(req, sampling=sampling), prompt.text,
                                            prompt.ids, self.frontend.engine.new_request_id(),
                                            arrived, adapter_id)
-                out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos))
+                out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos,
+                                  output=output,
+                                  message=output.stream() if output is not None else None))
         return out
-
-    @staticmethod
-    async def _collect(deltas: Deltas, choices: list[Choice], shape: Shape) -> None:
-        async for i, d in deltas:
-            shape.add(choices[i], d)
 
     async def _sse(self, deltas: Deltas, choices: list[Choice], shape: Shape,
                    prompt_tokens: int, rlog: RequestLog, arrived: float
@@ -331,6 +372,11 @@ class Serving:
     def _log_done(rlog: RequestLog, choices: list[Choice], arrived: float) -> None:
         rlog.info("done: %d tokens, %s, %.3f s", sum(c.generated for c in choices),
                   " ".join(c.finish.name for c in choices), time.monotonic() - arrived)
+
+
+async def _each(deltas: Deltas, add: Callable[[int, OutputDelta], None]) -> None:
+    async for i, d in deltas:
+        add(i, d)
 
 
 def _json(obj: Any) -> bytes:

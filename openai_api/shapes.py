@@ -12,6 +12,7 @@ from typing import Any
 from tandem_serve.frontend.frontend import Prepared
 from tandem_serve.frontend.vllm_metrics import FINISH_REASON
 from tandem_serve.openai_api.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
+from tandem_serve.openai_api.message import MessageStream, Output, message_deltas
 from tandem_serve.proto.messages import FinishReason, OutputDelta
 
 # OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside. The same
@@ -47,6 +48,9 @@ class Choice:
     logprobs: Any = None  # CompletionLogprobs or chat content entries, non-stream
     started: bool = False
     eos_ids: frozenset[int] = frozenset()  # the model's (a finish on another is a stop id)
+    # Chat with tools or a reasoning parser: how the text reads as a message (None: content).
+    output: Output | None = None
+    message: MessageStream | None = None  # streamed: the parse so far
 
     def update(self, d: OutputDelta) -> None:
         if d.num_generated >= 0:
@@ -179,6 +183,8 @@ class ChatShape(_Shape):
         c.update(d)
         c.token_ids += d.token_ids
         lps = self._content_logprobs(c, d)
+        if c.message is not None:
+            return out + self._message_chunks(c, d, lps)
         if not (d.text or lps or c.finish_reason or self.reply.return_token_ids):
             return out
         choice: dict[str, Any] = {"index": c.index, "delta": {"content": d.text} if d.text
@@ -188,6 +194,29 @@ class ChatShape(_Shape):
         if self.reply.return_token_ids:
             choice["token_ids"] = list(d.token_ids)
         out.append(self._chunk(choice))
+        return out
+
+    def _message_chunks(self, c: Choice, d: OutputDelta, lps: list[dict[str, Any]] | None
+                        ) -> list[dict[str, Any]]:
+        """Reasoning, content and tool calls as separate chunks, in that order; the last one
+        carries the finish reason."""
+        assert c.message is not None and c.output is not None
+        parts = message_deltas(c.message.feed(d.text, c.finish_reason is not None),
+                               c.output.reasoning is not None)
+        finish = c.output.finish_reason(c.finish_reason, c.message.has_calls)
+        if not parts and (lps or finish or self.reply.return_token_ids):
+            parts = [{}]
+        out = []
+        for k, delta in enumerate(parts):
+            last = k == len(parts) - 1
+            choice: dict[str, Any] = {
+                "index": c.index, "delta": delta,
+                "logprobs": {"content": lps} if lps is not None and k == 0 else None,
+                "finish_reason": finish if last else None,
+                "stop_reason": c.stop_reason if last else None}
+            if self.reply.return_token_ids and k == 0:
+                choice["token_ids"] = list(d.token_ids)
+            out.append(self._chunk(choice))
         return out
 
     def add(self, c: Choice, d: OutputDelta) -> None:
@@ -200,9 +229,15 @@ class ChatShape(_Shape):
             c.logprobs = (c.logprobs or []) + lps
 
     def choice_json(self, c: Choice) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(c.parts)}
+        finish = c.finish_reason
+        if c.output is not None:
+            parsed = c.output.message("".join(c.parts))
+            message = parsed.to_json(c.output.reasoning is not None)
+            finish = c.output.finish_reason(finish, bool(parsed.calls))
         out: dict[str, Any] = {
-            "index": c.index, "message": {"role": "assistant", "content": "".join(c.parts)},
+            "index": c.index, "message": message,
             "logprobs": {"content": c.logprobs or []} if c.p.req.options.logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            "finish_reason": finish, "stop_reason": c.stop_reason}
         return self._with_ids(c, out)
 

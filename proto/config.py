@@ -107,6 +107,13 @@ class ServerConfig:
     http_port: int = 8000
     # The `model` name HTTP clients use (empty: the model folder's name).
     served_model_name: str = ""
+    # OpenAI tools and reasoning (openai_api/): tool_choice "auto" parses calls out of the
+    # text with tool_call_parser; reasoning_parser splits <think> text off the content;
+    # chat_template (a file, or the template's text) replaces the checkpoint's.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
+    chat_template: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
@@ -202,10 +209,29 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         for other, taken in ports[:i]:
             if port and port == taken:
                 out.append(f"{flag} {port} must differ from {other} (0 turns it off)")
+    out += _agent_problems(cfg)
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     return out + _parallel_problems(cfg)
+
+
+# The parsers openai_api/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS; a test
+# keeps the lists equal): proto/ imports nothing of ours.
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _agent_problems(cfg: ServerConfig) -> list[str]:
+    out = []
+    for flag, value, names in (("--tool-call-parser", cfg.tool_call_parser, TOOL_CALL_PARSERS),
+                               ("--reasoning-parser", cfg.reasoning_parser, REASONING_PARSERS)):
+        if value and value not in names:
+            out.append(f"{flag} {value!r} is not one of {', '.join(names)}")
+    if cfg.enable_auto_tool_choice and not cfg.tool_call_parser:
+        out.append("--enable-auto-tool-choice needs --tool-call-parser NAME (one of "
+                   f"{', '.join(TOOL_CALL_PARSERS)})")
+    return out
 
 
 def _parallel_problems(cfg: ServerConfig) -> list[str]:

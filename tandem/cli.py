@@ -119,6 +119,18 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                         "/v1/models, /health, /metrics) on --host; 0: off")
     p.add_argument("--served-model-name", default=d.served_model_name,
                    help="the model name HTTP clients send (default: the model folder's name)")
+    _bool_flag(p, "enable-auto-tool-choice", d.enable_auto_tool_choice,
+               "HTTP: tool_choice 'auto' (the default with tools): calls parsed out of the "
+               "model's text by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
+                   help="how the model writes tool calls: hermes (Qwen, Hermes), llama3_json, "
+                        "mistral")
+    p.add_argument("--reasoning-parser", default=d.reasoning_parser, metavar="NAME",
+                   help="HTTP: split <think>...</think> into reasoning_content: deepseek_r1, "
+                        "qwen3")
+    p.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
+                   help="a chat template (a file, or the template's text) replacing the "
+                        "checkpoint's")
     p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
                    help="LoRA adapters: a request's adapter_id (over HTTP: its model) names "
                         "the PEFT adapter folder DIR/<adapter_id> (default: adapters off)")
@@ -219,6 +231,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values["enable_prefix_caching"] = args.prefix_caching
     if values.get("adapter_cache"):  # every process reads it, from its own working folder
         values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
+    template = values.get("chat_template")
+    if template and os.path.isfile(template):
+        values["chat_template"] = os.path.abspath(template)
+    elif template and not any(mark in template for mark in ("{{", "{%")):
+        print(f"tandem: error: --chat-template {template!r} does not exist (a file, or the "
+              "template's own text)", file=sys.stderr)
+        raise SystemExit(2)
     try:
         cfg = ServerConfig(**values)
     except ValueError as e:  # before any model is built

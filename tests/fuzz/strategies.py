@@ -11,7 +11,8 @@ generation paths get fuzzed too) or *wild* (edge values everywhere, so most are 
 appends a string field with invalid UTF-8 at any string field's path (stop sequences,
 prompts, ids) or sends truncated and random bytes.
 
-`openai_body` draws JSON bodies for the OpenAI-compatible HTTP API (`/v1/completions`,
+`openai_body` (and `responses_body`) draw JSON bodies for the OpenAI-compatible HTTP API
+(`/v1/completions`,
 `/v1/chat/completions`): well-formed requests with random values, any JSON value in any
 field, and bodies that are not objects at all.
 """
@@ -357,14 +358,82 @@ def _tame_openai(chat: bool, model: str) -> dict[str, st.SearchStrategy[Any]]:
         "no_stop_trim": st.booleans(), "return_hidden_states": st.booleans(),
     }
     if chat:
-        fields["messages"] = st.lists(message, min_size=0, max_size=3)
+        turn = st.one_of(message, st.sampled_from(TOOL_TURNS))
+        fields["messages"] = st.lists(_weighted(message, turn, 5), min_size=0, max_size=3)
         fields["separate_reasoning"] = st.booleans()
         fields["stream_reasoning"] = st.booleans()
         fields["max_completion_tokens"] = st.integers(-1, 8)
+        fields["tools"] = st.lists(st.sampled_from(FUZZ_TOOLS), max_size=3)
+        fields["tool_choice"] = st.sampled_from(TOOL_CHOICES)
+        fields["parallel_tool_calls"] = st.booleans()
     else:
         fields["prompt"] = st.one_of(text, st.lists(text, max_size=3),
                                      st.lists(st.integers(-5, 40000), max_size=8))
     return fields
+
+
+# Tools, good and bad (a name with a space, a schema that is not one, a tool type nobody
+# serves); schemas stay small so that required and named choices compile in moments.
+_CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}},
+         "required": ["city"]}
+FUZZ_TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": _CITY}},
+    {"type": "function", "function": {"name": "now"}},
+    {"type": "function", "function": {"name": "bad name"}},
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "wrong"}}},
+    {"type": "web_search"}]
+TOOL_CHOICES: list[Any] = [
+    "none", "auto", "required", "sometimes", {"type": "function"},
+    {"type": "function", "function": {"name": "get_weather"}},
+    {"type": "function", "function": {"name": "nope"}}]
+TOOL_TURNS: list[Any] = [
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+     "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "assistant", "tool_calls": [{"id": "c2", "function": {"arguments": "{no"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+RESPONSE_ITEMS: list[Any] = [
+    {"type": "function_call", "call_id": "c1", "name": "get_weather",
+     "arguments": '{"city": "Oslo"}'},
+    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    {"type": "reasoning", "id": "rs_1", "summary": []},
+    {"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]},
+    {"type": "item_reference", "id": "x"}]
+TEXT_FORMATS: list[Any] = [
+    {"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {"type": "x"}},
+    {"format": {"type": "json_schema", "name": "s", "schema": _CITY}}]
+
+
+def _responses_fields(model: str) -> dict[str, st.SearchStrategy[Any]]:
+    text = _weighted(tame_text(), st.one_of(wild_text(), huge_text()), 10)
+    item = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                            "content": text}), st.sampled_from(RESPONSE_ITEMS))
+    flat = [{"type": "function", **t["function"]} if t["type"] == "function" else t
+            for t in FUZZ_TOOLS]
+    choices = [{"type": "function", "name": "get_weather"}, "required", "auto", "none", {}]
+    return {
+        "model": _weighted(st.just(model), st.text(max_size=12), 10),
+        "input": st.one_of(text, st.lists(item, max_size=3)), "instructions": text,
+        "max_output_tokens": st.one_of(st.integers(0, 8), st.sampled_from([-1, 10**12])),
+        "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "stream": st.booleans(),
+        "tools": st.lists(st.sampled_from(flat), max_size=2),
+        "tool_choice": st.sampled_from(choices), "text": st.sampled_from(TEXT_FORMATS),
+        "store": st.booleans(), "previous_response_id": st.text(max_size=8),
+        "parallel_tool_calls": st.booleans(), "metadata": st.just({"k": "v"})}
+
+
+@st.composite
+def responses_body(draw: st.DrawFn, model: str) -> Any:
+    """A JSON body for /v1/responses."""
+    shape = draw(st.sampled_from(["tame"] * 6 + ["any-values", "not-an-object"]))
+    if shape == "not-an-object":
+        return draw(_json_values())
+    fields = _responses_fields(model)
+    body = {k: draw(fields[k]) for k in ("model", "input")
+            if draw(st.sampled_from([True] * 9 + [False]))}
+    for key in draw(st.lists(st.sampled_from(sorted(fields)), max_size=6, unique=True)):
+        body[key] = draw(_json_values() if shape == "any-values" else fields[key])
+    return body
 
 
 @st.composite
@@ -389,4 +458,5 @@ def openai_body(draw: st.DrawFn, chat: bool, model: str) -> Any:
 OPENAI_ROUTES: list[tuple[str, Callable[[str], st.SearchStrategy[Any]]]] = [
     ("/v1/completions", lambda model: openai_body(False, model)),
     ("/v1/chat/completions", lambda model: openai_body(True, model)),
+    ("/v1/responses", responses_body),
 ]

@@ -1,11 +1,12 @@
 """Fuzzing the OpenAI-compatible HTTP API (`openai_api/`, served with `--http-port`).
 
-Random JSON bodies for /v1/completions and /v1/chat/completions (`strategies.openai_body`:
-well-formed requests with random values, any JSON value in any field, non-objects) and
-bodies that are not JSON at all.  Every answer is 200 or a 400 with an OpenAI-shaped error
-(404 only for a model name the server does not serve); never a 5xx, a 422 or a dropped
-connection; a 200 stream ends with `data: [DONE]`.  Afterwards /health is 200, every KV
-block is free and greedy output still equals HF.
+Random JSON bodies for /v1/completions, /v1/chat/completions (`strategies.openai_body`) and
+/v1/responses (`strategies.responses_body`): well-formed requests with random values (tools
+and tool choices among them), any JSON value in any field, non-objects, and bodies that are
+not JSON at all.  Every answer is 200 or a 400 with an OpenAI-shaped error (404 only for a
+model name the server does not serve); never a 5xx, a 422 or a dropped connection; a 200
+stream ends with `data: [DONE]` (a response stream with `response.completed`).  Afterwards
+/health is 200, every KV block is free and greedy output still equals HF.
 
 The size and seed knobs are the gRPC fuzz's (`TANDEM_FUZZ_EXAMPLES`, `TANDEM_FUZZ_SEED`).
 """
@@ -71,8 +72,15 @@ def check_error(status: int, raw: bytes, what: str) -> None:
     assert body["error"].get("message"), f"an error without a message: {raw[:300]!r}"
 
 
-def check_success(raw: bytes, body: Any) -> None:
-    if isinstance(body, dict) and body.get("stream") is True:
+def check_success(path: str, raw: bytes, body: Any) -> None:
+    stream = isinstance(body, dict) and body.get("stream") is True
+    if path == "/v1/responses":  # OpenAI's events, ending with the response (or an error)
+        if stream:
+            last = raw.rstrip().rsplit(b"\n\n", 1)[-1]
+            assert last.startswith((b"event: response.completed", b"event: error")), raw[-300:]
+        else:
+            assert json.loads(raw)["object"] == "response"
+    elif stream:
         assert raw.rstrip().endswith(b"data: [DONE]"), raw[-300:]
     else:
         assert "choices" in json.loads(raw)
@@ -96,7 +104,7 @@ def test_every_body_is_answered_200_or_400(server: Server, model: str,
     wrong_model = isinstance(body, dict) and body.get("model") not in (None, model)
     assert status in (200, 400) or (status == 404 and wrong_model), f"{status}: {what}"
     if status == 200:
-        check_success(raw, body)
+        check_success(path, raw, body)
     else:
         check_error(status, raw, what)
 
