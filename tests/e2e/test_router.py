@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.server import Scrape, Server, free_port
+from tandem_serve.harness.metrics_scrape import Scrape
+from tests.e2e.server import Server, free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("sglang_router")
