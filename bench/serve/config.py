@@ -50,6 +50,8 @@ class BenchConfig:
     guided: str = ""  # a guided_load kind: that share of the requests is constrained
     guided_share: float = 0.5
     adapters: list[str] = field(default_factory=list)  # LoRA adapter ids, request i: i % n
+    # HTTP base URLs of the replicas behind --base-url's router: their counts are reported.
+    replica_urls: list[str] = field(default_factory=list)
 
     def backend_options(self) -> BackendOptions:
         return BackendOptions(

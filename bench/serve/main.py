@@ -9,6 +9,10 @@ run's settings go to stderr, so stdout is the block alone.
     tandem bench serve --backend tandem --model DIR --dataset random \\
         --input-len 512 --output-len 128 --num-prompts 200 --request-rate 10
 
+Pointed at a router (`--base-url`), `--replica-url URL` (once per replica behind it) also
+reports what each replica served, from its `/metrics` read before and after the run:
+requests finished by reason, prompt and generation tokens, prefix-cache hits over queries.
+
 `run.run_benchmark(config)` is the same run for tests and the A/B driver: it returns the
 JSON dict (vLLM's keys) and prints nothing unless asked.
 """
@@ -21,7 +25,7 @@ import json
 import os
 import sys
 
-from tandem_serve.bench.serve import guided_load
+from tandem_serve.bench.serve import guided_load, replicas
 from tandem_serve.bench.serve.backends.base import BACKENDS
 from tandem_serve.bench.serve.config import DEFAULT_HF_BATCH, BenchConfig
 from tandem_serve.bench.serve.datasets import DATASETS
@@ -78,6 +82,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ready-timeout", type=float, default=d.ready_timeout,
                    help="wait up to this long for the server to be ready first (gRPC health "
                         "SERVING, or HTTP /health 200)")
+    g.add_argument("--replica-url", dest="replica_urls", action="append", default=[],
+                   metavar="URL",
+                   help="repeatable: the HTTP base URL of a replica behind the router at "
+                        "--base-url; each one's /metrics is read before and after the run, "
+                        "and its requests, tokens and prefix-cache hits are reported")
     g.add_argument("--device", default=d.device, help="hf-generate: auto, cpu, cuda")
     g.add_argument("--dtype", default=d.dtype, help="hf-generate: float32, bfloat16, ...")
 
@@ -148,6 +157,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_result(result, config.metric_percentiles))
     if config.guided:
         print(guided_load.format_summary(result))
+    if "replicas" in result:
+        print(replicas.format_summary(result))
     if config.output_json:
         with open(config.output_json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, TextIO
 
-from tandem_serve.bench.serve import guided_load
+from tandem_serve.bench.serve import guided_load, replicas
 from tandem_serve.bench.serve.backends.base import Backend
 from tandem_serve.bench.serve.backends.registry import make_backend
 from tandem_serve.bench.serve.config import BenchConfig
@@ -145,6 +145,8 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
         items = guided_load.apply(items, config.guided, config.guided_share, config.seed)
     if config.adapters and config.backend != "tandem":
         raise ValueError(f"--adapters: the {config.backend} backend cannot name LoRA adapters")
+    if config.replica_urls and config.backend == "hf-generate":
+        raise ValueError("--replica-url: hf-generate runs in this process, behind no router")
     warmup_items: list[BenchItem] = []
     if config.warmup > 0:
         if config.dataset == "file" or tokenizer is None:
@@ -157,12 +159,15 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
             _note("note: hf-generate batches whatever has arrived when the model is free",
                   log_stream)
         backend = make_backend(config.backend, config.backend_options(), tokenizer)
+    watch = replicas.ReplicaWatch(config.replica_urls)
     await backend.start()
     try:
+        await watch.start()
         if warmup_items:
             _note(f"Warming up with {len(warmup_items)} requests...", log_stream)
             await _send_all(backend, warmup_items, [0.0] * len(warmup_items),
                             config.max_concurrency)
+            await watch.after_warmup()
         backend.progress.reset()  # warm-up traffic stays out of the progress figures
         offsets = arrival_offsets(len(items), config.request_rate, config.seed)
         rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
@@ -184,11 +189,14 @@ async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | Non
             line.write(final=True)
     finally:
         await backend.close()
+    counts = await watch.finish()
 
     percentiles = tuple(sorted(set(JSON_PERCENTILES) | set(config.metric_percentiles)))
     result = calculate_metrics(records, duration, percentiles)
     if config.guided:
         result.update(guided_load.summary(items, records, config.guided, config.guided_share))
+    if counts:
+        result.update(replicas.summary(counts))
     result.update({
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "backend": config.backend,

@@ -10,7 +10,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -132,26 +131,6 @@ class Server:
                 if e.isdigit() and int(e) not in self.children and alive(int(e))
                 and any(run_dir in a for a in cmdline(int(e)))]
         return out
-
-
-class Scrape:
-    """One read of a Prometheus endpoint (`url`, e.g. http://127.0.0.1:PORT/metrics)."""
-
-    def __init__(self, url: str) -> None:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(url, timeout=30) as r:
-            self.text = r.read().decode()
-        self.samples = [(s.name, s.labels, s.value)
-                        for f in text_string_to_metric_families(self.text) for s in f.samples]
-
-    def total(self, name: str, **labels: str) -> float:
-        """The sum over the series of `name` that carry these label values."""
-        return sum(v for n, got, v in self.samples
-                   if n == name and labels.items() <= got.items())
-
-    def labels(self, name: str) -> list[dict[str, str]]:
-        return [got for n, got, _ in self.samples if n == name]
 
 
 def running(model: str, *flags: str, http: bool = False) -> Iterator[Server]:

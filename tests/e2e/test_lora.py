@@ -21,8 +21,9 @@ import openai
 import pytest
 import torch
 
+from tandem_serve.harness.metrics_scrape import Scrape
 from tandem_serve.rpc.client import GenerateOptions
-from tests.e2e.server import Scrape, Server, running
+from tests.e2e.server import Server, running
 from tests.hf_reference import hf_greedy
 from tests.lora_utils import ADAPTERS, make_adapter, make_adapters
 

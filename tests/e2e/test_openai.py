@@ -14,7 +14,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.e2e.server import Scrape, Server, running
+from tandem_serve.harness.metrics_scrape import Scrape
+from tests.e2e.server import Server, running
 
 pytestmark = pytest.mark.slow
 

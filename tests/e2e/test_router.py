@@ -15,6 +15,9 @@ when the replicas' loads differ by more than 64 requests; 8 run at once): so it 
 as much as round robin, whatever the interleaving.  Measured on 2 shared cores over 7 runs:
 cache-aware took 71.2% of the prompt tokens from the cache every time, round robin
 49.7-52.9%; both split the 40 requests 20/20.
+
+Then `tandem bench serve --replica-url` (a CLI run: only tests/bench may import bench) sends
+a few requests through the round-robin router and reports both replicas' counts.
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.e2e.server import Scrape, Server, free_port
+from tandem_serve.harness.metrics_scrape import Scrape
+from tandem_serve.ipc.process import CLI
+from tests.e2e.server import Server, free_port
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("sglang_router")
@@ -38,6 +43,7 @@ pytest.importorskip("sglang_router")
 MODEL = "tiny"
 POLICIES = ("cache_aware", "round_robin")
 CONVERSATIONS, TURNS, MAX_TOKENS = 8, 5, 8
+BENCH_PROMPTS = 8
 
 
 @dataclass
@@ -194,3 +200,29 @@ def test_replicas_behind_a_real_router(fleet: Fleet) -> None:
     last = [turns[-1] for turns in runs["cache_aware"].turns]
     for i, (prompt, answer) in enumerate(last):
         assert complete(fleet.replica_url(i % 2), prompt) == answer
+
+
+def test_bench_serve_counts_each_replica_behind_the_router(
+        fleet: Fleet, fast_model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "result.json"
+    urls = [fleet.replica_url(i) for i in range(len(fleet.replicas))]
+    cmd = [*CLI, "bench", "serve", "--backend", "openai-completions",
+           "--base-url", fleet.routers["round_robin"], "--model", str(fast_model_dir),
+           "--served-model-name", MODEL, "--num-prompts", str(BENCH_PROMPTS),
+           "--input-len", "16", "--output-len", "4", "--max-concurrency", "4",
+           "--no-progress", "--output-json", str(out),
+           *(arg for url in urls for arg in ("--replica-url", url))]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    got = result["replicas"]
+    print(f"\nbench serve via round_robin: {[r['requests'] for r in got]} requests per replica")
+    assert [r["url"] for r in got] == urls
+    assert result["completed"] == BENCH_PROMPTS
+    assert sum(r["requests"] for r in got) == BENCH_PROMPTS
+    assert all(r["requests"] > 0 for r in got), got
+    # The replicas counted exactly the usage the benchmark was answered with.
+    assert sum(r["prompt_tokens"] for r in got) == result["total_input_tokens"]
+    assert sum(r["generation_tokens"] for r in got) == result["total_output_tokens"]
+    assert all(r["settled"] for r in got), got  # every prompt reported as queried
+    assert f" Replica 2: {urls[1]} " in done.stdout
