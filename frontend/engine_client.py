@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem_serve.frontend import metrics
+from tandem_serve.frontend.constraints import ConstraintSender
 from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
@@ -33,6 +34,7 @@ from tandem_serve.proto.messages import (
     ForgetRequest,
     GuidedGrammar,
     GuidedTable,
+    GuidedWanted,
     Heartbeat,
     OutputBatch,
     OutputDelta,
@@ -103,6 +105,8 @@ class EngineClient:
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
         self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
         self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
+        # Compiled constraints go to the scheduler on their own, once per id.
+        self._constraints = ConstraintSender(self._to_scheduler.put)
         set_role("frontend")
         self._recording: _Recording | None = None  # the `tandem profile` in progress
         self._streams: dict[int, OpenStream] = {}
@@ -137,6 +141,8 @@ class EngineClient:
                         self._route(d.request_id, d)
             elif isinstance(msg, (RequestRejected, RequestFailed)):
                 self._route(msg.request_id, msg)
+            elif isinstance(msg, GuidedWanted):
+                self._constraints.on_wanted(msg)
             elif isinstance(msg, WorkerReady):
                 self.limits = msg
                 self.vllm_metrics.on_ready(msg)
@@ -197,6 +203,7 @@ class EngineClient:
         for stream in self._streams.values():
             stream.orphaned = True
             stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
+        self._constraints.reset()
         self.limits = None
         self._ready_postproc.clear()
         self.ready.clear()
@@ -218,7 +225,8 @@ class EngineClient:
         `name` (the client's correlation id) tags our log lines about the request.
         `request_id` (from `new_request_id`) when the caller tagged spans with it already;
         `arrived` (time.monotonic()) when the RPC arrived, so latencies count tokenizing too.
-        `guided`: the compiled constraint `sampling.guided_id` names (travels with the request).
+        `guided`: the compiled constraint `sampling.guided_id` names (sent on its own before
+        the request unless the scheduler has it: `frontend/constraints.py`).
         `adapter_id`: a LoRA adapter the caller validated ("": the base model).
         `metered`: False leaves the request out of the vLLM-named metrics, which count clients'
         requests (the frontend's warm-up is not one).
@@ -233,9 +241,11 @@ class EngineClient:
         ended_by_engine = False  # else (cancel, time limit, death) we must abort it
         meter = self.vllm_metrics.request(len(prompt_ids), stream.started) if metered else None
         try:
+            if guided is not None:  # before the request, on the same channel: there first
+                self._constraints.open(guided)
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
-            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started, guided,
+            self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started,
                                               adapter_id=adapter_id))
             last_at: float | None = None
             while True:
@@ -271,6 +281,8 @@ class EngineClient:
             # An overflow aborted it already; an orphan's roles are gone.
             if not (ended_by_engine or stream.buf.overflowed or stream.orphaned):
                 self.abort(rid)
+            if guided is not None:  # after the abort: an answer to GuidedWanted follows it
+                self._constraints.close(guided)
 
     async def _next(self, stream: OpenStream, deadline: float | None) -> object | None:
         queue = stream.buf.queue

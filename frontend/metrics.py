@@ -45,6 +45,9 @@ ADAPTER_LOADS = Gauge("tandem_lora_adapter_loads", "Adapter loads into slots sin
                       "(more than the adapters used: evictions made room)")
 ADAPTER_REQUESTS = Counter("tandem_lora_requests_total", "Requests per LoRA adapter",
                            ["adapter"])
+GUIDED_SENT = Counter("tandem_guided_tables_sent_total",
+                      "Compiled guided constraints sent to the scheduler, once per id "
+                      "(first) and again when it lacked one (asked)", ["why"])
 POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
                      "Steps published by the gpu worker and not yet processed, the most over "
                      "the postproc workers' latest reports")

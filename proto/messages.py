@@ -65,7 +65,8 @@ class SamplingParams:
     top_n: int = 0  # alternatives per token (<= 10)
     prompt_logprobs: bool = False  # logprob/rank/top-n of every prompt token (no prefix cache)
     # Guided decoding: the constraint's kind and content id (GuidedTable.table_id or
-    # GuidedGrammar.grammar_id); the scheduler sends the table itself once per id.
+    # GuidedGrammar.grammar_id).  The request carries only these: the table itself travels
+    # on its own, once per id on each hop (frontend -> scheduler -> gpu worker).
     guided_kind: GuidedKind = GuidedKind.NONE
     guided_id: str = ""
 
@@ -115,6 +116,24 @@ class GuidedGrammar:
     lark: str  # the grammar in llguidance's Lark dialect (GBNF converted by the frontend)
 
 
+@dataclass
+class GuidedWanted:
+    """Scheduler -> frontend: send these constraints' tables (again): requests name them,
+    and neither the scheduler nor the gpu worker holds them (never sent to this scheduler,
+    or dropped at the worker while a request waited)."""
+
+    guided_ids: list[str]
+
+
+@dataclass
+class GuidedLost:
+    """Frontend -> scheduler: a wanted constraint cannot be had; the requests that name it
+    fail with `message`."""
+
+    guided_id: str
+    message: str
+
+
 # ---------------------------------------------------------------- frontend -> scheduler
 
 
@@ -124,8 +143,9 @@ class AddRequest:
     prompt_ids: np.ndarray  # int32
     sampling: SamplingParams
     arrival_time: float  # time.monotonic() of the frontend when the RPC arrived
-    # The compiled constraint named by sampling.guided_id (every request carries its own, so
-    # the scheduler can always (re)send it to the gpu worker).
+    # The compiled constraint named by sampling.guided_id, when the sender puts it in the
+    # request.  The frontend never does (None): it sends each table as a message of its own,
+    # once per id, and again when the scheduler asks (`GuidedWanted`).
     guided: GuidedTable | GuidedGrammar | None = None
     adapter_id: str = ""  # a LoRA adapter the frontend validated ("": the base model)
 
@@ -426,4 +446,6 @@ MESSAGE_TYPES: tuple[type, ...] = (
     GuidedGrammar,
     AdapterLoad,
     AdapterFailed,
+    GuidedWanted,
+    GuidedLost,
 )

@@ -27,6 +27,9 @@ from tandem_serve.proto.messages import (
     AddRequest,
     ContinueRequest,
     FinishReason,
+    GuidedGrammar,
+    GuidedLost,
+    GuidedTable,
     NewRequest,
     PlanEnding,
     PlanProcessed,
@@ -37,6 +40,7 @@ from tandem_serve.proto.messages import (
     StopHit,
 )
 from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
+from tandem_serve.scheduler.guided import constraint_id
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.state import (
     MAX_OUTSTANDING_ASYNC,
@@ -152,6 +156,21 @@ class Scheduler:
             self.state.fail_as_error(rid, msg.message, "INVALID_ARGUMENT")
         self.state.lora.forget(msg.adapter_id, msg.slot)
 
+    def on_constraint(self, item: GuidedTable | GuidedGrammar) -> None:
+        """A constraint's table, sent on its own (once per id, and again when asked); a
+        malformed one fails the requests that name it."""
+        problem = self.state.constraints.receive(item)
+        if problem is not None:
+            self.state.fail_guided(constraint_id(item), problem)
+
+    def on_constraint_lost(self, msg: GuidedLost) -> None:
+        if self.state.constraints.lost(msg.guided_id):
+            self.state.fail_guided(msg.guided_id, msg.message, "UNAVAILABLE")
+
+    def take_wanted_constraints(self) -> list[str]:
+        """Constraints to ask the frontend for (`GuidedWanted`)."""
+        return self.state.constraints.take_wanted()
+
     def on_plan_ending(self, msg: PlanEnding) -> None:
         progress = self.state.progress(msg.plan_id)
         if progress is not None:
@@ -251,6 +270,8 @@ class Scheduler:
             return True
         if not req.lora_slot and not self.state.lora.can_take(req.adapter_id):
             return False  # every adapter slot is held: wait like for KV blocks
+        if not self.state.constraints.ready(req.sampling):
+            return False  # its constraint's table is on its way from the frontend
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
         hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
             self._cacheable_hashes(req))

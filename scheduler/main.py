@@ -22,6 +22,10 @@ from tandem_serve.proto.messages import (
     AbortRequest,
     AdapterFailed,
     AddRequest,
+    GuidedGrammar,
+    GuidedLost,
+    GuidedTable,
+    GuidedWanted,
     PlanEnding,
     PlanProcessed,
     ProfileControl,
@@ -98,6 +102,9 @@ class SchedulerLoop:
             StepDone: Scheduler.on_step_done,
             StopHit: Scheduler.on_stop_hit,
             AdapterFailed: self.adapter_failed,
+            GuidedTable: Scheduler.on_constraint,
+            GuidedGrammar: Scheduler.on_constraint,
+            GuidedLost: Scheduler.on_constraint_lost,
             PlanProcessed: Scheduler.on_plan_processed,
             ProfileControl: lambda sched, msg: self.role.profile(msg),
         }
@@ -156,6 +163,9 @@ class SchedulerLoop:
         # Failures come from dispatch and from planning (a request that outgrew the cache).
         for failure in sched.take_failures():
             self.to_frontend.put(failure)
+        wanted = sched.take_wanted_constraints()
+        if wanted:
+            self.to_frontend.put(GuidedWanted(wanted))
 
     def watch_worker(self) -> None:
         """Tell the launcher once when the running plan outlives step_timeout."""

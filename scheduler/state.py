@@ -199,6 +199,13 @@ class SchedulerState:
             self._num_failed += 1
         self._failures.append(RequestFailed(request_id, FinishReason.ERROR, message, code))
 
+    def fail_guided(self, gid: str, message: str, code: str = "") -> None:
+        """Every request that names constraint `gid` and is not running fails as an error:
+        its table arrived malformed or cannot be had (running ones have it at the worker)."""
+        for req in [r for r in self.requests.values() if r.sampling.guided_id == gid
+                    and _guided(r) and r.status is not RequestStatus.RUNNING]:
+            self.fail_as_error(req.request_id, message, code)
+
     def take_failures(self) -> list[RequestFailed]:
         failures, self._failures = self._failures, []
         return failures
@@ -247,7 +254,10 @@ class SchedulerState:
         return not self._plans
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._pending_drops)
+        # A head of the queue waiting for its constraint's table waits for a message, not a
+        # plan: planning only for it would send the worker empty plans until it comes.
+        startable = bool(self.waiting) and self.constraints.ready(self.waiting[0].sampling)
+        return bool(startable or self.running or self._pending_drops)
 
     def num_outstanding(self) -> int:
         return sum(1 for progress in self._plans.values() if not progress.step_done)

@@ -12,6 +12,7 @@ makes every role exit non-zero, and the restarted set serves again.
 from __future__ import annotations
 
 import pathlib
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tests.hf_reference import hf_greedy
 pytestmark = pytest.mark.slow
 
 PROMPTS = [("Once upon a time", 12), ("The quick brown fox", 7)]
+CLOCK = r"[0-9]{2}:[0-9]{2}"
 BACKENDS = [r for r in ROLES if r != "frontend"]
 
 
@@ -50,6 +52,16 @@ def assert_outputs(client: TandemClient, want: list[str]) -> None:
         got = "".join(r.text for r in client.stream(
             text, GenerateOptions(max_new_tokens=n, min_new_tokens=n), timeout=60))
         assert got == expected
+
+
+def guided_text(client: TandemClient) -> str:
+    """A guided request's output.  Its request carries only the constraint's id, and the
+    table goes to each new set of roles once (what the frontend sent does not outlive the
+    set), so it decodes in every set as in the first."""
+    got = "".join(r.text for r in client.stream(
+        PROMPTS[0][0], GenerateOptions(max_new_tokens=20, regex=CLOCK), timeout=60))
+    assert re.fullmatch(CLOCK, got), got
+    return got
 
 
 def long_stream(client: TandemClient) -> dict[str, object]:
@@ -81,6 +93,7 @@ def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
         frontend = roles.procs["frontend"]
         wait_health(client, True, 180, frontend)
         assert_outputs(client, hf_texts)
+        clock = guided_text(client)
 
         # The scheduler dies and compose starts it again at once.
         in_flight = long_stream(client)
@@ -96,6 +109,7 @@ def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
         assert {e.role for e in exits} == set(BACKENDS), exits  # the whole set, not the frontend
         assert all(e.code != 0 for e in exits), exits
         assert_outputs(client, hf_texts)
+        assert guided_text(client) == clock
 
         # The gpu worker dies and comes back (its WorkerReady must reach the scheduler of the
         # new set, not the one it replaces).
@@ -105,6 +119,7 @@ def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
         wait_health(client, True, 180, frontend)
         assert {e.role for e in roles.exits_since(t2)} == set(BACKENDS)
         assert_outputs(client, hf_texts)
+        assert guided_text(client) == clock
 
         # The frontend dies: every role leaves its set, and the restarted set serves.
         t1 = time.monotonic()
@@ -118,5 +133,6 @@ def test_killed_roles_are_replaced_and_the_set_serves_again(roles: RoleSet,
         assert {e.role for e in exits} == set(ROLES), exits
         assert all(e.code != 0 for e in exits), exits
         assert_outputs(client, hf_texts)
+        assert guided_text(client) == clock
     finally:
         client.close()

@@ -9,7 +9,9 @@ on the tiny default model (SentencePiece, 32000 tokens):
   parse as one JSON object when complete; grammar outputs parse with the grammar;
 * the same over HTTP with the official openai client (response_format json_schema and
   json_object, guided_regex);
-* min_new_tokens longer than the constraint allows: EOS at the constraint's end.
+* min_new_tokens longer than the constraint allows: EOS at the constraint's end;
+* requests carry only their constraint's id: a table the gpu worker dropped (more new
+  constraints than it keeps) is asked for again, and the output is the same.
 
 The server compiles format=JSON in the background at start (`--guided-precompile-json`,
 about 10 s of the compile worker), so its one compile overlaps the first test's HF
@@ -34,7 +36,7 @@ import torch
 from tandem_serve.harness.guided_tables import choice_regex
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.rpc.client import GenerateOptions
-from tests.e2e.server import Server, running
+from tests.e2e.server import Scrape, Server, running
 from tests.gpu_worker.guided_utils import hf_guided
 from tests.hf_reference import hf_greedy
 
@@ -219,6 +221,26 @@ def test_grammar_and_any_json_object(server: Server) -> None:
     assert all(isinstance(o, dict) for o in objects), objects
     assert any(objects), "one completed object has members (a random model's strings rarely " \
                          "close: seed 3 makes one within 100 tokens)"
+
+
+def test_a_table_the_worker_dropped_is_sent_again_with_the_same_output(
+        server: Server, hf: Any, tiny_model_dir: pathlib.Path) -> None:
+    """Requests carry only their constraint's id.  After more new constraints than the gpu
+    worker keeps unused (32), the first one's table is gone from the worker and from the
+    scheduler (its last request ended): a new request naming it has the scheduler ask the
+    frontend for it again, and decodes exactly as before."""
+    clock, text = r"[0-9]{2}:[0-9]{2}", PROMPTS[1]
+    url = f"http://127.0.0.1:{server.http_port}/metrics"
+    want = reference(tiny_model_dir, hf, clock, text)
+    first = stream(server, text, guided(regex=clock))
+    assert (first.text, first.generated_token_count) == want
+    for i in range(40):  # one at a time: each falls unused before the next one starts
+        r = stream(server, text, guided(choices=[str(1000 + i), str(2000 + i)]))
+        assert r.text in (str(1000 + i), str(2000 + i)), r.text
+    asked = Scrape(url).total("tandem_guided_tables_sent_total", why="asked")
+    again = stream(server, text, guided(regex=clock))
+    assert (again.text, again.generated_token_count) == want
+    assert Scrape(url).total("tandem_guided_tables_sent_total", why="asked") == asked + 1
 
 
 # ------------------------------------------------------------------ HTTP, the openai client

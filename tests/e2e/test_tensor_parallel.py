@@ -7,6 +7,7 @@ would leave the gpu workers.
 * K=8 async: concurrent greedy streams equal HF `generate()`; seeded sampled streams equal a
   TP=1 server's, with greedy ones in the same batches;
 * K=1 sync: greedy streams equal HF;
+* guided requests (their table sent to every rank once) equal HF under the same constraint;
 * killing either rank mid-stream, or a rank hanging, meets the failure contract;
 * two "hosts" on this one: rank 1 started on its own (`run-role gpu-worker --node-rank 1`),
   its plans over TCP; it stops with the server, and the server fails when it dies.
@@ -37,6 +38,10 @@ from tests.e2e.test_failures import (
     wait_exit,
 )
 from tests.e2e.test_greedy_parity import PROMPTS, stream_text
+from tests.e2e.test_guided import NUM, guided
+from tests.e2e.test_guided import PROMPTS as GUIDED_PROMPTS
+from tests.e2e.test_guided import reference as guided_reference
+from tests.e2e.test_guided import stream as guided_stream
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -88,6 +93,25 @@ def test_greedy_equals_hf_and_seeded_sampling_equals_tp1(
         assert single.stop() == 0
     assert drawn == reference
     assert len(set(drawn)) == len(drawn)  # different seeds, different streams
+
+
+def test_guided_requests_equal_hf_on_every_rank(tp2: Server,
+                                                tiny_model_dir: pathlib.Path) -> None:
+    """A guided request carries its constraint's id; the table reaches rank 1 over the plan
+    channel once, in the plan that first uses it.  Greedy outputs under it equal HF's, in a
+    first wave and in a second that reuses the table the ranks hold."""
+    import torch
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)  # tiny forwards beside a server on a shared machine
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = GUIDED_PROMPTS[:2]
+    want = {t: guided_reference(tiny_model_dir, hf, NUM, t) for t in texts}
+    for _ in range(2):
+        with ThreadPoolExecutor(len(texts)) as pool:
+            got = list(pool.map(lambda t: guided_stream(tp2, t, guided(regex=NUM)), texts))
+        for text, r in zip(texts, got, strict=True):
+            assert (r.text, r.generated_token_count) == want[text], text
 
 
 def test_sync_k1_greedy_equals_hf(tiny_model_dir: pathlib.Path,

@@ -14,6 +14,7 @@ from tandem_serve.proto.messages import (
     FinishReason,
     GuidedGrammar,
     GuidedKind,
+    GuidedLost,
     GuidedTable,
     PlanEnding,
     PlanProcessed,
@@ -53,6 +54,10 @@ class Simulation:
     max_plans: int = 20_000
     p_guided: float = 0.4
     adapters: int = 0  # distinct LoRA adapters the requests spread over (most use one)
+    # Requests name their constraint by id; a fake frontend sends each table on its own
+    # once, forgets now and then what it sent, and answers the scheduler's GuidedWanted
+    # late (the table, or GuidedLost once no live request names it).
+    ids_only: bool = False
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -60,6 +65,10 @@ class Simulation:
         self.worker = FakeWorker(self.params, random.Random(self.seed + 1), self.p_eos)
         self.guided_rng = random.Random(self.seed + 99)  # apart: the workload stays the same
         self.guided_of: dict[int, str] = {}  # request id -> its constraint's id
+        self.constraint_of: dict[int, GuidedTable | GuidedGrammar] = {}
+        self.sent: set[str] = set()  # the fake frontend's ids sent
+        self.wanted: deque[str] = deque()  # asked for, not answered yet
+        self.num_asked = 0
         self.paused: set[int] = set()  # preempted at the worker, not resumed yet
         n = self.params.num_postproc_workers
         self.postprocs = [FakePostproc(i, random.Random(self.seed + 2 + i), self.p_stop)
@@ -99,8 +108,11 @@ class Simulation:
             sampling = SamplingParams(max_new_tokens=rng.randint(1, 30))
             msg = AddRequest(1000 + rid, np.array(prompt, dtype=np.int32), sampling, float(rid))
             if self.guided_rng.random() < self.p_guided:
-                msg.guided = guided_request(self.guided_rng, sampling)
+                item = guided_request(self.guided_rng, sampling)
                 self.guided_of[msg.request_id] = sampling.guided_id
+                self.constraint_of[msg.request_id] = item
+                if not self.ids_only:
+                    msg.guided = item
             if self.adapters and rng.random() < 0.8:
                 msg.adapter_id = f"lora-{rng.randrange(self.adapters)}"
                 self.worker.adapter_of[msg.request_id] = msg.adapter_id
@@ -117,12 +129,32 @@ class Simulation:
             self.sched.check_invariants()
             self.on_plan_built(plan)
             self.take_failures()
+        wanted = self.sched.take_wanted_constraints()
+        assert not set(wanted) & set(self.wanted), "asked twice before an answer"
+        self.wanted.extend(wanted)
+        self.num_asked += len(wanted)
+
+    def answer_wanted(self) -> None:
+        gid = self.wanted.popleft()
+        users = [rid for rid in self.live_requests() if self.guided_of.get(rid) == gid]
+        if users:
+            self.sched.on_constraint(self.constraint_of[users[0]])
+            self.sent.add(gid)
+        else:
+            self.sched.on_constraint_lost(GuidedLost(gid, "no open request uses it"))
+        self.after_event()
 
     def take_failures(self) -> None:
         for failure in self.sched.take_failures():
             rid = failure.request_id
+            assert failure.message
+            if failure.reason == FinishReason.ERROR:  # its table lost: the frontend was done
+                assert failure.code == "UNAVAILABLE" and rid in self.ended, failure
+                self.limits[rid] = min(self.limits.get(rid, 1 << 30), self.seen_produced[rid])
+                self.inform(rid)
+                continue
             assert rid not in self.known, f"failed request {rid} not dropped with its failure"
-            assert failure.reason == FinishReason.TOKEN_LIMIT and failure.message
+            assert failure.reason == FinishReason.TOKEN_LIMIT
             self.limits[rid] = min(self.limits.get(rid, 1 << 30), self.seen_produced[rid])
             self.informed.add(rid)
             self.end(rid, "failed")
@@ -185,6 +217,13 @@ class Simulation:
         rid = msg.request_id
         self.postprocs[rid % len(self.postprocs)].states[rid] = PostprocState(has_stop)
         self.arrived_at_plan[rid] = self.plans_built
+        gid = self.guided_of.get(rid)
+        if self.ids_only and gid is not None:
+            if self.guided_rng.random() < 0.05:
+                self.sent.clear()  # as after a replaced set of roles: resent, or asked for
+            if gid not in self.sent:
+                self.sched.on_constraint(self.constraint_of[rid])
+                self.sent.add(gid)
         rejected = self.sched.add_request(msg)
         assert rejected is None, rejected
         self.after_event()
@@ -262,6 +301,8 @@ class Simulation:
             acts.append((1.0, self.run_worker))
         if self.from_worker:
             acts.append((1.0, self.deliver_step_done))
+        if self.wanted:
+            acts.append((0.5, self.answer_wanted))
         for i in range(len(self.postprocs)):
             if self.postproc_inbox[i]:
                 acts.append((0.7, lambda i=i: self.run_postproc(i)))

@@ -71,3 +71,14 @@ def test_random_workload_with_more_adapters_than_slots(async_mode: bool) -> None
     assert stats.adapter_loads > 5, "5 adapters through 2 slots: evictions and reloads"
     assert stats.prefix_hit_tokens > 0
     assert len(stats.loaded_adapters) == 2
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_random_workload_with_constraints_named_by_id(num_steps: int, async_mode: bool) -> None:
+    # Tables travel on their own and are asked for again, answered late: the fake worker
+    # still finds every constraint a plan runs with, sent once while held.
+    sim = Simulation(small_cache(num_steps, async_mode), seed=31 + num_steps + async_mode,
+                     ids_only=True).run()
+    assert sim.num_asked > 0, "some tables were asked for again"
+    assert sim.sched.stats.num_preemptions > 0

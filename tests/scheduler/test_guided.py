@@ -93,7 +93,6 @@ def test_a_resumed_request_gets_its_dropped_constraint_again() -> None:
 
 
 @pytest.mark.parametrize(("item", "kind", "gid", "needle"), [
-    (None, GuidedKind.TABLE, "a", "AddRequest.guided to be a GuidedTable"),
     (GuidedGrammar("g", "start: x"), GuidedKind.TABLE, "g", "GuidedTable, got GuidedGrammar"),
     (_table("a"), GuidedKind.TABLE, "b", "sampling.guided_id is 'b'"),
     (_table("a", token_class=np.zeros(VOCAB + 1, np.int32)), GuidedKind.TABLE, "a",
