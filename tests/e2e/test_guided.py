@@ -34,9 +34,10 @@ import pytest
 import torch
 
 from tandem_serve.harness.guided_tables import choice_regex
+from tandem_serve.harness.metrics_scrape import Scrape
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.rpc.client import GenerateOptions
-from tests.e2e.server import Scrape, Server, running
+from tests.e2e.server import Server, running
 from tests.gpu_worker.guided_utils import hf_guided
 from tests.hf_reference import hf_greedy
 
