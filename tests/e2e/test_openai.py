@@ -288,7 +288,16 @@ def test_a_client_that_disconnects_frees_its_blocks(client: openai.OpenAI,
 def test_vllm_metrics_move_by_exactly_the_usage(client: openai.OpenAI, server: Server) -> None:
     url = f"http://127.0.0.1:{server.http_port}/metrics"
     wait_idle(server)
+    # Earlier tests' prefix-cache queries reach /metrics with the scheduler's next reports
+    # (every 0.2 s): start once they have stopped moving.
     before = Scrape(url)
+    while True:
+        time.sleep(0.5)
+        now = Scrape(url)
+        if now.total("vllm:prefix_cache_queries_total") == \
+                before.total("vllm:prefix_cache_queries_total"):
+            break
+        before = now
     long = " ".join(f"word{i}" for i in range(40))  # several KV blocks: its repeat hits them
     used = [client.completions.create(prompt=["Once upon a time", long], **exactly(5)).usage,
             client.completions.create(prompt=long, **exactly(2)).usage]
