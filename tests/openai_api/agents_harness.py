@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,10 +13,8 @@ from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.spec import GuidedSpec
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat_template import ChatTemplate
-from tandem_serve.openai_api.server import HTTPServer
 from tandem_serve.openai_api.serving import Serving
 from tandem_serve.openai_api.tools import AgentSettings
-from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import (
     FinishReason,
     GuidedGrammar,
@@ -26,8 +22,7 @@ from tandem_serve.proto.messages import (
     OutputOptions,
     SamplingParams,
 )
-from tandem_serve.tokenization.tokenizer import Tokenizer
-from tests.tokenizer_utils import sentencepiece_dir
+from tests.openai_api.http_thread import ThreadedServer, tok
 
 LIMITS = Limits(max_model_len=2048, max_new_tokens=512, default_max_new_tokens=16,
                 vocab_size=32000, eos_token_ids=(2,), include_stop_sequence=True)
@@ -101,15 +96,6 @@ class StubCompiler:
         return GuidedGrammar(grammar_id=f"g{len(self.specs)}", lark=spec.value)
 
 
-_tok: list[Tokenizer] = []
-
-
-def tok() -> Tokenizer:
-    if not _tok:
-        _tok.append(Tokenizer.from_dir(str(sentencepiece_dir())))
-    return _tok[0]
-
-
 class AgentApp:
     def __init__(self, settings: AgentSettings | None) -> None:
         self.engine = ScriptedEngine()
@@ -117,29 +103,12 @@ class AgentApp:
         self.frontend = Frontend(self.engine, tok())  # type: ignore[arg-type]
         self.frontend.guided = self.compiler  # type: ignore[assignment]
         self.frontend.limits, self.frontend.serving = LIMITS, True
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         template = ChatTemplate(TEMPLATE, tok().special_tokens_map)
-        app = build_app(Serving(self.frontend, ("tiny",), template, settings))
-        self.server = HTTPServer(app, sock, ServerConfig(model="/models/tiny"))
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(10)
+        self.http = ThreadedServer(build_app(Serving(self.frontend, ("tiny",), template, settings)))
+        self.url = self.http.url
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(15)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        self.http.stop()
 
 
 def user(script: str, text: str = "") -> list[dict[str, Any]]:

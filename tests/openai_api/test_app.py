@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,12 +19,9 @@ from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.openai_api.app import build_app
-from tandem_serve.openai_api.server import HTTPServer
 from tandem_serve.openai_api.serving import Serving
-from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
-from tandem_serve.tokenization.tokenizer import Tokenizer
-from tests.tokenizer_utils import sentencepiece_dir
+from tests.openai_api.http_thread import ThreadedServer, tok
 
 LIMITS = Limits(max_model_len=256, max_new_tokens=64, default_max_new_tokens=16,
                 vocab_size=32000, eos_token_ids=(2,), include_stop_sequence=True)
@@ -75,42 +70,17 @@ class ScriptedEngine:
                 self.aborted.append(rid)
 
 
-_tok: list[Tokenizer] = []
-
-
-def tok() -> Tokenizer:
-    if not _tok:
-        _tok.append(Tokenizer.from_dir(str(sentencepiece_dir())))
-    return _tok[0]
-
-
 class Running:
     def __init__(self, adapters: AdapterStore | None = None) -> None:
         self.engine = ScriptedEngine()
         self.frontend = Frontend(self.engine, tok(), adapters)  # type: ignore[arg-type]
         self.frontend.limits, self.frontend.serving = LIMITS, True
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         app = build_app(Serving(self.frontend, ("tiny", "/models/tiny"), None))
-        self.server = HTTPServer(app, sock, ServerConfig(model="/models/tiny"))
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert started.wait(10)
+        self.http = ThreadedServer(app)
+        self.url = self.http.url
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(15)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
+        self.http.stop()
 
 
 @pytest.fixture(scope="module")
