@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.tool_parsers.json_scan import partial_suffix
+from tandem_serve.openai_api.tool_parsers.json_scan import settled
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -66,8 +66,7 @@ class ReasoningParser:
         if end >= 0:
             return Split(text[body:end], text[end + len(END_THINK):])
         thought = text[body:]
-        return Split(thought if final else thought[:len(thought) - partial_suffix(thought,
-                                                                                  END_THINK)], "")
+        return Split(settled(thought, END_THINK, final), "")
 
 
 class DeepSeekR1Parser(ReasoningParser):

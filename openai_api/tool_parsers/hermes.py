@@ -13,8 +13,8 @@ from __future__ import annotations
 from tandem_serve.openai_api.tool_parsers.base import Content, Scan, ToolParser, call_of
 from tandem_serve.openai_api.tool_parsers.json_scan import (
     Invalid,
-    partial_suffix,
     scan_object,
+    settled,
     skip_ws,
 )
 
@@ -31,7 +31,7 @@ class HermesParser(ToolParser):
             k = text.find(START, pos)
             if k < 0:
                 tail = text[pos:]
-                content.text(tail if final else tail[:len(tail) - partial_suffix(tail, START)])
+                content.text(settled(tail, START, final))
                 break
             content.text(text[pos:k])
             body = skip_ws(text, k + len(START))

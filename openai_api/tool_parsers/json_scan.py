@@ -41,6 +41,12 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def settled(text: str, marker: str, final: bool) -> str:
+    """`text` as far as it can be shown: all of it once final, else without an end that a
+    later delta may still turn into `marker`."""
+    return text if final else text[:len(text) - partial_suffix(text, marker)]
+
+
 def value_end(text: str, i: int, final: bool) -> int | None:
     """Where the JSON value starting at text[i] ends; None while the text ends inside it
     (a final text: the value was cut short). Invalid if no value starts there."""

@@ -18,8 +18,8 @@ import string
 from tandem_serve.openai_api.tool_parsers.base import CallScan, Content, Scan, ToolParser, call_of
 from tandem_serve.openai_api.tool_parsers.json_scan import (
     Invalid,
-    partial_suffix,
     scan_object,
+    settled,
     skip_ws,
     value_end,
 )
@@ -41,7 +41,7 @@ class MistralParser(ToolParser):
         content, out = Content(), Scan("")
         k = text.find(BOT)
         if k < 0:
-            content.text(text if final else text[:len(text) - partial_suffix(text, BOT)])
+            content.text(settled(text, BOT, final))
         else:
             content.text(text[:k])
             i = skip_ws(text, k + len(BOT))
@@ -78,7 +78,7 @@ def _named(text: str, k: int, final: bool, content: Content, out: Scan) -> None:
         k = text.find(BOT, end)
         if k < 0:
             rest = text[end:]
-            content.text(rest if final else rest[:len(rest) - partial_suffix(rest, BOT)])
+            content.text(settled(rest, BOT, final))
             return
         content.text(text[end:k])
 
