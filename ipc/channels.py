@@ -33,6 +33,8 @@ T = TypeVar("T")
 # Bounded everywhere: a stuck peer makes the sender block (and then fail loudly) instead of
 # letting memory grow without limit.
 DEFAULT_HWM = 10_000
+# How long ZeroMQ's I/O thread may go on delivering a closed sender's queue.
+SEND_FLUSH_MS = 1000
 
 
 def ipc_path(addr: str) -> str | None:
@@ -132,11 +134,13 @@ class _Socket:
             self.sock.connect(addr)
         self._closed = False
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close; `linger_ms` > 0 lets ZeroMQ's I/O thread go on delivering what was queued
+        (a role's last reply) for that long instead of dropping it with the socket."""
         if self._closed:
             return
         self._closed = True
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
         path = ipc_path(self.addr)
         if self._bind and path:
             try:
@@ -151,6 +155,11 @@ class Sender(_Socket, Generic[T]):
     def __init__(self, addr: str, bind: bool = False, pub: bool = False,
                  hwm: int = DEFAULT_HWM) -> None:
         super().__init__(addr, zmq.PUB if pub else zmq.PUSH, bind, hwm)
+
+    def close(self, linger_ms: int = SEND_FLUSH_MS) -> None:
+        """What was put just before closing (a role's Ready, its ProfileData) still goes,
+        within `linger_ms`."""
+        super().close(linger_ms)
 
     def put(self, msg: T, timeout: float | None = None) -> None:
         frames = stamped(msg)
