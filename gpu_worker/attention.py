@@ -11,6 +11,14 @@ Two code paths:
   ``[S, L, Hkv, D]`` tensor (L = a host-known bound) and runs one batched SDPA with a length mask;
   prefill loops over the sequences in Python.
 
+A *mixed* forward (a step of decode rows and prefill chunk pieces, ``num_decode > 0`` and not
+``is_decode``) lists its decode rows first, one query token each, then the prefill rows.  Its
+decode rows' context lengths exist only on the device (they advance there), its prefill rows'
+are known on the host too (``prefill_seq_lens``), so nothing in it reads the device.  Every
+token's k/v is written before any row attends, so a decode row sees a prefill piece of its own
+request from the same forward.  flash_attn runs all rows in one varlen call; the SDPA path
+runs the decode rows as one batched call and the prefill rows as above.
+
 Anything derived from ``AttentionMetadata`` alone (redirected slots, gather indices, masks) is
 built once per forward by :func:`prepare_attention` and shared by every layer.
 """
@@ -49,6 +57,30 @@ class AttentionMetadata:
     query_lens: list[int] | None  # host per-sequence query lengths (prefill only)
     max_seq_len: int  # host upper bound of seq_lens
     is_decode: bool  # exactly one query token per sequence, T == S
+    # Mixed forwards: the leading decode rows (one query token each), the host bound of their
+    # seq_lens, and the prefill rows' seq_lens on the host (no device read needed).
+    num_decode: int = 0
+    decode_max_seq_len: int = 0
+    prefill_seq_lens: list[int] | None = None
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_decode > 0 and not self.is_decode
+
+    def decode_part(self) -> AttentionMetadata:
+        """The mixed forward's decode rows as a decode forward of their own."""
+        n = self.num_decode
+        return AttentionMetadata(self.slot_mapping[:n], self.block_tables[:n],
+                                 self.seq_lens[:n], None, None, self.decode_max_seq_len, True)
+
+    def prefill_part(self) -> AttentionMetadata:
+        """The mixed forward's prefill rows as a prefill forward of their own."""
+        n = self.num_decode
+        assert self.query_lens is not None and self.prefill_seq_lens is not None
+        return AttentionMetadata(self.slot_mapping[n:], self.block_tables[n:],
+                                 self.seq_lens[n:], None, self.query_lens[n:],
+                                 max(self.prefill_seq_lens), False,
+                                 prefill_seq_lens=self.prefill_seq_lens)
 
 
 def kv_cache_bytes_per_block(
@@ -113,6 +145,8 @@ class AttentionPlan:
     # flash path
     cu_seqlens_k: torch.Tensor | None = None
     max_query_len: int = 0
+    # mixed forward on the SDPA path: its decode rows' plan and its prefill rows' plan
+    parts: tuple[AttentionPlan, AttentionPlan] | None = None
 
 
 def flash_usable(kv_cache: KVCache) -> bool:
@@ -154,7 +188,10 @@ def prepare_attention(
         plan.cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
         plan.max_query_len = 1 if meta.is_decode else max(meta.query_lens or [1])
         return plan
-    if meta.is_decode:
+    if meta.is_mixed:
+        plan.parts = (prepare_attention(meta.decode_part(), kv_cache, windows, False),
+                      prepare_attention(meta.prefill_part(), kv_cache, windows, False))
+    elif meta.is_decode:
         _prepare_decode(plan, meta, windows, device, k_cache.dtype)
     else:
         _prepare_prefill(plan, meta, windows, device)
@@ -194,7 +231,9 @@ def _prepare_prefill(
 ) -> None:
     if meta.query_lens is None:
         raise ValueError("prefill AttentionMetadata needs query_lens")
-    seq_lens = meta.seq_lens.tolist()  # the one host sync of a prefill forward
+    seq_lens = meta.prefill_seq_lens
+    if seq_lens is None:
+        seq_lens = meta.seq_lens.tolist()  # the one host sync of a prefill forward
     bs = plan.block_size
     q_start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, seq_lens, strict=True)):
@@ -253,6 +292,12 @@ def paged_attention(
     write_kv(k, v, kv_cache, plan.write_slots)
     if plan.use_flash:  # pragma: no cover - needs flash_attn on CUDA
         return _flash_attention(q, kv_cache, meta, scale, plan, sliding_window)
+    if plan.parts is not None:  # mixed: the decode rows first, then the prefill rows
+        n = meta.num_decode
+        decode, prefill = plan.parts
+        return torch.cat((_decode_sdpa(q[:n], kv_cache, scale, decode, sliding_window),
+                          _prefill_sdpa(q[n:], k[n:], v[n:], kv_cache, scale, prefill,
+                                        sliding_window)))
     if meta.is_decode:
         return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
     return _prefill_sdpa(q, k, v, kv_cache, scale, plan, sliding_window)

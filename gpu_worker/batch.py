@@ -4,7 +4,8 @@ anything back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from tandem_serve.gpu_worker.sampler import SamplerHints, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.proto.messages import PromptDetail
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
@@ -42,6 +44,9 @@ class DecodeBatch:
     max_top_n: int
     guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
     lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
+    # Rows that start decoding at a later step of the plan (their last prefill piece runs
+    # then): step -> [B] bool, the rows that join then.  Masked until that step.
+    joins: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -57,8 +62,11 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
 
 
 def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
-                       guided: GuidedRegistry | None = None) -> DecodeBatch:
+                       guided: GuidedRegistry | None = None,
+                       join_steps: list[int] | None = None) -> DecodeBatch:
+    """`join_steps[i]`: the step row i starts decoding in (None: every row from step 0)."""
     params = [r.sampling for r in reqs]
+    joins = join_steps or [0] * len(reqs)
 
     def col(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -100,7 +108,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         positions=col(positions, torch.int64),
         block_tables=torch.from_numpy(_pad([r.block_ids for r in reqs], 0).astype(np.int32))
         .to(device),
-        active=torch.ones(len(reqs), dtype=torch.bool, device=device),
+        active=col([s == 0 for s in joins], torch.bool),
         output_count=col([r.num_generated for r in reqs], torch.int32),
         max_new=col([p.max_new_tokens for p in params], torch.int32),
         stop_ids=st.stop_token_ids,
@@ -114,6 +122,8 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
         max_top_n=max(p.top_n for p in params),
         guided=guided.batch(reqs) if guided is not None else None,
+        joins={step: col([s == step for s in joins], torch.bool)
+               for step in sorted(set(joins)) if step > 0},
     )
 
 
@@ -128,3 +138,7 @@ class StepTensors:
     ranks: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    # Prompt logprobs of the step's prefill pieces, still on the device, and what makes the
+    # PromptDetail messages of them once read back (the publisher's `send_scores`).
+    details: tuple[list[torch.Tensor], Callable[[list[np.ndarray]], list[PromptDetail]]] \
+        | None = None

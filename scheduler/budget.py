@@ -1,0 +1,114 @@
+"""The token budget of the plan being built, step by step (SARATHI-style chunked prefill).
+
+Each of a plan's K steps is one forward over every decoding row (one token each) and the
+prefill chunk pieces placed in it, under `max_num_batched_tokens` per step: decoding rows
+come first, then the oldest prompts fill what is left, earliest step first, so no decoding
+row waits for more than one step's share of a prompt.  A chunk that completes its prompt
+starts decoding in the step of its last piece (its decode row reads that piece's KV from
+the same forward) and from then on takes one token of every step it decodes in.
+
+Two plans are shaped differently:
+
+* nothing decodes at the plan's start: nobody can stall, so the first step takes whole
+  chunks, up to the plan's K x budget tokens (no prompt is cut into K forwards for nothing);
+* the baseline (`--prefill-phase`): one budget for the whole plan, chunks plus one token per
+  decoding request, every chunk run in a forward of its own before the K steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Decode steps a request runs when it starts decoding at a given step (its limits apply).
+DecodeSteps = Callable[[int], int]
+
+# The default budget, by the gpu worker's device: tokens per step with mixed steps, per
+# plan for the baseline (what it was before mixed steps).  Why these numbers: see
+# `default_tokens`.
+STEP_TOKENS = {"cpu": 128, "cuda": 512}
+PLAN_TOKENS = 2048
+
+
+def default_tokens(device_type: str, prefill_phase: bool) -> int:
+    """`--max-num-batched-tokens 0`.  A step's time grows with its tokens, and the worst
+    inter-token gap of a decoding stream is one step with a full share of prefill: on a CPU
+    a token of prefill costs about what a decode row does, so the budget has to stay near
+    the size of a decode step's own work for the worst gap to stay within ~3x the median
+    (measured with `tandem bench stall`); on a GPU a step is launch- and memory-bound up to
+    hundreds of tokens, so a larger share costs the decode rows little."""
+    if prefill_phase:
+        return PLAN_TOKENS
+    return STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])
+
+
+@dataclass
+class Split:
+    """Where one request's chunk of this plan goes."""
+
+    pieces: list[int] = field(default_factory=list)  # tokens per step, from step 0
+    join: int | None = None  # the step it starts decoding in (None: still prefilling after)
+    decode_steps: int = 0  # steps it decodes in this plan
+
+    @property
+    def total(self) -> int:
+        return sum(self.pieces)
+
+    def message_steps(self) -> list[int]:
+        """`prefill_steps` for the plan message: empty when all of it is in step 0."""
+        return [] if len(self.pieces) <= 1 else list(self.pieces)
+
+
+class StepBudget:
+    def __init__(self, num_steps: int, tokens: int, prefill_phase: bool = False) -> None:
+        self.num_steps = num_steps
+        self.tokens = tokens
+        # The baseline has one budget for the plan; mixed steps one per step.
+        self.left = [tokens] if prefill_phase else [tokens] * num_steps
+        self.prefill_steps = len(self.left)  # how many leading steps may take prefill
+
+    def prefill_only(self) -> None:
+        """Nothing decodes at the plan's start: whole chunks in its first step."""
+        if len(self.left) > 1:
+            self.left[0] = self.tokens * self.num_steps
+            self.prefill_steps = 1
+
+    def has_room(self) -> bool:
+        return any(n > 0 for n in self.left[: self.prefill_steps])
+
+    def split(self, prefill_left: int, decode_steps: DecodeSteps,
+              limit: int | None = None) -> Split | None:
+        """Place `prefill_left` tokens (at most `limit`, which then never completes the
+        prompt), earliest step first; None when no step has room for any of it."""
+        todo = prefill_left if limit is None else min(prefill_left, limit)
+        may_complete = todo == prefill_left
+        pieces: list[int] = []
+        for s in range(self.prefill_steps):
+            room = self.left[s]
+            steps = decode_steps(s)
+            # The whole rest plus its first decode token, and a token in each later step.
+            if may_complete and todo + 1 <= room and self._decode_fits(s, steps):
+                return Split([*pieces, todo], s, steps)
+            # Else hold the last token back: a prompt completes only with its decode row.
+            n = max(0, min(todo - int(may_complete), room))
+            pieces.append(n)
+            todo -= n
+            if todo == 0:
+                break
+        while pieces and pieces[-1] == 0:
+            pieces.pop()
+        return Split(pieces) if pieces else None
+
+    def _decode_fits(self, join: int, steps: int) -> bool:
+        return all(self.left[t] >= 1 for t in range(join + 1, min(join + steps,
+                                                                   len(self.left))))
+
+    def take(self, split: Split) -> None:
+        for s, n in enumerate(split.pieces):
+            self.left[s] -= n
+        if split.join is not None:
+            self.decode(split.join, split.decode_steps)
+
+    def decode(self, first: int, steps: int) -> None:
+        """A row decoding from step `first` for `steps` steps (the baseline: once)."""
+        for s in range(first, min(first + steps, len(self.left))):
+            self.left[s] -= 1
