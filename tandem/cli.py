@@ -352,6 +352,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("ab", "ab", "sync/async x K table, each arm on a fresh server"),
     ("lora", "lora", "TPOT and throughput with LoRA adapters vs the base model"),
     ("guided", "guided_serve", "TPOT and throughput with guided requests, per kind"),
+    ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("report", "report", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
