@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem_serve.gpu_worker import flex_attention
+
 try:  # pragma: no cover - not installed in the CPU test environment
     from flash_attn import flash_attn_varlen_func as _fa_varlen
     from flash_attn import flash_attn_with_kvcache as _fa_kvcache
@@ -147,6 +149,8 @@ class AttentionPlan:
     max_query_len: int = 0
     # mixed forward on the SDPA path: its decode rows' plan and its prefill rows' plan
     parts: tuple[AttentionPlan, AttentionPlan] | None = None
+    # mixed forward in one FlexAttention call (gpu_worker.flex_attention)
+    flex: flex_attention.FlexPlan | None = None
 
 
 def flash_usable(kv_cache: KVCache) -> bool:
@@ -188,7 +192,13 @@ def prepare_attention(
         plan.cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
         plan.max_query_len = 1 if meta.is_decode else max(meta.query_lens or [1])
         return plan
-    if meta.is_mixed:
+    if meta.is_mixed and flex_attention.usable(device):
+        assert meta.query_lens is not None and meta.prefill_seq_lens is not None
+        rows = flex_attention.Rows(meta.block_tables, meta.seq_lens, meta.num_decode,
+                                   meta.decode_max_seq_len, meta.query_lens,
+                                   meta.prefill_seq_lens)
+        plan.flex = flex_attention.prepare_flex(rows, block_size, num_blocks, windows, device)
+    elif meta.is_mixed:
         plan.parts = (prepare_attention(meta.decode_part(), kv_cache, windows, False),
                       prepare_attention(meta.prefill_part(), kv_cache, windows, False))
     elif meta.is_decode:
@@ -292,6 +302,8 @@ def paged_attention(
     write_kv(k, v, kv_cache, plan.write_slots)
     if plan.use_flash:  # pragma: no cover - needs flash_attn on CUDA
         return _flash_attention(q, kv_cache, meta, scale, plan, sliding_window)
+    if plan.flex is not None:
+        return flex_attention.flex_mixed(q, kv_cache, scale, plan.flex, sliding_window)
     if plan.parts is not None:  # mixed: the decode rows first, then the prefill rows
         n = meta.num_decode
         decode, prefill = plan.parts

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tandem_serve.adapters.peft import AdapterError, ModelShapes
-from tandem_serve.gpu_worker import prompt_logprobs
+from tandem_serve.gpu_worker import flex_attention, prompt_logprobs
 from tandem_serve.gpu_worker.attention import (
     AttentionMetadata,
     allocate_kv_cache,
@@ -276,9 +276,14 @@ class ModelRunner:
         slots = self._decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_position + step + 1,
                               pre)
-        hidden = self.model(torch.cat((b.input_ids, pre.ids)),
-                            torch.cat((b.positions, pre.positions)), self.kv_caches, meta,
-                            pre.lora)
+        ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
+        try:
+            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora)
+        except Exception as exc:
+            if not flex_attention.usable(self.device):
+                raise
+            flex_attention.disable(exc)  # e.g. no compiler for it: the split path for good
+            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora)
         return self.model.compute_logits(hidden[: b.size]), hidden[b.size:]
 
     @torch.inference_mode()
