@@ -315,6 +315,9 @@ class WorkerReady:
     max_model_len: int
     vocab_size: int
     device_type: str = ""  # "cpu", "cuda": picks the default per-step token budget
+    # Context length at which a prefill token's attention costs what the rest of its
+    # forward does (0: unknown); the scheduler's per-step budget weighs pieces by it.
+    attention_tokens: int = 0
 
 
 # ---------------------------------------------------------------- postproc -> scheduler

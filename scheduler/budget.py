@@ -7,6 +7,13 @@ row waits for more than one step's share of a prompt.  A chunk that completes it
 starts decoding in the step of its last piece (its decode row reads that piece's KV from
 the same forward) and from then on takes one token of every step it decodes in.
 
+A prefill token's cost grows with the context it attends over, which a plain token count
+misses: a prompt's last pieces would make the slowest steps.  So a piece of n tokens after c
+computed ones counts n x (1 + (c + n/2) / L), L being the context at which a token's
+attention costs what the rest of its forward does (the gpu worker works it out from the
+model's shape and device, `WorkerReady.attention_tokens`; 0: plain tokens).  Steps then take
+about the same time whichever part of a prompt they carry.
+
 Two plans are shaped differently:
 
 * nothing decodes at the plan's start: nobody can stall, so the first step takes whole
@@ -41,6 +48,28 @@ def default_tokens(device_type: str, prefill_phase: bool) -> int:
     return STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])
 
 
+def piece_cost(n: int, context: int, attention_tokens: int) -> int:
+    """Budget a piece of n prefill tokens after `context` computed ones takes."""
+    if not attention_tokens or n <= 0:
+        return n
+    return n + -(-n * (2 * context + n) // (2 * attention_tokens))
+
+
+def largest_piece(room: int, context: int, attention_tokens: int) -> int:
+    """The most tokens a piece after `context` computed ones may have within `room`."""
+    if room <= 0:
+        return 0
+    if not attention_tokens:
+        return room
+    b = attention_tokens + context  # n^2 + 2bn <= 2L room: the positive root, then exact
+    n = max(0, int((b * b + 2 * attention_tokens * room) ** 0.5 - b))
+    while n > 0 and piece_cost(n, context, attention_tokens) > room:
+        n -= 1
+    while piece_cost(n + 1, context, attention_tokens) <= room:
+        n += 1
+    return n
+
+
 @dataclass
 class Split:
     """Where one request's chunk of this plan goes."""
@@ -48,6 +77,7 @@ class Split:
     pieces: list[int] = field(default_factory=list)  # tokens per step, from step 0
     join: int | None = None  # the step it starts decoding in (None: still prefilling after)
     decode_steps: int = 0  # steps it decodes in this plan
+    costs: list[int] = field(default_factory=list, compare=False)  # budget of each piece
 
     @property
     def total(self) -> int:
@@ -59,9 +89,11 @@ class Split:
 
 
 class StepBudget:
-    def __init__(self, num_steps: int, tokens: int, prefill_phase: bool = False) -> None:
+    def __init__(self, num_steps: int, tokens: int, prefill_phase: bool = False,
+                 attention_tokens: int = 0) -> None:
         self.num_steps = num_steps
         self.tokens = tokens
+        self.attention_tokens = attention_tokens
         # The baseline has one budget for the plan; mixed steps one per step.
         self.left = [tokens] if prefill_phase else [tokens] * num_steps
         self.prefill_steps = len(self.left)  # how many leading steps may take prefill
@@ -75,35 +107,44 @@ class StepBudget:
     def has_room(self) -> bool:
         return any(n > 0 for n in self.left[: self.prefill_steps])
 
-    def split(self, prefill_left: int, decode_steps: DecodeSteps,
-              limit: int | None = None) -> Split | None:
-        """Place `prefill_left` tokens (at most `limit`, which then never completes the
-        prompt), earliest step first; None when no step has room for any of it."""
+    def split(self, prefill_left: int, decode_steps: DecodeSteps, limit: int | None = None,
+              context: int = 0) -> Split | None:
+        """Place `prefill_left` tokens that follow `context` computed ones (at most `limit`,
+        which then never completes the prompt), earliest step first; None when no step has
+        room for any of it."""
         todo = prefill_left if limit is None else min(prefill_left, limit)
         may_complete = todo == prefill_left
-        pieces: list[int] = []
+        split = Split()
         for s in range(self.prefill_steps):
             room = self.left[s]
             steps = decode_steps(s)
+            cost = piece_cost(todo, context, self.attention_tokens)
             # The whole rest plus its first decode token, and a token in each later step.
-            if may_complete and todo + 1 <= room and self._decode_fits(s, steps):
-                return Split([*pieces, todo], s, steps)
+            if may_complete and cost + 1 <= room and self._decode_fits(s, steps):
+                split.pieces.append(todo)
+                split.costs.append(cost)
+                split.join, split.decode_steps = s, steps
+                return split
             # Else hold the last token back: a prompt completes only with its decode row.
-            n = max(0, min(todo - int(may_complete), room))
-            pieces.append(n)
+            n = max(0, min(todo - int(may_complete),
+                           largest_piece(room, context, self.attention_tokens)))
+            split.pieces.append(n)
+            split.costs.append(piece_cost(n, context, self.attention_tokens))
             todo -= n
+            context += n
             if todo == 0:
                 break
-        while pieces and pieces[-1] == 0:
-            pieces.pop()
-        return Split(pieces) if pieces else None
+        while split.pieces and split.pieces[-1] == 0:
+            split.pieces.pop()
+            split.costs.pop()
+        return split if split.pieces else None
 
     def _decode_fits(self, join: int, steps: int) -> bool:
         return all(self.left[t] >= 1 for t in range(join + 1, min(join + steps,
                                                                    len(self.left))))
 
     def take(self, split: Split) -> None:
-        for s, n in enumerate(split.pieces):
+        for s, n in enumerate(split.costs or split.pieces):
             self.left[s] -= n
         if split.join is not None:
             self.decode(split.join, split.decode_steps)

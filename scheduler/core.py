@@ -190,7 +190,8 @@ class Scheduler:
             raise RuntimeError("build_plan() called while ready_to_plan() is False")
         params = self.params
         draft = _Draft(self.state.next_plan_id, StepBudget(
-            params.num_steps, params.max_num_batched_tokens, params.prefill_phase))
+            params.num_steps, params.max_num_batched_tokens, params.prefill_phase,
+            0 if params.prefill_phase else params.attention_tokens))
         self._continue_decodes(draft)
         if not draft.chunks:
             draft.budget.prefill_only()
@@ -233,7 +234,8 @@ class Scheduler:
                 self._continue_prefill(req, draft)
 
     def _continue_prefill(self, req: Request, draft: _Draft) -> None:
-        split = draft.budget.split(req.prefill_left, self._decode_steps(req))
+        split = draft.budget.split(req.prefill_left, self._decode_steps(req),
+                                   context=req.num_computed)
         while split is not None:
             new_blocks = self._grow(req, self._positions_after(req, req.num_computed, split),
                                     draft)
@@ -244,7 +246,7 @@ class Scheduler:
                 return
             smaller = self._chunk_that_fits(req, split.total)
             split = None if smaller is None else draft.budget.split(
-                req.prefill_left, self._decode_steps(req), smaller)
+                req.prefill_left, self._decode_steps(req), smaller, req.num_computed)
 
     def _admit_waiting(self, draft: _Draft) -> None:
         while (self.state.waiting and draft.budget.has_room()
@@ -262,7 +264,8 @@ class Scheduler:
         hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
             self._cacheable_hashes(req))
         num_cached = len(hits) * self.params.block_size
-        split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req))
+        split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
+                                   context=num_cached)
         if split is None:
             return False
         positions = self._positions_after(req, num_cached, split)

@@ -15,6 +15,7 @@ import numpy as np
 
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.steps import attention_tokens
 from tandem_serve.proto.messages import (
     AddRequest,
     PlanProcessed,
@@ -39,11 +40,13 @@ class Served:
 
     def __post_init__(self) -> None:
         r = self.runner
+        params: dict[str, Any] = dict(  # what the scheduler process makes of WorkerReady
+            attention_tokens=attention_tokens(r.model.config, r.device), **self.params)
         self.sched = Scheduler(SchedulerParams(
             num_blocks=r.num_blocks, block_size=r.block_size, num_steps=self.num_steps,
             max_model_len=r.max_model_len, max_num_batched_tokens=self.budget,
             async_mode=self.async_mode, num_postproc_workers=1,
-            prefill_phase=self.prefill_phase, **self.params))
+            prefill_phase=self.prefill_phase, **params))
         self.messages: list[TokenBatch | PromptDetail] = []
         self.publisher = TokenPublisher(self.messages.append, r.device)
         self.arrivals: dict[int, list[AddRequest]] = {}

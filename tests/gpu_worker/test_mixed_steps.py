@@ -111,7 +111,6 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
     if k > 1:  # the long prompts were cut into pieces over several steps
         spread = served.spread()
         assert spread and max(len(s) for s in spread) >= 4
-        assert all(sum(s) >= 8 for s in spread)
     served.close()
 
 

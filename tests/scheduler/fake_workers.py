@@ -26,6 +26,7 @@ from tandem_serve.proto.messages import (
     StepPlan,
     StopHit,
 )
+from tandem_serve.scheduler.budget import piece_cost
 from tandem_serve.scheduler.core import SchedulerParams
 
 VOCAB = 50
@@ -196,8 +197,10 @@ class FakeWorker:
         for req in live:
             pieces = req.pieces or [req.chunk]
             assert len(pieces) <= k and sum(pieces) == req.chunk, f"pieces {pieces}"
-            for step, n in enumerate(pieces):
-                loads[step] += n
+            context = req.num_computed
+            for step, n in enumerate(pieces):  # later pieces weigh more (their attention)
+                loads[step] += piece_cost(n, context, params.attention_tokens)
+                context += n
             if req.num_computed + req.chunk == len(req.history) - 1:
                 for step in range(req.join, req.join + self._steps_left(req)):
                     loads[step] += 1

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from tandem_serve.proto.messages import PlanProcessed
-from tandem_serve.scheduler.budget import Split, StepBudget, default_tokens
+from tandem_serve.scheduler.budget import (
+    Split,
+    StepBudget,
+    default_tokens,
+    largest_piece,
+    piece_cost,
+)
 from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params, step_done
 from tests.scheduler.simulation import Simulation, small_cache
@@ -40,6 +46,21 @@ def test_nothing_decoding_takes_whole_chunks_in_the_first_step() -> None:
     budget.prefill_only()
     assert budget.split(100, lambda first: 8 - first) == Split([100], 0, 8)
     assert budget.split(200, lambda first: 8 - first) == Split([128])
+
+
+def test_later_pieces_of_a_prompt_weigh_more() -> None:
+    """With attention weighed in, a step carries fewer tokens of a prompt's end than of its
+    start, and each piece's cost fits its step."""
+    budget = StepBudget(8, 100, attention_tokens=200)
+    budget.decode(0, 8)
+    split = budget.split(350, lambda first: 8 - first)
+    assert split is not None and split.join is not None
+    assert split.pieces[0] > split.pieces[split.join - 1] > 0 and sum(split.pieces) == 350
+    context = 0
+    for n, cost in zip(split.pieces, split.costs, strict=True):
+        assert cost == piece_cost(n, context, 200) <= 99
+        context += n
+    assert largest_piece(99, 0, 0) == 99 and piece_cost(10, 500, 0) == 10
 
 
 def test_the_baseline_budget_is_per_plan() -> None:
@@ -88,3 +109,10 @@ def test_random_workload_large_steps_tight_budget() -> None:
     # Long plans over a budget near the batch size: pieces in every step, joins late.
     params = small_cache(16, True, max_num_seqs=6, max_num_batched_tokens=8, num_blocks=60)
     Simulation(params, seed=9, num_requests=80).run()
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+def test_random_workload_attention_weighed(async_mode: bool) -> None:
+    params = small_cache(8, async_mode, attention_tokens=12, max_num_batched_tokens=16)
+    stats = Simulation(params, seed=31 + async_mode).run().sched.stats
+    assert stats.num_preemptions > 0
