@@ -47,6 +47,12 @@ class DecodeBatch:
     # Rows that start decoding at a later step of the plan (their last prefill piece runs
     # then): step -> [B] bool, the rows that join then.  Masked until that step.
     joins: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Host bound of the joined rows' context length at each step: rows not yet decoding
+    # must not widen every row's gathered context (their own output is discarded).
+    step_lens: list[int] = field(default_factory=list)
+
+    def max_seq_len(self, step: int) -> int:
+        return self.step_lens[step] if step < len(self.step_lens) else self.max_position + step + 1
 
     @property
     def size(self) -> int:
@@ -124,7 +130,14 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         guided=guided.batch(reqs) if guided is not None else None,
         joins={step: col([s == step for s in joins], torch.bool)
                for step in sorted(set(joins)) if step > 0},
+        step_lens=_step_lens(positions, joins) if any(joins) else [],
     )
+
+
+def _step_lens(positions: list[int], joins: list[int]) -> list[int]:
+    """Per step up to the last join, the longest joined row's context length then."""
+    return [max([p + step - j + 1 for p, j in zip(positions, joins, strict=True) if j <= step],
+                default=1) for step in range(max(joins) + 1)]
 
 
 @dataclass

@@ -53,7 +53,7 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
                            to_scheduler, to_frontend, ranks)
         ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                             runner.vocab_size, runner.device.type,
-                            attention_tokens(runner.model.config, runner.device))
+                            attention_tokens(runner.model.config))
         # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
         # its set: the scheduler of our set may not be up yet, and one of the set we replace
         # may still hold its address.  The scheduler keeps the first.

@@ -59,7 +59,6 @@ if TYPE_CHECKING:
     from tandem_serve.gpu_worker.publisher import TokenPublisher
 
 log = logging.getLogger(__name__)
-_NO_SPAN = contextlib.nullcontext()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -274,8 +273,7 @@ class ModelRunner:
         logits [B, V] and the pieces' hidden states (eager: CUDA graphs cover pure decode
         steps only)."""
         slots = self._decode_slots(b.positions, b.active, b.block_tables)
-        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_position + step + 1,
-                              pre)
+        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
         ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
         try:
             hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora)
@@ -304,7 +302,7 @@ class ModelRunner:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_position + step + 1, b.lora)
+                                         b.max_seq_len(step), b.lora)
         # Guided rows' masks after the forward is under way (grammar rows wait for the host).
         may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
@@ -368,14 +366,10 @@ class ModelRunner:
             slots = [r.lora_slot for r in layout.decoding]
             batch.lora = self._lora_context(slots)
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
-            # The pieces' inputs, built and copied before the loop (their compute is in the
-            # steps' forward spans).
-            with TRACER.span("prefill", plan.plan_id) if layout.num_prefill else _NO_SPAN:
-                inputs = [self._step_inputs(pieces, batch, slots) if pieces else None
-                          for pieces in layout.steps]
+            work = StepWork(layout.steps, layout.join_steps,
+                            partial(self._step_inputs, b=batch, decode_slots=slots))
             with self.step_guard():
-                steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s,
-                                          StepWork(inputs, layout.join_steps))
+                steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s, work)
         else:
             publish.end_of_plan(plan)
         publish.flush()
@@ -401,8 +395,7 @@ class ModelRunner:
                 ending()
                 ending = None
             started = time.perf_counter()
-            pre = work.inputs[k]
-            work.trace(plan.plan_id, k)
+            pre = work.inputs(plan.plan_id, k)
             # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
             with TRACER.span("forward", plan.plan_id, k):
                 st = self.decode_step(batch, k, graph, k == last, pre)

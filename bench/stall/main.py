@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from tandem_serve.bench.stall.report import Figures, arm_table, as_json, figures, ratio_table
 from tandem_serve.bench.stall.scenario import Workload, run
@@ -45,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more flag for every server (repeat, e.g. "
                         "--server-arg=--no-async-postproc)")
+    p.add_argument("--in-process", action="store_true",
+                   help="no servers: the scheduler and runner in this process, timed by the "
+                        "worker's CPU time (the device's stalls, whatever else the host runs)")
     p.add_argument("--json", default="", help="write the figures here too")
 
 
@@ -80,15 +84,14 @@ def _progress(msg: str) -> None:
     print(f"[bench stall] {msg}", file=sys.stderr, flush=True)
 
 
-def main(args: argparse.Namespace) -> int:
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
-    from tandem_serve.tokenization.tokenizer import Tokenizer
+def _report(results: dict[str, list[Figures]], arm: str, r: int) -> None:
+    f = results[arm][-1]
+    _progress(f"round {r + 1} {arm}: worst gap {f.worst_ratio:.1f}x median, "
+              f"TTFT {f.ttft_ms:.0f} ms")
 
-    model = args.model or str(ensure_default_model(in_subprocess=True))
-    tokenizer = Tokenizer.from_dir(model)
-    work = Workload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
-                    interval=args.interval)
-    arms = [a for a in args.arms.split(",") if a]
+
+def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+            arms: list[str]) -> dict[str, list[Figures]]:
     shared = ["--num-scheduler-steps", str(args.num_scheduler_steps), *args.server_arg]
     results: dict[str, list[Figures]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
@@ -104,9 +107,41 @@ def main(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             for arm in arms:
                 results[arm].append(figures(run(targets[arm], tokenizer, work, r)))
-                f = results[arm][-1]
-                _progress(f"round {r + 1} {arm}: worst gap {f.worst_ratio:.1f}x median, "
-                          f"TTFT {f.ttft_ms:.0f} ms")
+                _report(results, arm, r)
+    return results
+
+
+def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+                arms: list[str]) -> dict[str, list[Figures]]:
+    from tandem_serve.bench.stall import inproc
+
+    results: dict[str, list[Figures]] = {arm: [] for arm in arms}
+    warm = Workload(work.streams, 2, work.prompt_len, 0.5)
+    for arm in arms:  # oneDNN's primitives per shape are built once per process
+        inproc.run(model, tokenizer, warm, 999, args.num_scheduler_steps,
+                   arm == "prefill-phase", args.max_num_batched_tokens)
+    for r in range(args.rounds):
+        for arm in arms:
+            phase = arm == "prefill-phase"
+            budget = 0 if phase else args.max_num_batched_tokens
+            stamps = inproc.run(model, tokenizer, work, r, args.num_scheduler_steps, phase,
+                                budget)
+            results[arm].append(figures(stamps))
+            _report(results, arm, r)
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.tokenization.tokenizer import Tokenizer
+
+    model = args.model or str(ensure_default_model(in_subprocess=True))
+    tokenizer = Tokenizer.from_dir(model)
+    work = Workload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
+                    interval=args.interval)
+    arms = [a for a in args.arms.split(",") if a]
+    results = (_in_process(args, model, tokenizer, work, arms) if args.in_process
+               else _served(args, model, tokenizer, work, arms))
     print(arm_table(results))
     if {"mixed", "prefill-phase"} <= set(arms):
         print()

@@ -41,7 +41,7 @@ class Served:
     def __post_init__(self) -> None:
         r = self.runner
         params: dict[str, Any] = dict(  # what the scheduler process makes of WorkerReady
-            attention_tokens=attention_tokens(r.model.config, r.device), **self.params)
+            attention_tokens=attention_tokens(r.model.config), **self.params)
         self.sched = Scheduler(SchedulerParams(
             num_blocks=r.num_blocks, block_size=r.block_size, num_steps=self.num_steps,
             max_model_len=r.max_model_len, max_num_batched_tokens=self.budget,
