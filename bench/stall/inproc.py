@@ -62,7 +62,7 @@ def run(model: str, tokenizer: Any, work: Workload, seed: int, num_steps: int,
         steps[(plan_id, step)] = clock.in_plan()
         return out
 
-    runner.decode_step = stamped  # type: ignore[method-assign]
+    runner.decode_step = stamped  # type: ignore[method-assign,assignment]
     batches: list[TokenBatch] = []
     publisher = TokenPublisher(lambda m: batches.append(m) if isinstance(m, TokenBatch)
                                else None, runner.device)

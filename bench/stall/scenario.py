@@ -73,7 +73,8 @@ def run(target: str, tokenizer: Any, work: Workload, seed: int) -> Stamps:
     client = TandemClient(target)
     stamps = Stamps(streams=[[] for _ in range(work.streams)],
                     prompt_tokens=[[] for _ in range(work.prompts)])
-    calls, threads = [], []
+    calls: list[Any] = []  # grpc's stream calls: iterators with cancel()
+    threads = []
     try:
         started = [threading.Event() for _ in range(work.streams)]
         opts = GenerateOptions(max_new_tokens=work.stream_tokens,
