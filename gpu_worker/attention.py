@@ -64,6 +64,9 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_max_seq_len: int = 0
     prefill_seq_lens: list[int] | None = None
+    # Host bounds of each decode row's seq_len (None: max_seq_len for all): rows far apart
+    # in length are gathered in two groups rather than all to the longest (SDPA path).
+    decode_lens: list[int] | None = None
 
     @property
     def is_mixed(self) -> bool:
@@ -73,7 +76,14 @@ class AttentionMetadata:
         """The mixed forward's decode rows as a decode forward of their own."""
         n = self.num_decode
         return AttentionMetadata(self.slot_mapping[:n], self.block_tables[:n],
-                                 self.seq_lens[:n], None, None, self.decode_max_seq_len, True)
+                                 self.seq_lens[:n], None, None, self.decode_max_seq_len, True,
+                                 decode_lens=self.decode_lens)
+
+    def decode_rows(self, rows: torch.Tensor, bound: int) -> AttentionMetadata:
+        """Some rows of a decode forward, whose seq_lens are at most `bound`."""
+        return AttentionMetadata(self.slot_mapping.index_select(0, rows),
+                                 self.block_tables.index_select(0, rows),
+                                 self.seq_lens.index_select(0, rows), None, None, bound, True)
 
     def prefill_part(self) -> AttentionMetadata:
         """The mixed forward's prefill rows as a prefill forward of their own."""
@@ -151,6 +161,8 @@ class AttentionPlan:
     parts: tuple[AttentionPlan, AttentionPlan] | None = None
     # mixed forward in one FlexAttention call (gpu_worker.flex_attention)
     flex: flex_attention.FlexPlan | None = None
+    # decode rows in length groups (SDPA path): each group's rows and plan
+    groups: list[tuple[torch.Tensor, AttentionPlan]] = field(default_factory=list)
 
 
 def flash_usable(kv_cache: KVCache) -> bool:
@@ -201,11 +213,33 @@ def prepare_attention(
     elif meta.is_mixed:
         plan.parts = (prepare_attention(meta.decode_part(), kv_cache, windows, False),
                       prepare_attention(meta.prefill_part(), kv_cache, windows, False))
+    elif meta.is_decode and (groups := length_groups(meta.decode_lens, block_size)):
+        for rows, bound in groups:
+            index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+            plan.groups.append((index, prepare_attention(meta.decode_rows(index, bound),
+                                                         kv_cache, windows, False)))
     elif meta.is_decode:
         _prepare_decode(plan, meta, windows, device, k_cache.dtype)
     else:
         _prepare_prefill(plan, meta, windows, device)
     return plan
+
+
+def length_groups(lens: list[int] | None, block_size: int
+                  ) -> list[tuple[list[int], int]] | None:
+    """Decode rows as (rows, seq_len bound) groups when gathering the short ones to their own
+    width saves at least 40% of the blocks the longest row's width costs (one long row among
+    short ones: a prompt that just joined); else None (one gather)."""
+    if not lens or len(lens) < 2:
+        return None
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    width = [-(-lens[i] // block_size) for i in order]
+    whole = len(lens) * width[-1]
+    cost, cut = min((i * width[i - 1] + (len(lens) - i) * width[-1], i)
+                    for i in range(1, len(lens)))
+    if cost > 0.6 * whole:
+        return None
+    return [(order[:cut], lens[order[cut - 1]]), (order[cut:], lens[order[-1]])]
 
 
 def _prepare_decode(
@@ -307,12 +341,23 @@ def paged_attention(
     if plan.parts is not None:  # mixed: the decode rows first, then the prefill rows
         n = meta.num_decode
         decode, prefill = plan.parts
-        return torch.cat((_decode_sdpa(q[:n], kv_cache, scale, decode, sliding_window),
+        return torch.cat((_decode(q[:n], kv_cache, scale, decode, sliding_window),
                           _prefill_sdpa(q[n:], k[n:], v[n:], kv_cache, scale, prefill,
                                         sliding_window)))
     if meta.is_decode:
-        return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
+        return _decode(q, kv_cache, scale, plan, sliding_window)
     return _prefill_sdpa(q, k, v, kv_cache, scale, plan, sliding_window)
+
+
+def _decode(q: torch.Tensor, kv_cache: KVCache, scale: float, plan: AttentionPlan,
+            sliding_window: int | None) -> torch.Tensor:
+    if not plan.groups:
+        return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
+    out = torch.empty_like(q)  # every row is in one group
+    for rows, group in plan.groups:  # each group gathered to its own width
+        out.index_copy_(0, rows, _decode_sdpa(q.index_select(0, rows), kv_cache, scale,
+                                              group, sliding_window))
+    return out
 
 
 def _decode_sdpa(

@@ -50,9 +50,18 @@ class DecodeBatch:
     # Host bound of the joined rows' context length at each step: rows not yet decoding
     # must not widen every row's gathered context (their own output is discarded).
     step_lens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)  # host, at the plan's start
+    join_steps: list[int] = field(default_factory=list)
 
     def max_seq_len(self, step: int) -> int:
         return self.step_lens[step] if step < len(self.step_lens) else self.max_position + step + 1
+
+    def row_lens(self, step: int) -> list[int]:
+        """Host bound of each row's context length at `step` (a row not decoding yet: 1,
+        its output is discarded)."""
+        joins = self.join_steps or [0] * len(self.start_positions)
+        return [p + step - j + 1 if j <= step else 1
+                for p, j in zip(self.start_positions, joins, strict=True)]
 
     @property
     def size(self) -> int:
@@ -131,6 +140,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         joins={step: col([s == step for s in joins], torch.bool)
                for step in sorted(set(joins)) if step > 0},
         step_lens=_step_lens(positions, joins) if any(joins) else [],
+        start_positions=positions, join_steps=joins,
     )
 
 

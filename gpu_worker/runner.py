@@ -257,13 +257,15 @@ class ModelRunner:
 
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        active: torch.Tensor, block_tables: torch.Tensor,
-                       max_seq_len: int, lora: LoraContext | None = None) -> torch.Tensor:
-        """Logits [B, V] of one decode forward; masked rows write the scratch block only."""
+                       max_seq_len: int, lora: LoraContext | None = None,
+                       row_lens: list[int] | None = None) -> torch.Tensor:
+        """Logits [B, V] of one decode forward; masked rows write the scratch block only.
+        `row_lens`: host bounds of each row's context (rows far apart gather apart)."""
         slots = self._decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
-            max_seq_len=max_seq_len, is_decode=True)
+            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
@@ -274,6 +276,7 @@ class ModelRunner:
         steps only)."""
         slots = self._decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
+        meta.decode_lens = b.row_lens(step)
         ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
         try:
             hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora)
@@ -302,7 +305,7 @@ class ModelRunner:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_seq_len(step), b.lora)
+                                         b.max_seq_len(step), b.lora, b.row_lens(step))
         # Guided rows' masks after the forward is under way (grammar rows wait for the host).
         may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,

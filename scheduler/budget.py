@@ -29,20 +29,22 @@ from dataclasses import dataclass, field
 # Decode steps a request runs when it starts decoding at a given step (its limits apply).
 DecodeSteps = Callable[[int], int]
 
-# The default budget, by the gpu worker's device: tokens per step with mixed steps, per
-# plan for the baseline (what it was before mixed steps).  Why these numbers: see
-# `default_tokens`.
-STEP_TOKENS = {"cpu": 128, "cuda": 512}
+# The default budget, by the gpu worker's device: per step with mixed steps, per plan for the
+# baseline (what it was before mixed steps).  Why these numbers: see `default_tokens`.
+STEP_TOKENS = {"cpu": 160, "cuda": 512}
 PLAN_TOKENS = 2048
 
 
 def default_tokens(device_type: str, prefill_phase: bool) -> int:
-    """`--max-num-batched-tokens 0`.  A step's time grows with its tokens, and the worst
-    inter-token gap of a decoding stream is one step with a full share of prefill: on a CPU
-    a token of prefill costs about what a decode row does, so the budget has to stay near
-    the size of a decode step's own work for the worst gap to stay within ~3x the median
-    (measured with `tandem bench stall`); on a GPU a step is launch- and memory-bound up to
-    hundreds of tokens, so a larger share costs the decode rows little."""
+    """`--max-num-batched-tokens 0`.  A decoding stream's worst inter-token gap is a step
+    carrying a full share of prefill, and a prompt's time to first token grows with the
+    steps its prefill is cut into, each paying the decode rows' own work again: the budget
+    trades the one against the other.  CPU, measured with `tandem bench stall --in-process`
+    (tiny default model, K=8, 4 streams, 1,000-token prompts 1.2 s apart): a decode step
+    there costs about what 80 prefill tokens do, so 160 units put a step near 2.5x a decode
+    step (worst gap 3.2x the median in the same run, TTFT 1.4x --prefill-phase's; 128: 3.3x
+    and 1.5x; 224: 4x and 1.3x).  CUDA, not measured here: a step of a 7-8B model is
+    memory-bound up to a few hundred tokens, so 512 costs its decode rows little."""
     if prefill_phase:
         return PLAN_TOKENS
     return STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])

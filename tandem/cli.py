@@ -54,8 +54,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="tokens per step: decoding rows first, prefill chunks in the rest "
-                        "(0: 128 on a CPU device, 512 on CUDA; with --prefill-phase per plan, "
-                        "0: 2048)")
+                        "(0: 160 on a CPU device, 512 on CUDA; a prefill token counts more at "
+                        "long contexts; with --prefill-phase per plan, 0: 2048)")
     _bool_flag(p, "prefill-phase", d.prefill_phase,
                "baseline: prefill each plan's chunks in a forward of their own before its "
                "decode steps (decoding rows wait for it), instead of inside the steps")

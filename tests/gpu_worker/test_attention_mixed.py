@@ -72,3 +72,32 @@ def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
             expected[1][s.blocks[p // block_size], p % block_size] = s.v[p]
     for c, e in zip(sc.cache, expected, strict=True):
         assert torch.equal(c[:-1], e[:-1])
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_decode_rows_far_apart_in_length_gather_in_two_groups(window: int | None) -> None:
+    """A long row among short ones: with host bounds per row the short rows gather to their
+    own width (two groups), and every row still matches the dense reference."""
+    from tandem_serve.gpu_worker.attention import length_groups, prepare_attention
+
+    hq, hkv, d, bs = 4, 2, 16, 8
+    sc = Scenario(hq, hkv, d, bs, num_blocks=96, seed=11)
+    rows = [sc.add(n, 1) for n in (20, 300, 9, 33, 17)]
+    lens = [len(s.k) for s in rows]
+    groups = length_groups(lens, bs)
+    assert groups is not None and sorted(groups[1][0]) == [1] and groups[0][1] == 33
+    assert length_groups([20, 30, 25], bs) is None, "nothing to save: one gather"
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([sc.slot(s, len(s.k) - 1) for s in rows]),
+        block_tables=sc.block_tables(rows), seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=None, query_lens=None, max_seq_len=max(lens), is_decode=True,
+        decode_lens=lens)
+    assert len(prepare_attention(meta, sc.cache).groups) == 2
+    q = torch.stack([s.q[0] for s in rows])
+    k = torch.stack([s.k[-1] for s in rows])
+    v = torch.stack([s.v[-1] for s in rows])
+    with forbid_host_sync():
+        out = paged_attention(q, k, v, sc.cache, meta, 0.25, sliding_window=window)
+    for i, s in enumerate(rows):
+        torch.testing.assert_close(out[i], dense_reference(s.q, s.k, s.v, 0.25, window)[0],
+                                   atol=ATOL, rtol=0)

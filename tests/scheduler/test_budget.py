@@ -74,7 +74,7 @@ def test_the_baseline_budget_is_per_plan() -> None:
 
 
 def test_default_budgets() -> None:
-    assert default_tokens("cpu", False) == 128 and default_tokens("cuda", False) == 512
+    assert default_tokens("cpu", False) == 160 and default_tokens("cuda", False) == 512
     assert default_tokens("cuda", True) == default_tokens("cpu", True) == 2048
 
 
