@@ -206,10 +206,11 @@ def prepare_attention(
         return plan
     if meta.is_mixed and flex_attention.usable(device):
         assert meta.query_lens is not None and meta.prefill_seq_lens is not None
-        rows = flex_attention.Rows(meta.block_tables, meta.seq_lens, meta.num_decode,
-                                   meta.decode_max_seq_len, meta.query_lens,
-                                   meta.prefill_seq_lens)
-        plan.flex = flex_attention.prepare_flex(rows, block_size, num_blocks, windows, device)
+        flex_rows = flex_attention.Rows(meta.block_tables, meta.seq_lens, meta.num_decode,
+                                        meta.decode_max_seq_len, meta.query_lens,
+                                        meta.prefill_seq_lens)
+        plan.flex = flex_attention.prepare_flex(flex_rows, block_size, num_blocks, windows,
+                                                device)
     elif meta.is_mixed:
         plan.parts = (prepare_attention(meta.decode_part(), kv_cache, windows, False),
                       prepare_attention(meta.prefill_part(), kv_cache, windows, False))
