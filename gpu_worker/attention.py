@@ -1,8 +1,4 @@
-"""Paged KV cache and attention over it.
-
-The cache of one layer is a pair of tensors [num_blocks + 1, block_size, num_kv_heads, head_dim].
-Block ``num_blocks`` (the last one) is scratch: rows whose slot is -1 (masked decode rows, padding)
-write there, so no host-side filtering is needed and real blocks are never touched by them.
+"""Attention over the paged KV cache (`gpu_worker.kv_cache` has its layout).
 
 Two code paths:
 
@@ -10,6 +6,14 @@ Two code paths:
 * everywhere else, the SDPA path: decode gathers each row's blocks into a dense
   ``[S, L, Hkv, D]`` tensor (L = a host-known bound) and runs one batched SDPA with a length mask;
   prefill loops over the sequences in Python.
+
+A *mixed* forward (a step of decode rows and prefill chunk pieces, ``num_decode > 0`` and not
+``is_decode``) lists its decode rows first, one query token each, then the prefill rows.  Its
+decode rows' context lengths exist only on the device (they advance there), its prefill rows'
+are known on the host too (``prefill_seq_lens``), so nothing in it reads the device.  Every
+token's k/v is written before any row attends, so a decode row sees a prefill piece of its own
+request from the same forward.  flash_attn runs all rows in one varlen call; the SDPA path
+runs the decode rows as one batched call and the prefill rows as above.
 
 Anything derived from ``AttentionMetadata`` alone (redirected slots, gather indices, masks) is
 built once per forward by :func:`prepare_attention` and shared by every layer.
@@ -30,6 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tandem_serve.gpu_worker import flex_attention
+from tandem_serve.gpu_worker.kv_cache import KVCache
+
 try:  # pragma: no cover - not installed in the CPU test environment
     from flash_attn import flash_attn_varlen_func as _fa_varlen
     from flash_attn import flash_attn_with_kvcache as _fa_kvcache
@@ -43,9 +50,6 @@ except Exception:  # ImportError, or a broken CUDA extension raising at import
 # flash_attn 2.x only pages KV with block sizes that are multiples of this.
 _FLASH_BLOCK_MULTIPLE = 256
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
-
-
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; -1 = do not write
@@ -55,39 +59,40 @@ class AttentionMetadata:
     query_lens: list[int] | None  # host per-sequence query lengths (prefill only)
     max_seq_len: int  # host upper bound of seq_lens
     is_decode: bool  # exactly one query token per sequence, T == S
+    # Mixed forwards: the leading decode rows (one query token each), the host bound of their
+    # seq_lens, and the prefill rows' seq_lens on the host (no device read needed).
+    num_decode: int = 0
+    decode_max_seq_len: int = 0
+    prefill_seq_lens: list[int] | None = None
+    # Host bounds of each decode row's seq_len (None: max_seq_len for all): rows far apart
+    # in length are gathered in two groups rather than all to the longest (SDPA path).
+    decode_lens: list[int] | None = None
 
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_decode > 0 and not self.is_decode
 
-def kv_cache_bytes_per_block(
-    num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
-) -> int:
-    """Bytes one block costs across all layers, K and V together."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    def decode_part(self) -> AttentionMetadata:
+        """The mixed forward's decode rows as a decode forward of their own."""
+        n = self.num_decode
+        return AttentionMetadata(self.slot_mapping[:n], self.block_tables[:n],
+                                 self.seq_lens[:n], None, None, self.decode_max_seq_len, True,
+                                 decode_lens=self.decode_lens)
 
+    def decode_rows(self, rows: torch.Tensor, bound: int) -> AttentionMetadata:
+        """Some rows of a decode forward, whose seq_lens are at most `bound`."""
+        return AttentionMetadata(self.slot_mapping.index_select(0, rows),
+                                 self.block_tables.index_select(0, rows),
+                                 self.seq_lens.index_select(0, rows), None, None, bound, True)
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str,
-) -> list[KVCache]:
-    """Per layer (k_cache, v_cache), each [num_blocks + 1, block_size, num_kv_heads, head_dim].
-
-    Zero-filled rather than empty: the SDPA path reads whole blocks and masks the tail, and a
-    masked position still enters the PV product with weight 0; uninitialised memory holding
-    NaN/inf would turn 0 * NaN into NaN.
-    """
-    shape = (num_blocks + 1, block_size, num_kv_heads, head_dim)
-    return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(num_layers)
-    ]
+    def prefill_part(self) -> AttentionMetadata:
+        """The mixed forward's prefill rows as a prefill forward of their own."""
+        n = self.num_decode
+        assert self.query_lens is not None and self.prefill_seq_lens is not None
+        return AttentionMetadata(self.slot_mapping[n:], self.block_tables[n:],
+                                 self.seq_lens[n:], None, self.query_lens[n:],
+                                 max(self.prefill_seq_lens), False,
+                                 prefill_seq_lens=self.prefill_seq_lens)
 
 
 @dataclass
@@ -124,6 +129,12 @@ class AttentionPlan:
     # flash path
     cu_seqlens_k: torch.Tensor | None = None
     max_query_len: int = 0
+    # mixed forward on the SDPA path: its decode rows' plan and its prefill rows' plan
+    parts: tuple[AttentionPlan, AttentionPlan] | None = None
+    # mixed forward in one FlexAttention call (gpu_worker.flex_attention)
+    flex: flex_attention.FlexPlan | None = None
+    # decode rows in length groups (SDPA path): each group's rows and plan
+    groups: list[tuple[torch.Tensor, AttentionPlan]] = field(default_factory=list)
 
 
 def flash_usable(kv_cache: KVCache) -> bool:
@@ -165,11 +176,43 @@ def prepare_attention(
         plan.cu_seqlens_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
         plan.max_query_len = 1 if meta.is_decode else max(meta.query_lens or [1])
         return plan
-    if meta.is_decode:
+    if meta.is_mixed and flex_attention.usable(device):
+        assert meta.query_lens is not None and meta.prefill_seq_lens is not None
+        flex_rows = flex_attention.Rows(meta.block_tables, meta.seq_lens, meta.num_decode,
+                                        meta.decode_max_seq_len, meta.query_lens,
+                                        meta.prefill_seq_lens)
+        plan.flex = flex_attention.prepare_flex(flex_rows, block_size, num_blocks, windows,
+                                                device)
+    elif meta.is_mixed:
+        plan.parts = (prepare_attention(meta.decode_part(), kv_cache, windows, False),
+                      prepare_attention(meta.prefill_part(), kv_cache, windows, False))
+    elif meta.is_decode and (groups := length_groups(meta.decode_lens, block_size)):
+        for rows, bound in groups:
+            index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+            plan.groups.append((index, prepare_attention(meta.decode_rows(index, bound),
+                                                         kv_cache, windows, False)))
+    elif meta.is_decode:
         _prepare_decode(plan, meta, windows, device, k_cache.dtype)
     else:
         _prepare_prefill(plan, meta, windows, device)
     return plan
+
+
+def length_groups(lens: list[int] | None, block_size: int
+                  ) -> list[tuple[list[int], int]] | None:
+    """Decode rows as (rows, seq_len bound) groups when gathering the short ones to their own
+    width saves at least 40% of the blocks the longest row's width costs (one long row among
+    short ones: a prompt that just joined); else None (one gather)."""
+    if not lens or len(lens) < 2:
+        return None
+    order = sorted(range(len(lens)), key=lambda i: lens[i])
+    width = [-(-lens[i] // block_size) for i in order]
+    whole = len(lens) * width[-1]
+    cost, cut = min((i * width[i - 1] + (len(lens) - i) * width[-1], i)
+                    for i in range(1, len(lens)))
+    if cost > 0.6 * whole:
+        return None
+    return [(order[:cut], lens[order[cut - 1]]), (order[cut:], lens[order[-1]])]
 
 
 def _prepare_decode(
@@ -229,7 +272,9 @@ def _prepare_prefill(
 ) -> None:
     if meta.query_lens is None:
         raise ValueError("prefill AttentionMetadata needs query_lens")
-    seq_lens = meta.seq_lens.tolist()  # the one host sync of a prefill forward
+    seq_lens = meta.prefill_seq_lens
+    if seq_lens is None:
+        seq_lens = meta.seq_lens.tolist()  # the one host sync of a prefill forward
     bs = plan.block_size
     q_start = 0
     for i, (q_len, ctx_len) in enumerate(zip(meta.query_lens, seq_lens, strict=True)):
@@ -290,9 +335,28 @@ def paged_attention(
     write_kv(k, v, kv_cache, plan.write_slots)
     if plan.use_flash:  # pragma: no cover - needs flash_attn on CUDA
         return _flash_attention(q, kv_cache, meta, scale, plan, sliding_window)
+    if plan.flex is not None:
+        return flex_attention.flex_mixed(q, kv_cache, scale, plan.flex, sliding_window)
+    if plan.parts is not None:  # mixed: the decode rows first, then the prefill rows
+        n = meta.num_decode
+        decode, prefill = plan.parts
+        return torch.cat((_decode(q[:n], kv_cache, scale, decode, sliding_window),
+                          _prefill_sdpa(q[n:], k[n:], v[n:], kv_cache, scale, prefill,
+                                        sliding_window)))
     if meta.is_decode:
-        return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
+        return _decode(q, kv_cache, scale, plan, sliding_window)
     return _prefill_sdpa(q, k, v, kv_cache, scale, plan, sliding_window)
+
+
+def _decode(q: torch.Tensor, kv_cache: KVCache, scale: float, plan: AttentionPlan,
+            sliding_window: int | None) -> torch.Tensor:
+    if not plan.groups:
+        return _decode_sdpa(q, kv_cache, scale, plan, sliding_window)
+    out = torch.empty_like(q)  # every row is in one group
+    for rows, group in plan.groups:  # each group gathered to its own width
+        out.index_copy_(0, rows, _decode_sdpa(q.index_select(0, rows), kv_cache, scale,
+                                              group, sliding_window))
+    return out
 
 
 def _decode_sdpa(

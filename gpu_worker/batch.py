@@ -4,7 +4,8 @@ anything back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from tandem_serve.gpu_worker.sampler import SamplerHints, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.proto.messages import PromptDetail
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
@@ -42,6 +44,24 @@ class DecodeBatch:
     max_top_n: int
     guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
     lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
+    # Rows that start decoding at a later step of the plan (their last prefill piece runs
+    # then): step -> [B] bool, the rows that join then.  Masked until that step.
+    joins: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Host bound of the joined rows' context length at each step: rows not yet decoding
+    # must not widen every row's gathered context (their own output is discarded).
+    step_lens: list[int] = field(default_factory=list)
+    start_positions: list[int] = field(default_factory=list)  # host, at the plan's start
+    join_steps: list[int] = field(default_factory=list)
+
+    def max_seq_len(self, step: int) -> int:
+        return self.step_lens[step] if step < len(self.step_lens) else self.max_position + step + 1
+
+    def row_lens(self, step: int) -> list[int]:
+        """Host bound of each row's context length at `step` (a row not decoding yet: 1,
+        its output is discarded)."""
+        joins = self.join_steps or [0] * len(self.start_positions)
+        return [p + step - j + 1 if j <= step else 1
+                for p, j in zip(self.start_positions, joins, strict=True)]
 
     @property
     def size(self) -> int:
@@ -57,8 +77,11 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
 
 
 def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
-                       guided: GuidedRegistry | None = None) -> DecodeBatch:
+                       guided: GuidedRegistry | None = None,
+                       join_steps: list[int] | None = None) -> DecodeBatch:
+    """`join_steps[i]`: the step row i starts decoding in (None: every row from step 0)."""
     params = [r.sampling for r in reqs]
+    joins = join_steps or [0] * len(reqs)
 
     def col(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -100,7 +123,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         positions=col(positions, torch.int64),
         block_tables=torch.from_numpy(_pad([r.block_ids for r in reqs], 0).astype(np.int32))
         .to(device),
-        active=torch.ones(len(reqs), dtype=torch.bool, device=device),
+        active=col([s == 0 for s in joins], torch.bool),
         output_count=col([r.num_generated for r in reqs], torch.int32),
         max_new=col([p.max_new_tokens for p in params], torch.int32),
         stop_ids=st.stop_token_ids,
@@ -114,7 +137,17 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
         max_top_n=max(p.top_n for p in params),
         guided=guided.batch(reqs) if guided is not None else None,
+        joins={step: col([s == step for s in joins], torch.bool)
+               for step in sorted(set(joins)) if step > 0},
+        step_lens=_step_lens(positions, joins) if any(joins) else [],
+        start_positions=positions, join_steps=joins,
     )
+
+
+def _step_lens(positions: list[int], joins: list[int]) -> list[int]:
+    """Per step up to the last join, the longest joined row's context length then."""
+    return [max([p + step - j + 1 for p, j in zip(positions, joins, strict=True) if j <= step],
+                default=1) for step in range(max(joins) + 1)]
 
 
 @dataclass
@@ -128,3 +161,7 @@ class StepTensors:
     ranks: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    # Prompt logprobs of the step's prefill pieces, still on the device, and what makes the
+    # PromptDetail messages of them once read back (the publisher's `send_scores`).
+    details: tuple[list[torch.Tensor], Callable[[list[np.ndarray]], list[PromptDetail]]] \
+        | None = None

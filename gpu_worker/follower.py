@@ -19,10 +19,12 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from tandem_serve.gpu_worker import parallel
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.build import build_runner
-from tandem_serve.gpu_worker.publisher import TokenPublisher
+from tandem_serve.gpu_worker.publisher import MakeDetails, TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
 from tandem_serve.ipc.channels import Receiver
@@ -46,6 +48,9 @@ class NullPublisher(TokenPublisher):
         pass
 
     def send_detail(self, msg: PromptDetail) -> None:
+        pass
+
+    def send_scores(self, scores: list[torch.Tensor], make: MakeDetails) -> None:
         pass
 
     def end_of_plan(self, plan: StepPlan) -> None:

@@ -21,6 +21,7 @@ from tandem_serve.gpu_worker.build import build_runner
 from tandem_serve.gpu_worker.follower import run_follower
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.steps import attention_tokens
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
 from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.ipc.role_loop import Announce, RoleLoop
@@ -51,7 +52,9 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
         worker = GpuWorker(cfg, role, runner, TokenPublisher(tokens.put, runner.device),
                            to_scheduler, to_frontend, ranks)
         ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
-                            runner.vocab_size, runner.long_rope_from)
+                            runner.vocab_size, long_rope_from=runner.long_rope_from,
+                            device_type=runner.device.type,
+                            attention_tokens=attention_tokens(runner.model.config))
         # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
         # its set: the scheduler of our set may not be up yet, and one of the set we replace
         # may still hold its address.  The scheduler keeps the first.

@@ -9,7 +9,10 @@ never sends a token twice.
 
 Only the rows of requests that asked are sent through the LM head, in slices, so a long
 flattened prefill never materialises [T, vocab] logits.  Scores are taken from the raw model
-logits (no penalties, no temperature), as HF's forward gives them.
+logits (no penalties, no temperature), as HF's forward gives them.  Which rows score what is
+decided on the host when a forward's inputs are built (`select_rows`); the scores stay on the
+device (`score_tensors`) until the token publisher reads them off the K-step loop's thread
+and builds the messages (`messages`), so a step with prefill pieces reads nothing back.
 """
 from __future__ import annotations
 
@@ -46,6 +49,17 @@ class ScoreRows:
     rows: list[int] = field(default_factory=list)  # indices into the forward's tokens
     targets: list[int] = field(default_factory=list)  # the token each row scores
     spans: list[_Span] = field(default_factory=list)  # consecutive runs of rows, per request
+    # rows and targets on the device, copied when the forward's inputs are (`to`)
+    device_rows: torch.Tensor | None = None
+    device_targets: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> ScoreRows:
+        if self.rows:
+            self.device_rows = torch.tensor(self.rows, dtype=torch.int64).to(
+                device, non_blocking=True)
+            self.device_targets = torch.tensor(self.targets, dtype=torch.int64).to(
+                device, non_blocking=True).unsqueeze(1)
+        return self
 
 
 def select_rows(reqs: list[RequestState], chunk_starts: list[int],
@@ -68,17 +82,20 @@ def select_rows(reqs: list[RequestState], chunk_starts: list[int],
         sel.rows.extend(range(offset + lo - start, offset + hi - start))
         sel.targets.extend(r.history[lo + 1: hi + 1])
         sel.spans.append(_Span(r, lo, hi - lo))
+        # Selected is as good as sent: the forward that computes these rows runs before any
+        # later selection reads this (a plan's steps run in order).
+        r.num_prompt_scored = hi
     return sel
 
 
 @torch.inference_mode()
-def score(model: CausalLM, hidden: torch.Tensor, sel: ScoreRows) -> list[PromptDetail]:
-    """PromptDetail messages for the selected rows of a prefill's hidden states [T, H]."""
-    if not sel.rows:
-        return []
-    dev = hidden.device
-    rows = torch.tensor(sel.rows, dtype=torch.int64, device=dev)
-    targets = torch.tensor(sel.targets, dtype=torch.int64, device=dev).unsqueeze(1)
+def score_tensors(model: CausalLM, hidden: torch.Tensor, sel: ScoreRows) -> list[torch.Tensor]:
+    """The selected rows' scores on the device (chosen logprob, rank[, top ids, top
+    logprobs]) from a prefill's hidden states [T, H]; nothing is read back."""
+    if sel.device_rows is None:
+        sel.to(hidden.device)
+    rows, targets = sel.device_rows, sel.device_targets
+    assert rows is not None and targets is not None
     top_n = max(s.req.sampling.top_n for s in sel.spans)
     parts: list[tuple[torch.Tensor, ...]] = []
     for a in range(0, len(sel.rows), ROWS_PER_SLICE):
@@ -91,12 +108,11 @@ def score(model: CausalLM, hidden: torch.Tensor, sel: ScoreRows) -> list[PromptD
             top_lp, top_ids = torch.topk(lp, min(top_n, lp.shape[1]), dim=1)
             part += (top_ids.to(torch.int32), top_lp)
         parts.append(part)
-    # The prefill's one host read for this detail (outside the K-step decode loop).
-    host = [torch.cat(cols).cpu().numpy() for cols in zip(*parts, strict=True)]
-    return _messages(sel, host)
+    return [torch.cat(cols) for cols in zip(*parts, strict=True)]
 
 
-def _messages(sel: ScoreRows, host: list[np.ndarray]) -> list[PromptDetail]:
+def messages(sel: ScoreRows, host: list[np.ndarray]) -> list[PromptDetail]:
+    """The PromptDetail messages of `sel`, from its `score_tensors` read back to the host."""
     out = []
     targets = np.asarray(sel.targets, dtype=np.int32)
     at = 0
@@ -109,7 +125,6 @@ def _messages(sel: ScoreRows, host: list[np.ndarray]) -> list[PromptDetail]:
             top_ids=host[2][at:end, :n] if n > 0 else None,
             top_logprobs=host[3][at:end, :n] if n > 0 else None,
             last=s.first + s.count == r.num_prompt - 1))
-        r.num_prompt_scored = s.first + s.count
         at = end
     return out
 

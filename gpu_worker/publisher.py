@@ -14,8 +14,9 @@ under way while a step is written out:
   memory, waiting for nothing.  Those tensors are never written again (every step makes new
   ones), so the read cannot race the loop.
 
-Prompt detail (`PromptDetail`, host arrays from a prefill) goes through the same queue, so
-the sink sees every message in the order the runner produced it.
+Prompt detail goes through the same queue, so the sink sees every message in the order the
+runner produced it: as host messages (`send_detail`), or as scores still on the device
+(`send_scores`, from a step's prefill pieces) that the thread reads like a step's tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from tandem_serve.proto.messages import PromptDetail, StepPlan, TokenBatch
 
 Message = TokenBatch | PromptDetail
 Sink = Callable[[Message], None]
+# Host arrays of queued device scores -> the messages they make.
+MakeDetails = Callable[[list[np.ndarray]], list[PromptDetail]]
 
 
 def _np(t: torch.Tensor | None, dtype: type) -> np.ndarray | None:
@@ -56,6 +59,16 @@ class _Step:
                  event: torch.cuda.Event | None) -> None:
         self.plan, self.request_ids, self.host, self.last, self.event = (
             plan, request_ids, host, last, event)
+
+
+class _Scores:
+    """Queued prompt scores: host-readable once `event` (CUDA only) has fired."""
+
+    __slots__ = ("host", "make", "event")
+
+    def __init__(self, host: list[torch.Tensor], make: MakeDetails,
+                 event: torch.cuda.Event | None) -> None:
+        self.host, self.make, self.event = host, make, event
 
 
 _STOP = object()
@@ -86,6 +99,15 @@ class TokenPublisher:
         """Queue a prefill's prompt detail behind everything queued before it."""
         self._queue.put(msg)
 
+    def send_scores(self, scores: list[torch.Tensor], make: MakeDetails) -> None:
+        """Queue prompt scores still on the device; reads nothing (safe inside the loop)."""
+        event = None
+        if self._cuda:
+            scores = [_pinned(t) for t in scores]
+            event = torch.cuda.Event()
+            event.record()
+        self._queue.put(_Scores(scores, make, event))
+
     def end_of_plan(self, plan: StepPlan) -> None:
         """Marker for a plan without decode rows, so postproc still reports PlanProcessed."""
         self._queue.put(TokenBatch(plan.plan_id, -1, np.zeros(0, dtype=np.int64),
@@ -110,6 +132,12 @@ class TokenPublisher:
             try:
                 if item is _STOP:
                     return
+                if isinstance(item, _Scores):
+                    if item.event is not None:
+                        item.event.synchronize()
+                    for detail in item.make([t.numpy() for t in item.host]):
+                        self._sink(detail)
+                    continue
                 if isinstance(item, _Step):
                     if item.event is not None:
                         item.event.synchronize()

@@ -1,9 +1,12 @@
-"""The model runner: applies a plan's deltas, prefills, then runs K decode steps on the device.
+"""The model runner: applies a plan's deltas, then runs its K steps on the device, each one
+forward over the decoding rows and the prefill chunk pieces the plan put in that step
+(`gpu_worker.steps`).
 
 Inside the K-step loop nothing is read back to the host: sampled ids become the next
-step's inputs on the device, positions and slot mappings advance there, and rows that
-finish are masked.  Each step's tokens leave through `publish` (on CUDA via pinned memory
-and a copy event, see `gpu_worker.publisher`), while the next step is already computing.
+step's inputs on the device, positions and slot mappings advance there, rows that finish
+are masked, and rows whose prompt is still prefilling are masked until their last piece's
+step.  Each step's tokens leave through `publish` (on CUDA via pinned memory and a copy
+event, see `gpu_worker.publisher`), while the next step is already computing.
 """
 from __future__ import annotations
 
@@ -12,24 +15,31 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tandem_serve.adapters.peft import AdapterError, ModelShapes
-from tandem_serve.gpu_worker import prompt_logprobs
-from tandem_serve.gpu_worker.attention import (
-    AttentionMetadata,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-)
+from tandem_serve.gpu_worker import flex_attention, prompt_logprobs
+from tandem_serve.gpu_worker.attention import AttentionMetadata
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
-from tandem_serve.gpu_worker.guided import GuidedRegistry, batch_order
+from tandem_serve.gpu_worker.guided import GuidedRegistry
+from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.sampler import Sampler
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.gpu_worker.steps import (
+    Piece,
+    PrefillInputs,
+    StepWork,
+    lay_out,
+    mixed_metadata,
+    prefill_inputs,
+    prefill_metadata,
+)
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.messages import (
     AdapterFailed,
@@ -144,6 +154,7 @@ class ModelRunner:
             req = self.requests.get(rid)
             if req is not None:
                 req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+                req.prefill_steps = []
                 self.guided.pause(req)
         # Requests dropped first: a table no request uses any more may go in the same plan.
         self.guided.apply(plan.tables, plan.drop_tables)
@@ -156,6 +167,7 @@ class ModelRunner:
             if req is not None:
                 req.block_ids.extend(cont.new_block_ids)
                 req.prefill_chunk = cont.num_prefill_tokens
+                req.prefill_steps = list(cont.prefill_steps)
 
     def _add(self, new: NewRequest) -> None:
         req = self.requests.get(new.request_id)
@@ -171,6 +183,7 @@ class ModelRunner:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         req.prefill_chunk = new.num_prefill_tokens
+        req.prefill_steps = list(new.prefill_steps)
         self.guided.start(req)  # fresh: the initial state; resumed: its output replayed
 
     def _load_adapters(self, plan: StepPlan) -> None:
@@ -213,81 +226,91 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward passes
 
     @torch.inference_mode()
-    def prefill(self, reqs: list[RequestState]) -> None:
-        """KV for each request's next chunk of history, all chunks in one forward.
+    def prefill(self, pieces: list[Piece], publish: TokenPublisher) -> None:
+        """Chunks in one forward of their own, before a plan's steps (the `--prefill-phase`
+        baseline, and a plan with no decode row); their prompt logprobs are queued."""
+        inp = prefill_inputs(pieces, self.block_size, self.device,
+                             history_lens=self.model.uses_history_lens)
+        hidden = self.model(inp.ids, inp.positions, self.kv_caches, prefill_metadata(inp),
+                            self._lora_context(inp.token_slots), inp.history_lens)
+        if inp.scores.rows:
+            publish.send_scores(*self._scores(hidden, inp))
 
-        Requests that asked for prompt logprobs get the chunk's scores queued as PromptDetail.
-        """
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        lens: list[int] = []
-        starts: list[int] = []
-        adapter_rows: list[int] = []  # each token's adapter slot
-        for r in reqs:
-            start, end = r.num_computed, r.num_computed + r.prefill_chunk
-            assert end <= len(r.history) - 1, f"prefill past the last token of {r.request_id}"
-            ids += r.history[start:end]
-            adapter_rows += [r.lora_slot] * (end - start)
-            p = np.arange(start, end)
-            pos += p.tolist()
-            blocks = np.asarray(r.block_ids, dtype=np.int64)
-            slots += (blocks[p // bs] * bs + p % bs).tolist()
-            lens.append(end - start)
-            starts.append(start)
-        seq_lens = [s + n for s, n in zip(starts, lens, strict=True)]
-        offsets = np.concatenate([[0], np.cumsum(lens)])
-        dev = self.device
-        width = max(len(r.block_ids) for r in reqs)
-        table = np.zeros((len(reqs), width), dtype=np.int32)
-        for i, r in enumerate(reqs):
-            table[i, : len(r.block_ids)] = r.block_ids
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.from_numpy(table).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(offsets, dtype=torch.int32, device=dev),
-            query_lens=lens, max_seq_len=max(seq_lens), is_decode=False)
-        history_lens = None
-        if self.model.uses_history_lens:  # LongRoPE: each token's request's history length
-            history_lens = torch.tensor(np.repeat([len(r.history) for r in reqs], lens),
-                                        dtype=torch.int64, device=dev)
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
-                            torch.tensor(pos, dtype=torch.int64, device=dev), self.kv_caches, meta,
-                            self._lora_context(adapter_rows), history_lens)
-        sel = prompt_logprobs.select_rows(reqs, starts, offsets[:-1].tolist(), lens)
-        self._details += prompt_logprobs.score(self.model, hidden, sel)
-        for r in reqs:
-            r.num_computed += r.prefill_chunk
-            r.prefill_chunk = 0
+    def _scores(self, hidden: torch.Tensor, inp: PrefillInputs
+                ) -> tuple[list[torch.Tensor], Callable[[list[np.ndarray]], list[PromptDetail]]]:
+        return (prompt_logprobs.score_tensors(self.model, hidden, inp.scores),
+                partial(prompt_logprobs.messages, inp.scores))
 
-    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                       active: torch.Tensor, block_tables: torch.Tensor,
-                       max_seq_len: int, lora: LoraContext | None = None) -> torch.Tensor:
-        """Logits [B, V] of one decode forward; masked rows write the scratch block only."""
+    def _step_inputs(self, pieces: list[Piece], b: DecodeBatch,
+                     decode_slots: list[int]) -> PrefillInputs:
+        """A step's prefill pieces on the device, with the step's adapter rows."""
+        inp = prefill_inputs(pieces, self.block_size, self.device, b.size,
+                             b.block_tables.shape[1], self.model.uses_history_lens)
+        inp.lora = self._lora_context(decode_slots + inp.token_slots)
+        return inp
+
+    def _decode_slots(self, positions: torch.Tensor, active: torch.Tensor,
+                      block_tables: torch.Tensor) -> torch.Tensor:
         bs = self.block_size
         # A row masked after finishing may sit one past its last block: clamp its lookup.
         index = (positions // bs).clamp_(max=block_tables.shape[1] - 1).unsqueeze(1)
         block = block_tables.gather(1, index).squeeze(1)
-        slots = torch.where(active, block.to(torch.int64) * bs + positions % bs, -1)
+        return torch.where(active, block.to(torch.int64) * bs + positions % bs, -1)
+
+    def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       active: torch.Tensor, block_tables: torch.Tensor,
+                       max_seq_len: int, lora: LoraContext | None = None,
+                       row_lens: list[int] | None = None) -> torch.Tensor:
+        """Logits [B, V] of one decode forward; masked rows write the scratch block only.
+        `row_lens`: host bounds of each row's context (rows far apart gather apart)."""
+        slots = self._decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
-            max_seq_len=max_seq_len, is_decode=True)
+            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
+    def forward_mixed(self, b: DecodeBatch, step: int, pre: PrefillInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over the decode rows and a step's prefill pieces: the decode rows'
+        logits [B, V] and the pieces' hidden states (eager: CUDA graphs cover pure decode
+        steps only)."""
+        slots = self._decode_slots(b.positions, b.active, b.block_tables)
+        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
+        meta.decode_lens = b.row_lens(step)
+        ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
+        history = None
+        if pre.history_lens is not None:  # a decode row's history ends at its position
+            history = torch.cat((b.positions + 1, pre.history_lens))
+        try:
+            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora, history)
+        except Exception as exc:
+            if not flex_attention.usable(self.device):
+                raise
+            flex_attention.disable(exc)  # e.g. no compiler for it: the split path for good
+            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora, history)
+        return self.model.compute_logits(hidden[: b.size]), hidden[b.size:]
+
     @torch.inference_mode()
     def decode_step(self, b: DecodeBatch, step: int, graph: GraphStep | None = None,
-                    last: bool = False) -> StepTensors:
-        """One forward + sample for every row; no host reads (grammar rows aside: their
-        mask waits for the host's matchers, see `gpu_worker.grammar`)."""
-        if graph is not None:
+                    last: bool = False, pre: PrefillInputs | None = None) -> StepTensors:
+        """One forward + sample for every row, with the step's prefill pieces `pre` in the
+        same forward; no host reads (grammar rows aside: their mask waits for the host's
+        matchers, see `gpu_worker.grammar`)."""
+        joining = b.joins.get(step)
+        if joining is not None:  # their last prefill piece runs in this step
+            b.active = b.active | joining
+        details = None
+        if pre is not None:
+            logits, hidden = self.forward_mixed(b, step, pre)
+            if pre.scores.rows:
+                details = self._scores(hidden, pre)
+        elif graph is not None:
             logits = graph(b)
         else:
             logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_position + step + 1, b.lora)
+                                         b.max_seq_len(step), b.lora, b.row_lens(step))
         # Guided rows' masks after the forward is under way (grammar rows wait for the host).
         may_block = b.guided.prepare() if b.guided is not None else None
         out = self.sampler(logits, b.sampling, b.seen, b.output_count,
@@ -310,7 +333,7 @@ class ModelRunner:
         b.positions = b.positions + b.active.to(torch.int64)
         b.active = b.active & (finish == 0)
         return StepTensors(step, tok, finish, out.logprobs, out.ranks, out.top_ids,
-                           out.top_logprobs)
+                           out.top_logprobs, details)
 
     def _finish_reasons(self, b: DecodeBatch, tok: torch.Tensor) -> torch.Tensor:
         count = b.output_count + 1
@@ -333,45 +356,42 @@ class ModelRunner:
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
             self.apply(plan)
-        # Rows ordered by adapter slot: each adapter's rows are one range (gpu_worker.lora).
-        chunked = sorted((r for r in self.requests.values()
-                          if r.prefill_chunk > 0 and not r.finished), key=_by_slot)
-        # No decode steps to time: ask for the next plan now.
-        if ending is not None and not any(r.decodes_this_plan for r in self.requests.values()):
+        layout = lay_out(self.requests.values(), plan.num_steps, plan.prefill_phase)
+        if ending is not None and not layout.decoding:  # no steps to time: ask now
             ending()
             ending = None
-        if chunked:
-            with TRACER.span("prefill", plan.plan_id):
-                self.prefill(chunked)
         for detail in self._details:  # before any token of theirs
             publish.send_detail(detail)
         self._details = []
-        # Guided rows grouped by constraint; within each group (and among the rest) rows of
-        # one adapter are adjacent, so LoRA runs each adapter's rows as few segments.
-        decoding = batch_order(sorted((r for r in self.requests.values() if r.decoding),
-                                      key=_by_slot))
+        if layout.separate:
+            with TRACER.span("prefill", plan.plan_id):
+                self.prefill(layout.separate, publish)
         steps: list[StepTensors] = []
         batch: DecodeBatch | None = None
-        if decoding:
-            batch = build_decode_batch(decoding, self.vocab_size, self.device, self.guided)
-            batch.lora = self._lora_context([r.lora_slot for r in decoding])
+        if layout.decoding:
+            batch = build_decode_batch(layout.decoding, self.vocab_size, self.device,
+                                       self.guided, layout.join_steps)
+            slots = [r.lora_slot for r in layout.decoding]
+            batch.lora = self._lora_context(slots)
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
+            work = StepWork(layout.steps, layout.join_steps,
+                            partial(self._step_inputs, b=batch, decode_slots=slots))
             with self.step_guard():
-                steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s)
+                steps = self._decode_loop(plan, batch, publish, graph, ending, lead_s, work)
         else:
             publish.end_of_plan(plan)
         publish.flush()
         forward_time = time.monotonic() - t0
         with TRACER.span("collect", plan.plan_id):
-            done = self._collect(plan, decoding, steps, batch)
+            done = self._collect(plan, layout.decoding, steps, batch)
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
-        done.decode_only = bool(decoding) and not chunked
+        done.decode_only = bool(layout.decoding) and not layout.num_prefill
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,
-                     graph: GraphStep | None, ending: Callable[[], None] | None = None,
-                     lead_s: float = 0.0) -> list[StepTensors]:
+                     graph: GraphStep | None, ending: Callable[[], None] | None,
+                     lead_s: float, work: StepWork) -> list[StepTensors]:
         """K steps back to back; publishing only queues device tensors (no host read)."""
         last = plan.num_steps - 1
         steps = []
@@ -383,17 +403,18 @@ class ModelRunner:
                 ending()
                 ending = None
             started = time.perf_counter()
+            pre = work.inputs(plan.plan_id, k)
             # On CPU the span is the step's compute; on CUDA, its launch (kernels run async).
             with TRACER.span("forward", plan.plan_id, k):
-                st = self.decode_step(batch, k, graph, k == last)
+                st = self.decode_step(batch, k, graph, k == last, pre)
             steps.append(st)
             if plan.publish_per_step:
                 with TRACER.span("publish", plan.plan_id, k):
-                    publish(plan, batch, st, k == last)
+                    _publish(publish, plan, batch, st, k == last)
             self._step_s = time.perf_counter() - started
         if not plan.publish_per_step:  # sync mode: the plan's tokens go out after its last step
             for st in steps:
-                publish(plan, batch, st, st.step == last)
+                _publish(publish, plan, batch, st, st.step == last)
         return steps
 
     def _collect(self, plan: StepPlan, decoding: list[RequestState], steps: list[StepTensors],
@@ -431,5 +452,9 @@ class ModelRunner:
             forward_time=0.0, wall_time=0.0)
 
 
-def _by_slot(req: RequestState) -> int:
-    return req.lora_slot
+def _publish(publish: TokenPublisher, plan: StepPlan, batch: DecodeBatch, st: StepTensors,
+             last: bool) -> None:
+    """A step's prompt detail (from its prefill pieces), then its tokens."""
+    if st.details is not None:
+        publish.send_scores(*st.details)
+    publish(plan, batch, st, last)

@@ -21,6 +21,7 @@ class RequestState:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # positions whose KV is in the cache
     prefill_chunk: int = 0  # tokens to prefill in the current plan
+    prefill_steps: list[int] = field(default_factory=list)  # the chunk per step (empty: step 0)
     num_prompt_scored: int = 0  # prompt positions whose next token's logprob was sent
     finished: FinishReason = FinishReason.NOT_FINISHED
     # Guided decoding, as of the end of `history`: a table row's automaton state, a grammar
@@ -36,9 +37,3 @@ class RequestState:
     @property
     def decoding(self) -> bool:
         return not self.finished and self.num_computed == len(self.history) - 1
-
-    @property
-    def decodes_this_plan(self) -> bool:
-        """Decoding already, or once this plan's prefill chunk is in the cache."""
-        return not self.finished and self.num_computed + self.prefill_chunk == len(
-            self.history) - 1

@@ -100,9 +100,15 @@ def why_forbidden(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
 
 
 class _ForbidHostSyncMode(TorchDispatchMode):
+    # A higher-order operator (FlexAttention's) is torch's own fused kernel: it runs as one
+    # op, unchecked inside; the ops around it are checked as ever.
+    supports_higher_order_operators = True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         why = why_forbidden(func, args, kwargs)
         if why is not None:
             raise HostSyncError(f"{func} {why}; not allowed inside forbid_host_sync()")

@@ -60,7 +60,11 @@ class ServerConfig:
     num_scheduler_steps: int = 8
     async_postproc: bool = True
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens per step: decoding rows, then prefill chunk pieces (0: the device's default,
+    # `scheduler.budget.default_tokens`).  With prefill_phase (the baseline: every chunk in a
+    # forward of its own before the plan's steps) per plan instead, as before mixed steps.
+    max_num_batched_tokens: int = 0
+    prefill_phase: bool = False
     max_model_len: int = 0  # 0: the model's max_position_embeddings
     num_postproc_workers: int = 2
     shm_ring: bool = True  # token batches over shared memory (else ZeroMQ)
@@ -182,7 +186,7 @@ class ServerConfig:
 _LIMITS: dict[str, tuple[float, float | None]] = {
     "port": (0, 65535), "metrics_port": (0, 65535), "http_port": (0, 65535),
     "num_scheduler_steps": (1, 1024), "max_num_seqs": (1, None),
-    "max_num_batched_tokens": (1, None), "max_model_len": (0, None),
+    "max_num_batched_tokens": (0, None), "max_model_len": (0, None),
     "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
     "kv_cache_memory": (0, None), "max_queued_requests": (1, None),
     "max_queued_tokens": (1, None), "max_stream_buffer_bytes": (0, None),

@@ -214,6 +214,8 @@ class NewRequest:
     num_prefill_tokens: int  # how many history tokens to prefill in this plan (a chunk)
     resume: bool = False
     lora_slot: int = 0  # the adapter slot its rows use (0: none; kept while preempted)
+    # The chunk's tokens per step of the plan (the rule is in StepPlan's docstring).
+    prefill_steps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -223,11 +225,21 @@ class ContinueRequest:
     request_id: int
     new_block_ids: list[int]
     num_prefill_tokens: int = 0
+    prefill_steps: list[int] = field(default_factory=list)  # as in NewRequest
 
 
 @dataclass
 class StepPlan:
-    """The deltas for one multi-step plan; requests not named keep decoding."""
+    """The deltas for one multi-step plan; requests not named keep decoding.
+
+    Each of the K steps is one forward over every decoding row (one token each) and the
+    prefill chunk pieces the plan puts in that step.  A request's `prefill_steps[s]` is how
+    many tokens of its chunk step s computes; the list ends with the step of its last piece,
+    and a chunk that completes the prompt starts decoding in that same step (its decode row
+    reads the piece's KV, written earlier in the same forward).  Empty: the whole chunk in
+    step 0.  With `prefill_phase` (the baseline) every chunk runs in one forward of its own
+    before step 0 instead, and the requests it completes decode from step 0.
+    """
 
     plan_id: int
     num_steps: int
@@ -242,6 +254,7 @@ class StepPlan:
     drop_tables: list[str] = field(default_factory=list)
     # LoRA adapters to load before this plan's forwards (into slots no running request uses).
     adapters: list[AdapterLoad] = field(default_factory=list)
+    prefill_phase: bool = False
 
 
 # ---------------------------------------------------------------- gpu worker -> postproc
@@ -249,7 +262,8 @@ class StepPlan:
 
 @dataclass
 class TokenBatch:
-    """One step's sampled tokens.  Rows whose token is -1 were masked (finished earlier)."""
+    """One step's sampled tokens.  Rows whose token is -1 were masked (finished earlier, or
+    still prefilling: a row starts decoding at the step of its last prefill piece)."""
 
     plan_id: int
     step: int
@@ -323,6 +337,10 @@ class WorkerReady:
     # LongRoPE (Phi-3): a history longer than this is rotated with other factors, so KV of
     # the same prompt tokens differs with the request's length; 0: no such model.
     long_rope_from: int = 0
+    device_type: str = ""  # "cpu", "cuda": picks the default per-step token budget
+    # Context length at which a prefill token's attention costs what the rest of its
+    # forward does (0: unknown); the scheduler's per-step budget weighs pieces by it.
+    attention_tokens: int = 0
 
 
 # ---------------------------------------------------------------- postproc -> scheduler

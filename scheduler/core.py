@@ -40,6 +40,7 @@ from tandem_serve.proto.messages import (
     StopHit,
 )
 from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
+from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
 from tandem_serve.scheduler.guided import constraint_id
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.state import (
@@ -57,18 +58,16 @@ class _Draft:
     """The plan being built."""
 
     plan_id: int
-    budget: int  # tokens left under max_num_batched_tokens
+    budget: StepBudget  # tokens left per step under max_num_batched_tokens
     new: list[NewRequest] = field(default_factory=list)
     cont: list[ContinueRequest] = field(default_factory=list)
     preempt: list[int] = field(default_factory=list)
-    chunks: dict[int, tuple[Request, int]] = field(default_factory=dict)  # id -> prefill tokens
+    chunks: dict[int, tuple[Request, Split]] = field(default_factory=dict)  # id -> its work
     loads: list[AdapterLoad] = field(default_factory=list)  # adapters new to the worker
 
-    def schedule(self, req: Request, num_prefill: int) -> None:
-        # A request whose prefill is done decodes in this plan too: one token of the budget.
-        decodes = num_prefill == req.prefill_left
-        self.chunks[req.request_id] = (req, num_prefill)
-        self.budget -= num_prefill + int(decodes)
+    def schedule(self, req: Request, split: Split) -> None:
+        self.chunks[req.request_id] = (req, split)
+        self.budget.take(split)
 
     def has(self, req: Request) -> bool:
         return req.request_id in self.chunks
@@ -208,8 +207,13 @@ class Scheduler:
         """Running requests first (decodes, then prefill chunks), then the waiting queue."""
         if not self.ready_to_plan():
             raise RuntimeError("build_plan() called while ready_to_plan() is False")
-        draft = _Draft(self.state.next_plan_id, self.params.max_num_batched_tokens)
+        params = self.params
+        draft = _Draft(self.state.next_plan_id, StepBudget(
+            params.num_steps, params.max_num_batched_tokens, params.prefill_phase,
+            0 if params.prefill_phase else params.attention_tokens))
         self._continue_decodes(draft)
+        if not draft.chunks:
+            draft.budget.prefill_only()
         self._continue_prefills(draft)
         if not draft.preempt:  # blocks ran short for running requests: admit nobody now
             self._admit_waiting(draft)
@@ -229,44 +233,49 @@ class Scheduler:
     def _continue_decode(self, req: Request, draft: _Draft) -> None:
         # The worker decodes every running request K times (capped by its limits) whether
         # the plan names it or not: it gets its lookahead blocks, or leaves the batch now.
-        positions = self._positions_after(req, req.num_computed)
+        steps = self._steps(req)
+        positions = req.num_computed + steps
         if not self._fits_alone(req, positions):
             return
         new_blocks = self._grow(req, positions, draft)
         if new_blocks is None:
             self._preempt(req, draft)
             return
-        draft.schedule(req, 0)
+        draft.schedule(req, Split([], 0, steps))
         if new_blocks:
             draft.cont.append(ContinueRequest(req.request_id, new_blocks))
 
     def _continue_prefills(self, draft: _Draft) -> None:
         for req in list(self.state.running):
-            if draft.budget <= 0:
+            if not draft.budget.has_room():
                 return
             if req.status is RequestStatus.RUNNING and req.is_prefilling and not draft.has(req):
                 self._continue_prefill(req, draft)
 
     def _continue_prefill(self, req: Request, draft: _Draft) -> None:
-        num_prefill = self._chunk(req.prefill_left, draft.budget)
-        while num_prefill is not None:
-            positions = self._positions_after(req, req.num_computed + num_prefill)
-            new_blocks = self._grow(req, positions, draft)
+        split = draft.budget.split(req.prefill_left, self._decode_steps(req),
+                                   context=req.num_computed)
+        while split is not None:
+            new_blocks = self._grow(req, self._positions_after(req, req.num_computed, split),
+                                    draft)
             if new_blocks is not None:
-                draft.schedule(req, num_prefill)
-                draft.cont.append(ContinueRequest(req.request_id, new_blocks, num_prefill))
+                draft.schedule(req, split)
+                draft.cont.append(ContinueRequest(req.request_id, new_blocks, split.total,
+                                                  split.message_steps()))
                 return
-            num_prefill = self._chunk_that_fits(req, num_prefill)
+            smaller = self._chunk_that_fits(req, split.total)
+            split = None if smaller is None else draft.budget.split(
+                req.prefill_left, self._decode_steps(req), smaller, req.num_computed)
 
     def _admit_waiting(self, draft: _Draft) -> None:
-        while (self.state.waiting and draft.budget > 0
+        while (self.state.waiting and draft.budget.has_room()
                and len(self.state.running) < self.params.max_num_seqs):
             if not self._admit(self.state.waiting[0], draft):
                 return  # first come, first served: nobody overtakes the head of the queue
 
     def _admit(self, req: Request, draft: _Draft) -> bool:
         """Start (or resume) the head of the queue; False when it has to wait."""
-        if not self._fits_alone(req, self._positions_after(req, req.num_tokens - 1)):
+        if not self._fits_alone(req, req.num_tokens - 1 + self._steps(req)):
             return True
         if not req.lora_slot and not self.state.lora.can_take(req.adapter_id):
             return False  # every adapter slot is held: wait like for KV blocks
@@ -276,10 +285,11 @@ class Scheduler:
         hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
             self._cacheable_hashes(req))
         num_cached = len(hits) * self.params.block_size
-        num_prefill = self._chunk(req.num_tokens - 1 - num_cached, draft.budget)
-        if num_prefill is None:
+        split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
+                                   context=num_cached)
+        if split is None:
             return False
-        positions = self._positions_after(req, num_cached + num_prefill)
+        positions = self._positions_after(req, num_cached, split)
         num_new = self.state.blocks.blocks_for(positions) - len(hits)
         if num_new > self.state.blocks.num_free - self.state.blocks.num_evictable(hits):
             return False
@@ -290,17 +300,17 @@ class Scheduler:
             if load is not None:
                 draft.loads.append(load)
         self.state.start_running(req, num_cached, len(hits), self.clock())
-        draft.schedule(req, num_prefill)
-        draft.new.append(self._new_request_message(req, num_cached, num_prefill))
+        draft.schedule(req, split)
+        draft.new.append(self._new_request_message(req, num_cached, split))
         req.known_to_worker = True
         return True
 
     def _advance(self, draft: _Draft) -> None:
         """Predict the worker's counts after this plan; register filled prompt blocks."""
-        for req, num_prefill in draft.chunks.values():
-            req.num_computed += num_prefill
+        for req, split in draft.chunks.values():
+            req.num_computed += split.total
             if not req.is_prefilling:
-                steps = self._steps(req)
+                steps = split.decode_steps
                 req.num_tokens += steps
                 req.num_computed += steps
             self._register_filled_blocks(req)
@@ -319,29 +329,26 @@ class Scheduler:
             preempt=draft.preempt,
             publish_per_step=self.params.async_mode,
             adapters=draft.loads,
+            prefill_phase=self.params.prefill_phase,
         )
 
     # ================================================================== planning helpers
 
-    def _steps(self, req: Request) -> int:
-        """Decode steps the worker runs for `req` in one plan: it stops at its limits."""
-        return min(self.params.num_steps, req.steps_left)
+    def _steps(self, req: Request, first: int = 0) -> int:
+        """Decode steps the worker runs for `req` in one plan from step `first`: it stops
+        at its limits."""
+        return min(self.params.num_steps - first, req.steps_left)
 
-    def _positions_after(self, req: Request, num_computed: int) -> int:
-        """KV positions `req` needs once a prefill reaches `num_computed`.
-
-        Once the prompt is done the same plan decodes, so the decode lookahead is included.
-        """
-        prefill_done = num_computed == req.num_tokens - 1
-        return num_computed + (self._steps(req) if prefill_done else 0)
+    def _decode_steps(self, req: Request) -> DecodeSteps:
+        return lambda first: self._steps(req, first)
 
     @staticmethod
-    def _chunk(prefill_left: int, budget: int) -> int | None:
-        """The prefill chunk the token budget allows; None when it allows no progress."""
-        if prefill_left + 1 <= budget:  # the whole rest, plus the decode step that follows
-            return prefill_left
-        num_prefill = min(prefill_left - 1, budget)
-        return num_prefill if num_prefill > 0 else None
+    def _positions_after(req: Request, num_computed: int, split: Split) -> int:
+        """KV positions `req` needs once `split`'s chunk is computed after `num_computed`:
+        a chunk that completes the prompt decodes in the same plan, so its decode lookahead
+        is included."""
+        return num_computed + split.total + (split.decode_steps if split.join is not None
+                                             else 0)
 
     def _chunk_that_fits(self, req: Request, num_prefill: int) -> int | None:
         """A smaller chunk that does not complete the prompt and fits in the free blocks."""
@@ -390,13 +397,14 @@ class Scheduler:
             self.state.blocks.register(req.blocks[index], req.prompt_block_hashes[index])
         req.num_registered_blocks = max(req.num_registered_blocks, filled)
 
-    def _new_request_message(self, req: Request, num_cached: int,
-                             num_prefill: int) -> NewRequest:
+    def _new_request_message(self, req: Request, num_cached: int, split: Split) -> NewRequest:
         if req.known_to_worker:  # resuming: the worker kept the history and sampling params
             return NewRequest(req.request_id, np.empty(0, dtype=np.int32), None,
-                              list(req.blocks), num_cached, num_prefill, resume=True)
+                              list(req.blocks), num_cached, split.total, resume=True,
+                              prefill_steps=split.message_steps())
         return NewRequest(req.request_id, req.prompt_ids, req.sampling, list(req.blocks),
-                          num_cached, num_prefill, lora_slot=req.lora_slot)
+                          num_cached, split.total, lora_slot=req.lora_slot,
+                          prefill_steps=split.message_steps())
 
     # ================================================================== preemption
 
@@ -429,7 +437,7 @@ class Scheduler:
             return f"max_new_tokens={req.sampling.max_new_tokens} must be >= 1"
         if req.adapter_id and params.max_loras < 1:
             return f"adapter {req.adapter_id!r}: LoRA adapters are not enabled (max_loras=0)"
-        positions = self._positions_after(req, req.prompt_len - 1)
+        positions = req.prompt_len - 1 + self._steps(req)
         needed = self.state.blocks.blocks_for(positions)
         if needed > params.num_blocks:
             return (f"prompt needs {needed} KV blocks of {params.block_size} tokens; the whole "

@@ -33,6 +33,7 @@ from tandem_serve.proto.messages import (
     StopHit,
     WorkerReady,
 )
+from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports
 
@@ -55,10 +56,12 @@ def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
 
 
 def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
+    tokens = cfg.max_num_batched_tokens or default_tokens(ready.device_type, cfg.prefill_phase)
     return SchedulerParams(
         num_blocks=ready.num_kv_blocks, block_size=ready.block_size,
         num_steps=cfg.num_scheduler_steps, max_model_len=ready.max_model_len,
-        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=tokens,
+        prefill_phase=cfg.prefill_phase, attention_tokens=ready.attention_tokens,
         async_mode=cfg.async_postproc, num_postproc_workers=cfg.num_postproc_workers,
         enable_prefix_caching=prefix_caching(cfg, ready),
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
@@ -127,8 +130,10 @@ class SchedulerLoop:
         if self.sched is not None:  # on its own the worker repeats it: keep the first
             return
         self.sched = Scheduler(make_params(self.cfg, msg))
-        log.info("ready: %d KV blocks of %d, max_model_len %d", msg.num_kv_blocks,
-                 msg.block_size, msg.max_model_len)
+        params = self.sched.params
+        log.info("ready: %d KV blocks of %d, max_model_len %d, %d tokens per %s",
+                 msg.num_kv_blocks, msg.block_size, msg.max_model_len,
+                 params.max_num_batched_tokens, "plan" if params.prefill_phase else "step")
         self.to_frontend.put(msg)
         for handle, early in self.early:
             handle(self.sched, early)

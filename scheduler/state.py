@@ -34,7 +34,13 @@ class SchedulerParams:
     num_steps: int
     max_model_len: int
     max_num_seqs: int = 64
+    # Tokens per step of a plan: decoding rows first, prefill chunk pieces in the rest
+    # (`scheduler/budget.py`); with `prefill_phase` (the baseline) per plan instead.
     max_num_batched_tokens: int = 2048
+    prefill_phase: bool = False
+    # Context at which a prefill token's attention costs what the rest of its forward does
+    # (from the gpu worker; 0: count plain tokens): later pieces of a prompt count for more.
+    attention_tokens: int = 0
     async_mode: bool = True
     num_postproc_workers: int = 2
     enable_prefix_caching: bool = True

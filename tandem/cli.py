@@ -52,7 +52,13 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --pace-plans: how much of plan n's work is left, at least, when "
                         "the worker asks for plan n+1 (covers building and sending it)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="tokens per step: decoding rows first, prefill chunks in the rest "
+                        "(0: 160 on a CPU device, 512 on CUDA; a prefill token counts more at "
+                        "long contexts; with --prefill-phase per plan, 0: 2048)")
+    _bool_flag(p, "prefill-phase", d.prefill_phase,
+               "baseline: prefill each plan's chunks in a forward of their own before its "
+               "decode steps (decoding rows wait for it), instead of inside the steps")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len,
                    help="0: the model's max_position_embeddings")
     p.add_argument("--num-postproc-workers", type=int, default=d.num_postproc_workers)
@@ -367,6 +373,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("ab", "ab.main", "sync/async x K table, each arm on a fresh server"),
     ("lora", "lora.main", "TPOT and throughput with LoRA adapters vs the base model"),
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
+    ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 

@@ -28,10 +28,10 @@ from torch import nn
 from tandem_serve.gpu_worker.attention import (
     AttentionMetadata,
     AttentionPlan,
-    KVCache,
     paged_attention,
     prepare_attention,
 )
+from tandem_serve.gpu_worker.kv_cache import KVCache
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.layers import (

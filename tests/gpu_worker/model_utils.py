@@ -207,7 +207,7 @@ class PagedDriver:
         seed: int = 0,
         max_seq_len_slack: int = 0,
     ) -> None:
-        from tandem_serve.gpu_worker.attention import allocate_kv_cache
+        from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache
 
         cfg = model.config
         self.model = model

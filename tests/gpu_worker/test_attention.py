@@ -11,11 +11,10 @@ import torch
 
 from tandem_serve.gpu_worker.attention import (
     AttentionMetadata,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
     paged_attention,
     prepare_attention,
 )
+from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 
 ATOL = 1e-5
 

@@ -13,6 +13,8 @@ HF `generate()`:
   greedy equals HF, seeded sampling (with top-p/top-k, a repetition penalty) equals TP=1,
   logprobs and prompt logprobs match, the K-step loop runs under the host-sync guard
   (collectives included), and rank 1's state is rank 0's;
+* the real scheduler's plans, prompts prefilling in pieces inside the decode steps: rank 1
+  runs rank 0's plans, greedy equals HF and a seeded row TP=1;
 * with LoRA adapters (attention-only and all-linear, each rank holding its part of A and B)
   and a guided row (one of them under an adapter) beside base rows: greedy equals PEFT's
   generate() (with the same guide's LogitsProcessor for the guided rows) and TP=1.
@@ -148,6 +150,19 @@ def test_runner_streams_equal_hf_and_tp1(ranks: list[dict[str, Any]], paths: dic
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert ranks[1][mode]["out"] == got["out"]
     assert got["num_blocks"] == ranks[1][mode]["num_blocks"] == ref["num_blocks"]
+
+
+def test_prefill_pieces_in_decode_steps_equal_hf_and_tp1(ranks: list[dict[str, Any]],
+                                                         paths: dict[str, str]) -> None:
+    """Mixed steps (the scheduler's per-step pieces) under TP=2: rank 1 runs rank 0's plans
+    and state, greedy equals HF, the seeded row equals TP=1."""
+    got = ranks[0]["served"]
+    assert got["spread"], "prompts were cut into pieces over the steps"
+    assert ranks[1]["served"]["out"] == got["out"]
+    assert tp_job.served_outputs(paths[RUNNER_ARCH], None)["out"] == got["out"]
+    for rid, prompt in enumerate(got["prompts"]):
+        if rid != 1:  # greedy
+            assert got["out"][rid] == hf_greedy(paths[RUNNER_ARCH], prompt), rid
 
 
 def test_adapters_and_a_guided_row_equal_peft_and_tp1(ranks: list[dict[str, Any]],

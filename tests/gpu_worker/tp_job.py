@@ -32,6 +32,7 @@ from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
+from tests.gpu_worker.served import Served
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFILL_LENGTHS = [5, 40, 17, 1]
@@ -45,6 +46,7 @@ LORA_ROWS: dict[int, tuple[str | None, bool]] = {
 LORA_SLOTS = {"attn": 1, "all": 2}
 LORA_TOKENS = 16
 GUIDED_TOKENS = 40
+SERVED_LENGTHS = [5, 30, 90, 120]
 
 
 def model_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
@@ -107,6 +109,25 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
             "graphs": runner.graphs is not None and runner.graphs.enabled,
             "logprobs": [torch.from_numpy(a.copy()) for a in lp],
             "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
+
+
+def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
+                   ) -> dict[str, Any]:
+    """The real scheduler's plans (K=8, a small per-step budget: prompts prefill in pieces
+    inside the decode steps of streams already running) through every rank's runner; each
+    rank plans for itself, the same plans from the same counts."""
+    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
+                         num_kv_blocks=400, tp=tp)
+    runner.step_guard = (forbid_host_sync if device == "cpu"
+                         else partial(forbid_host_sync, cuda_sync_debug=False))
+    served = Served(runner, 8, True, budget=16)
+    p = random_prompts(SERVED_LENGTHS, 512, seed=6)
+    for rid, prompt in enumerate(p):
+        served.add(rid, prompt, sampled(seed=5) if rid == 1 else SamplingParams(
+            max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID]), after_plans=rid)
+    out = served.run()
+    served.close()
+    return {"out": out, "prompts": p, "spread": served.spread()}
 
 
 def lora_outputs(spec: dict[str, str], tp: TensorParallel | None, device: str = "cpu"
@@ -190,6 +211,7 @@ def main() -> None:
                        for name, path in spec["models"].items()},
             "async_k8": runner_outputs(spec["runner"], tp, 8, True, dev),
             "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
+            "served": served_outputs(spec["runner"], tp, dev),
             "guard_sees_host_reads": guard_sees_host_reads(tp),
         }
         if "lora" in spec:

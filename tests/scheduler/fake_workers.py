@@ -26,6 +26,7 @@ from tandem_serve.proto.messages import (
     StepPlan,
     StopHit,
 )
+from tandem_serve.scheduler.budget import piece_cost
 from tandem_serve.scheduler.core import SchedulerParams
 
 VOCAB = 50
@@ -58,6 +59,7 @@ class WorkerRequest:
     guided_id: str = ""  # the constraint it decodes under ("" = none)
     num_computed: int = 0
     chunk: int = 0
+    pieces: list[int] = field(default_factory=list)  # the chunk per step (empty: step 0)
     finish: FinishReason = FinishReason.NOT_FINISHED
     adapter: str = ""
     lora_slot: int = 0
@@ -74,6 +76,11 @@ class WorkerRequest:
     def decoding(self) -> bool:
         return not self.finished and self.num_computed == len(self.history) - 1
 
+    @property
+    def join(self) -> int:
+        """The step it starts decoding in once its chunk completes the prompt."""
+        return max(0, len(self.pieces) - 1)
+
 
 class FakeWorker:
     def __init__(self, params: SchedulerParams, rng: random.Random, p_eos: float) -> None:
@@ -89,6 +96,7 @@ class FakeWorker:
         self.tables_sent = 0
         self.adapter_of: dict[int, str] = {}  # request id -> its adapter (the simulation's)
         self.slots: dict[int, str] = {}  # adapter slot -> adapter loaded there
+        self.decoding_before = False  # a request decoded when the current plan started
 
     def run(self, plan: StepPlan) -> tuple[StepDone, list[list[Row]]]:
         for rid, due in list(self.count_drop_due.items()):
@@ -96,9 +104,11 @@ class FakeWorker:
                 assert rid in plan.drop, f"count-finished {rid} not dropped in plan {due}"
                 del self.count_drop_due[rid]
         again = self._apply(plan)
-        self._check_before_forwards()
+        self._check_before_forwards(plan)
         self._prefill()
         steps, produced, finished = self._decode(plan)
+        for req in self.reqs.values():
+            req.pieces = []
         for rid in again:
             finished.setdefault(rid, self.reqs[rid].finish)
         done = StepDone(
@@ -119,7 +129,10 @@ class FakeWorker:
             del self.reqs[rid]
         for rid in plan.preempt:
             req = self.reqs[rid]
-            req.table, req.num_computed, req.chunk = [], 0, 0
+            req.table, req.num_computed, req.chunk, req.pieces = [], 0, 0, []
+        # What the plan's budget saw decoding (the scheduler may not know of late finishes).
+        self.decoding_before = any(r.table and not r.finish.value and len(r.history) - 1 ==
+                                   r.num_computed for r in self.reqs.values())
         self._apply_constraints(plan)
         for load in plan.adapters:
             assert 1 <= load.slot <= self.params.max_loras, f"slot {load.slot}"
@@ -148,12 +161,12 @@ class FakeWorker:
                 f"request {new.request_id} starts without its constraint {req.guided_id}")
             req.table = list(new.block_ids)
             req.num_computed = new.num_cached_tokens
-            req.chunk = new.num_prefill_tokens
+            req.chunk, req.pieces = new.num_prefill_tokens, list(new.prefill_steps)
             named.append(new.request_id)
         for cont in plan.cont:
             req = self.reqs[cont.request_id]
             req.table.extend(cont.new_block_ids)
-            req.chunk = cont.num_prefill_tokens
+            req.chunk, req.pieces = cont.num_prefill_tokens, list(cont.prefill_steps)
             named.append(cont.request_id)
         again = [rid for rid in named if self.reqs[rid].finished]
         for rid in again:
@@ -172,14 +185,38 @@ class FakeWorker:
             self.tables.add(gid)
             self.tables_sent += 1
 
-    def _check_before_forwards(self) -> None:
+    def _check_budget(self, live: list[WorkerRequest]) -> None:
+        params = self.params
+        if params.prefill_phase:  # one budget per plan: chunks plus one per decoding request
+            num_batched = sum(req.chunk + (req.num_computed + req.chunk == len(req.history) - 1)
+                              for req in live)
+            assert num_batched <= params.max_num_batched_tokens, f"{num_batched} tokens batched"
+            return
+        k = params.num_steps
+        loads = [0] * k
+        for req in live:
+            pieces = req.pieces or [req.chunk]
+            assert len(pieces) <= k and sum(pieces) == req.chunk, f"pieces {pieces}"
+            context = req.num_computed
+            for step, n in enumerate(pieces):  # later pieces weigh more (their attention)
+                loads[step] += piece_cost(n, context, params.attention_tokens)
+                context += n
+            if req.num_computed + req.chunk == len(req.history) - 1:
+                for step in range(req.join, req.join + self._steps_left(req)):
+                    loads[step] += 1
+        caps = [params.max_num_batched_tokens] * k
+        if not self.decoding_before:  # nothing decoding: the first step takes whole chunks
+            caps[0] *= k
+        assert all(n <= cap for n, cap in zip(loads, caps, strict=True)), (
+            f"{loads} tokens per step over {caps}")
+
+    def _check_before_forwards(self, plan: StepPlan) -> None:
         bs = self.params.block_size
         holders: dict[int, list[tuple[WorkerRequest, int]]] = defaultdict(list)
         live = [req for req in self.reqs.values() if not req.finished and req.table]
         assert len(live) <= self.params.max_num_seqs, f"{len(live)} requests running"
-        num_batched = sum(req.chunk + (req.num_computed + req.chunk == len(req.history) - 1)
-                          for req in live)
-        assert num_batched <= self.params.max_num_batched_tokens, f"{num_batched} tokens batched"
+        assert plan.prefill_phase == self.params.prefill_phase
+        self._check_budget(live)
         for req in self.reqs.values():
             if req.finished:
                 continue  # masked: writes nothing, and its blocks may already be reused
@@ -212,7 +249,8 @@ class FakeWorker:
         return after_prefill + self._steps_left(req)
 
     def _steps_left(self, req: WorkerRequest) -> int:
-        return min(self.params.num_steps, req.max_new - req.generated,
+        """Decode steps it runs in this plan: from the step it starts in, to its limits."""
+        return min(self.params.num_steps - req.join, req.max_new - req.generated,
                    self.params.max_model_len - len(req.history))
 
     def _write(self, req: WorkerRequest, pos: int) -> None:
@@ -232,10 +270,10 @@ class FakeWorker:
         steps: list[list[Row]] = []
         produced: Counter[int] = Counter()
         finished: dict[int, int] = {}
-        for _ in range(plan.num_steps):
+        for step in range(plan.num_steps):
             rows: list[Row] = []
             for rid, req in self.reqs.items():
-                if not req.decoding:
+                if not req.decoding or step < req.join:
                     continue
                 assert not req.guided_id or req.guided_id in self.tables, (
                     f"request {rid} decodes without its constraint {req.guided_id}")

@@ -1,0 +1,122 @@
+"""`tandem bench stall`: how long decoding streams wait while long prompts arrive.
+
+Mixed steps (prefill chunks inside the decode steps, the default) against the baseline
+`--prefill-phase` (each plan's prefill in a forward of its own before its steps), in one
+run: both servers start once, then every round runs the scenario (`scenario.py`) on each,
+back to back, with the same prompts.  Per arm and round: the streams' median, p99 and worst
+inter-token gap inside the arrival window, the long prompts' time to first token and the
+tokens per second of the window; then the medians over rounds of the within-round ratios
+(`report.py`).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from typing import Any
+
+from tandem_serve.bench.stall.report import Figures, arm_table, as_json, figures, ratio_table
+from tandem_serve.bench.stall.scenario import Workload, run
+from tandem_serve.harness.server import serving
+
+# arm -> its server flags besides the shared ones
+ARMS = {"mixed": [], "prefill-phase": ["--prefill-phase"]}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    w = Workload()
+    p.add_argument("--model", default="", help="model folder (default: the tiny model)")
+    p.add_argument("--num-scheduler-steps", type=int, default=8)
+    p.add_argument("--streams", type=int, default=w.streams, help="decoding streams")
+    p.add_argument("--prompts", type=int, default=w.prompts, help="long prompts arriving")
+    p.add_argument("--prompt-len", type=int, default=w.prompt_len, help="their tokens")
+    p.add_argument("--interval", type=float, default=w.interval,
+                   help="seconds between the long prompts' arrivals")
+    p.add_argument("--rounds", type=int, default=3, help="scenario runs per arm, alternating")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="the mixed arm's tokens per step (0: the server's default)")
+    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="one more flag for every server (repeat, e.g. "
+                        "--server-arg=--no-async-postproc)")
+    p.add_argument("--in-process", action="store_true",
+                   help="no servers: the scheduler and runner in this process, timed by the "
+                        "worker's CPU time (the device's stalls, whatever else the host runs)")
+    p.add_argument("--json", default="", help="write the figures here too")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench stall] {msg}", file=sys.stderr, flush=True)
+
+
+def _report(results: dict[str, list[Figures]], arm: str, r: int) -> None:
+    f = results[arm][-1]
+    _progress(f"round {r + 1} {arm}: worst gap {f.worst_ratio:.1f}x median, "
+              f"TTFT {f.ttft_ms:.0f} ms")
+
+
+def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+            arms: list[str]) -> dict[str, list[Figures]]:
+    shared = ["--num-scheduler-steps", str(args.num_scheduler_steps), *args.server_arg]
+    results: dict[str, list[Figures]] = {arm: [] for arm in arms}
+    with contextlib.ExitStack() as stack:
+        targets = {}
+        for arm in arms:
+            flags = [*shared, *ARMS[arm]]
+            if arm == "mixed" and args.max_num_batched_tokens:
+                flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+            flags += ["--max-new-tokens", "4096"]
+            targets[arm] = stack.enter_context(serving(model, flags, quiet=True)).target
+            # Warm-up: first shapes of every kind (oneDNN builds a primitive per shape).
+            run(targets[arm], tokenizer, Workload(work.streams, 2, work.prompt_len, 0.5), 999)
+            _progress(f"{arm} is up")
+        for r in range(args.rounds):
+            for arm in arms:
+                results[arm].append(figures(run(targets[arm], tokenizer, work, r)))
+                _report(results, arm, r)
+    return results
+
+
+def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+                arms: list[str]) -> dict[str, list[Figures]]:
+    from tandem_serve.bench.stall import inproc
+
+    results: dict[str, list[Figures]] = {arm: [] for arm in arms}
+    warm = Workload(work.streams, 2, work.prompt_len, 0.5)
+    for arm in arms:  # oneDNN's primitives per shape are built once per process
+        inproc.run(model, tokenizer, warm, 999, args.num_scheduler_steps,
+                   arm == "prefill-phase", args.max_num_batched_tokens)
+    for r in range(args.rounds):
+        for arm in arms:
+            phase = arm == "prefill-phase"
+            budget = 0 if phase else args.max_num_batched_tokens
+            stamps = inproc.run(model, tokenizer, work, r, args.num_scheduler_steps, phase,
+                                budget)
+            results[arm].append(figures(stamps))
+            _report(results, arm, r)
+    return results
+
+
+def main(args: argparse.Namespace) -> int:
+    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.tokenization.tokenizer import Tokenizer
+
+    model = args.model or str(ensure_default_model(in_subprocess=True))
+    tokenizer = Tokenizer.from_dir(model)
+    work = Workload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
+                    interval=args.interval)
+    arms = [a for a in args.arms.split(",") if a]
+    results = (_in_process(args, model, tokenizer, work, arms) if args.in_process
+               else _served(args, model, tokenizer, work, arms))
+    print(arm_table(results))
+    if {"mixed", "prefill-phase"} <= set(arms):
+        print()
+        print(ratio_table(results, "mixed", "prefill-phase"))
+    if args.json:
+        settings = {**vars(args), "cpu_count": os.cpu_count()}
+        settings.pop("func", None)
+        with open(args.json, "w") as f:
+            json.dump(as_json(results, settings), f, indent=1)
+    return 0

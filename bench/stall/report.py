@@ -1,0 +1,90 @@
+"""The stall figures of one scenario run, and the tables comparing the arms of a run.
+
+On a shared, noisy machine absolute times drift between rounds, so the comparison is the
+median over rounds of ratios taken within a round (the arms of a round ran back to back).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from statistics import median
+from typing import Any
+
+import numpy as np
+
+from tandem_serve.bench.stall.scenario import Stamps
+
+
+@dataclass
+class Figures:
+    median_gap_ms: float
+    p99_gap_ms: float
+    worst_gap_ms: float
+    ttft_ms: float  # the long prompts' median time to first token
+    worst_ttft_ms: float
+    tokens_per_s: float  # every token the window saw, streams and prompts
+    num_gaps: int
+
+    @property
+    def worst_ratio(self) -> float:
+        return self.worst_gap_ms / self.median_gap_ms
+
+    @property
+    def p99_ratio(self) -> float:
+        return self.p99_gap_ms / self.median_gap_ms
+
+
+def figures(stamps: Stamps) -> Figures:
+    lo, hi = stamps.window
+    gaps: list[float] = []
+    tokens = 0
+    for times in stamps.streams:
+        t = np.asarray(times)
+        inside = (t[1:] >= lo) & (t[1:] <= hi)
+        gaps += (np.diff(t)[inside] * 1e3).tolist()
+        tokens += int(((t >= lo) & (t <= hi)).sum())
+    for times in stamps.prompt_tokens:
+        t = np.asarray(times)
+        tokens += int(((t >= lo) & (t <= hi)).sum())
+    ttft = [(f - s) * 1e3 for s, f in zip(stamps.sent, stamps.first, strict=True)]
+    g = np.asarray(gaps)
+    return Figures(median_gap_ms=float(np.median(g)), p99_gap_ms=float(np.percentile(g, 99)),
+                   worst_gap_ms=float(g.max()), ttft_ms=float(np.median(ttft)),
+                   worst_ttft_ms=float(max(ttft)), tokens_per_s=tokens / (hi - lo),
+                   num_gaps=len(gaps))
+
+
+def arm_table(results: dict[str, list[Figures]]) -> str:
+    lines = ["| arm | round | median gap ms | p99 gap ms | worst gap ms | worst / median | "
+             "p99 / median | long-prompt TTFT ms (median, worst) | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for arm, rounds in results.items():
+        for i, f in enumerate(rounds):
+            lines.append(f"| {arm} | {i + 1} | {f.median_gap_ms:.1f} | {f.p99_gap_ms:.1f} | "
+                         f"{f.worst_gap_ms:.1f} | {f.worst_ratio:.1f}x | {f.p99_ratio:.1f}x | "
+                         f"{f.ttft_ms:.0f}, {f.worst_ttft_ms:.0f} | {f.tokens_per_s:.0f} |")
+    return "\n".join(lines)
+
+
+def ratio_table(results: dict[str, list[Figures]], arm: str, baseline: str) -> str:
+    """Within-round ratios of `arm` to `baseline`, and their medians."""
+    pairs = list(zip(results[arm], results[baseline], strict=True))
+    rows = {
+        f"{arm} worst gap / median gap": [a.worst_ratio for a, _ in pairs],
+        f"{baseline} worst gap / median gap": [b.worst_ratio for _, b in pairs],
+        f"{arm} p99 gap / median gap": [a.p99_ratio for a, _ in pairs],
+        f"{baseline} p99 gap / median gap": [b.p99_ratio for _, b in pairs],
+        f"long-prompt TTFT, {arm} / {baseline}": [a.ttft_ms / b.ttft_ms for a, b in pairs],
+        f"tokens/s, {arm} / {baseline}": [a.tokens_per_s / b.tokens_per_s for a, b in pairs],
+        f"median gap, {arm} / {baseline}": [a.median_gap_ms / b.median_gap_ms
+                                            for a, b in pairs],
+    }
+    lines = ["| ratio | per round | median |", "|---|---|---|"]
+    for name, values in rows.items():
+        per = ", ".join(f"{v:.2f}" for v in values)
+        lines.append(f"| {name} | {per} | {median(values):.2f} |")
+    return "\n".join(lines)
+
+
+def as_json(results: dict[str, list[Figures]], settings: dict[str, Any]) -> dict[str, Any]:
+    return {"settings": settings,
+            "arms": {arm: [asdict(f) for f in rounds] for arm, rounds in results.items()}}

@@ -1,0 +1,194 @@
+"""One FlexAttention call for every row of a mixed forward, whatever its query length.
+
+The rows' contexts are gathered from the paged cache into one packed KV sequence, row after
+row (a decode row: the decode gather width, a host bound; a prefill row: the blocks its
+context covers), and the queries are packed the same way.  A query may see a key of its own
+row at a position up to its own (and inside its sliding window); the block mask lists, for
+each block of 16 queries, the contiguous range of KV blocks its rows' contexts cover, built
+on the host from lengths the host knows, so nothing is read back and no [T, C] mask is
+evaluated.  Decode rows' exact lengths live on the device only: their query positions come
+from the device, and the mask bounds each key by the query's position.
+
+Why 16 queries a block: a block of decode rows (one query each) is computed against every
+context in its block; 16 keeps that waste small while the kernel's tiles stay legal (the
+kernel's BLOCK_M must divide the mask's block, and tensor-core tiles want >= 16).  vLLM's
+FlexAttention backend makes the same choice.
+
+On CUDA without flash_attn this is the mixed forward's attention (compiled; any failure to
+compile falls back to the split path for good, with a log line).  On the CPU the split path
+is faster (one batched decode call and one call per prefill row: the eager flex_attention
+materialises every score), so there it runs only when asked for, as the tests do.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+Q_BLOCK = 16
+KV_BLOCK = 64
+
+# None: on CUDA only.  Tests set True to run it on the CPU (eager).
+ENABLED: bool | None = None
+_compiled: Callable[..., Any] | None = None
+_broken = False
+
+
+def usable(device: torch.device) -> bool:
+    if _broken:
+        return False
+    return device.type == "cuda" if ENABLED is None else ENABLED
+
+
+@dataclass
+class FlexPlan:
+    """What every layer's call shares: the packed layout and one block mask per window."""
+
+    gather_idx: torch.Tensor  # [C / block_size] block ids, the rows' contexts in order
+    num_tokens: int  # T, before padding to a whole query block
+    masks: dict[int | None, Any] = field(default_factory=dict)  # window -> BlockMask
+
+
+@dataclass
+class Rows:
+    """A mixed forward's rows as the flex path needs them (`AttentionMetadata`'s fields):
+    `num_decode` decode rows first, then prefill rows with host-known lengths."""
+
+    block_tables: torch.Tensor  # [R, width]
+    seq_lens: torch.Tensor  # [R] on the device
+    num_decode: int
+    decode_max_seq_len: int  # host bound of the decode rows' seq_lens
+    query_lens: list[int]  # every row's
+    prefill_seq_lens: list[int]
+
+
+def prepare_flex(rows: Rows, block_size: int, num_blocks: int, windows: list[int | None],
+                 device: torch.device) -> FlexPlan:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, q_lens = rows.num_decode, rows.query_lens
+    width = max(1, min(-(-rows.decode_max_seq_len // block_size), rows.block_tables.shape[1]))
+    ctx_blocks = [width] * n + [-(-s // block_size) for s in rows.prefill_seq_lens]
+    tables = rows.block_tables.to(device=device, dtype=torch.int64)
+    parts = [tables[:n, :width].reshape(-1)]
+    parts += [tables[n + i, :b] for i, b in enumerate(ctx_blocks[n:])]
+    kv_lens = np.asarray(ctx_blocks) * block_size
+    kv_end = np.cumsum(kv_lens)
+    kv_start = kv_end - kv_lens
+    t = int(sum(q_lens))
+    t_pad = -(-t // Q_BLOCK) * Q_BLOCK
+    c = int(kv_end[-1])
+    c_pad = -(-c // KV_BLOCK) * KV_BLOCK
+    # Padding keys come from a real block (finite), belong to no row and are never seen.
+    pad_blocks = (c_pad - c) // block_size + (1 if (c_pad - c) % block_size else 0)
+    parts.append(torch.zeros(pad_blocks, dtype=torch.int64, device=device))
+    gather_idx = torch.cat(parts).clamp_(0, num_blocks - 1)
+    c_pad = int(gather_idx.shape[0]) * block_size
+    row_ids = np.arange(len(q_lens))
+    q_row = np.full(t_pad, -1, dtype=np.int64)
+    q_row[:t] = np.repeat(row_ids, q_lens)
+    kv_row = np.full(c_pad, -2, dtype=np.int64)
+    kv_row[:c] = np.repeat(row_ids, kv_lens)
+    kv_pos = np.zeros(c_pad, dtype=np.int64)
+    kv_pos[:c] = np.arange(c) - np.repeat(kv_start, kv_lens)
+    prefill_pos = [np.arange(s - q, s) for s, q in zip(rows.prefill_seq_lens, q_lens[n:],
+                                                       strict=True)]
+
+    def dev(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(a).to(device, non_blocking=True)
+
+    decode_pos = rows.seq_lens[:n].to(device=device, dtype=torch.int64) - 1
+    q_pos = torch.cat((decode_pos, dev(np.concatenate([np.zeros(0, np.int64), *prefill_pos])),
+                       torch.zeros(t_pad - t, dtype=torch.int64, device=device)))
+    num_kv, indices = _kv_blocks(q_row[:t], kv_start, kv_end, t_pad, c_pad)
+    q_row_t, kv_row_t, kv_pos_t = dev(q_row), dev(kv_row), dev(kv_pos)
+    plan = FlexPlan(gather_idx, t)
+    for w in windows:
+        mask_mod = _mask_mod(q_row_t, q_pos, kv_row_t, kv_pos_t, w)
+        plan.masks[w] = BlockMask.from_kv_blocks(
+            dev(num_kv), dev(indices), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod,
+            seq_lengths=(t_pad, c_pad), compute_q_blocks=False)
+    return plan
+
+
+def _kv_blocks(q_row: np.ndarray, kv_start: np.ndarray, kv_end: np.ndarray, t_pad: int,
+               c_pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each query block's KV blocks: the range its rows' contexts cover (rows are packed in
+    the same order on both sides, so it is contiguous)."""
+    num_q, num_kv = t_pad // Q_BLOCK, -(-c_pad // KV_BLOCK)
+    counts = np.zeros((1, 1, num_q), dtype=np.int32)
+    indices = np.zeros((1, 1, num_q, num_kv), dtype=np.int32)
+    for qb in range(num_q):
+        members = q_row[qb * Q_BLOCK:(qb + 1) * Q_BLOCK]
+        if not len(members):
+            continue
+        lo = int(kv_start[members[0]]) // KV_BLOCK
+        hi = -(-int(kv_end[members[-1]]) // KV_BLOCK)
+        counts[0, 0, qb] = hi - lo
+        indices[0, 0, qb, : hi - lo] = np.arange(lo, hi)
+    return counts, indices
+
+
+def _mask_mod(q_row: torch.Tensor, q_pos: torch.Tensor, kv_row: torch.Tensor,
+              kv_pos: torch.Tensor, window: int | None) -> Callable[..., torch.Tensor]:
+    def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        seen = (q_row[q_idx] == kv_row[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+        if window is not None:  # HF's convention: a query sees keys with q - k < window
+            seen = seen & (kv_pos[kv_idx] > q_pos[q_idx] - window)
+        return seen
+
+    return mask_mod
+
+
+def flex_mixed(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], scale: float,
+               plan: FlexPlan, window: int | None) -> torch.Tensor:
+    """q [T, Hq, D] -> [T, Hq, D], every row against its packed context."""
+    k_cache, v_cache = kv_cache
+    n_blk, hkv, d = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    c = int(plan.gather_idx.shape[0]) * k_cache.shape[1]
+    kg = k_cache.view(n_blk, -1).index_select(0, plan.gather_idx).view(1, c, hkv, d)
+    vg = v_cache.view(n_blk, -1).index_select(0, plan.gather_idx).view(1, c, hkv, d)
+    t, hq = q.shape[0], q.shape[1]
+    qp = F.pad(q, (0, 0, 0, 0, 0, -(-t // Q_BLOCK) * Q_BLOCK - t)).unsqueeze(0)
+    out = _call(qp.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),
+                plan.masks[window], scale, hq != hkv)
+    return out[0].transpose(0, 1)[:t]
+
+
+def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, scale: float,
+          gqa: bool) -> torch.Tensor:
+    from torch.nn.attention import flex_attention as fa
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    flex_attention = fa.flex_attention
+    if q.device.type != "cuda" or _get_current_dispatch_mode() is not None:
+        # Uncompiled (torch.compile refuses to run under the tests' host-sync guard): the
+        # operator itself, every score materialised.  The tests' run, never a server's.
+        debug, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = (
+            fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, True)
+        try:
+            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                  enable_gqa=gqa)
+        finally:
+            fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = debug
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=True)
+    options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": KV_BLOCK, "FORCE_USE_FLEX_ATTENTION": True}
+    return _compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                     kernel_options=options)
+
+
+def disable(exc: BaseException) -> None:
+    """A compile or kernel failure: the split path from now on."""
+    global _broken
+    _broken = True
+    log.warning("FlexAttention failed (%s: %s); mixed steps use the split path",
+                type(exc).__name__, exc)

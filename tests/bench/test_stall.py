@@ -1,0 +1,45 @@
+"""`tandem bench stall`: its figures on synthetic stamps, and a short in-process run of both
+arms (the real scheduler and runner on the tiny model, timed by the worker's CPU time)."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tandem_serve.bench.stall import main as stall
+from tandem_serve.bench.stall.report import figures, ratio_table
+from tandem_serve.bench.stall.scenario import Stamps
+
+
+def test_figures_count_gaps_inside_the_window_only() -> None:
+    stamps = Stamps(streams=[[0.0, 0.01, 0.02, 0.10, 0.11, 0.12, 0.5]],
+                    sent=[0.015], first=[0.2], prompt_tokens=[[0.2, 0.21]],
+                    window=(0.015, 0.3))
+    f = figures(stamps)
+    # Gaps ending in the window: 0.02, 0.10, 0.11, 0.12 -> 10, 80, 10, 10 ms.
+    assert f.num_gaps == 4 and f.worst_gap_ms == pytest.approx(80)
+    assert f.median_gap_ms == pytest.approx(10) and f.worst_ratio == pytest.approx(8)
+    assert f.ttft_ms == pytest.approx(185)
+    assert f.tokens_per_s == pytest.approx(6 / 0.285)  # 4 stream tokens and 2 of the prompt
+    table = ratio_table({"mixed": [f], "prefill-phase": [f]}, "mixed", "prefill-phase")
+    assert "| long-prompt TTFT, mixed / prefill-phase | 1.00 | 1.00 |" in table
+
+
+def test_in_process_run_of_both_arms(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                     ) -> None:
+    parser = argparse.ArgumentParser()
+    stall.add_arguments(parser)
+    out = tmp_path / "stall.json"
+    args = parser.parse_args(["--in-process", "--rounds", "1", "--streams", "2",
+                              "--prompts", "2", "--prompt-len", "300", "--interval", "0.2",
+                              "--json", str(out)])
+    assert stall.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| mixed | 1 |" in printed and "| prefill-phase | 1 |" in printed
+    arms = json.loads(out.read_text())["arms"]
+    mixed, phase = arms["mixed"][0], arms["prefill-phase"][0]
+    # A 300-token prompt's prefill is one forward in the baseline: the streams wait for it.
+    assert phase["worst_gap_ms"] > mixed["worst_gap_ms"]
+    assert mixed["num_gaps"] > 0 and phase["num_gaps"] > 0

@@ -1,0 +1,174 @@
+"""Mixed steps: prefill chunk pieces inside the K decode steps, against the same requests run
+separately (logits, float32) and against HF generate, with the real scheduler planning the
+pieces (`served.Served`): K=8 async and K=1 sync, preemption, prefix hits mid-prompt, prompt
+logprobs, seeds, and the host-sync guard on every step.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tandem_serve.gpu_worker import flex_attention
+from tandem_serve.gpu_worker.batch import build_decode_batch
+from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan, TokenBatch
+from tests.gpu_worker.model_utils import EOS_ID, random_prompts
+from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
+from tests.gpu_worker.served import Served
+
+ATOL = 1e-5
+
+
+def greedy(n: int = NEW_TOKENS, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, stop_token_ids=[EOS_ID], **kw)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- one step
+
+
+@pytest.mark.parametrize("flex", [False, True], ids=["split", "flex"])
+@torch.inference_mode()
+def test_mixed_step_logits_equal_the_requests_run_separately(
+        llama: str, flex: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One forward over decode rows and prefill pieces (one completing its prompt, whose
+    decode row reads the piece from the same forward; one mid-prompt after a cached part)
+    gives the logits and KV of a prefill forward followed by a decode forward, whichever
+    attention path the mixed forward takes."""
+    monkeypatch.setattr(flex_attention, "ENABLED", flex)
+    runner = make_runner(llama)
+    d = Driver(runner, seed=4)
+    short, other, joiner, long = random_prompts([30, 52, 61, 140], 512, seed=8)
+    d.add(0, short)
+    d.add(1, other)
+    d.add(3, long, chunk=48)  # its first 48 positions are in the cache from here on
+    d.run(2)
+    blocks = [d.free.pop() for _ in range(5)]
+    runner.apply(StepPlan(9, 4, new=[NewRequest(2, np.array(joiner, np.int32), greedy(),
+                                                blocks, 0, 60)]))
+    req3 = runner.requests[3]
+    req3.prefill_chunk, req3.block_ids = 70, req3.block_ids + [d.free.pop() for _ in range(5)]
+    layout = lay_out(runner.requests.values(), 4, False)
+    assert sorted(p.req.request_id for p in layout.steps[0]) == [2, 3]
+    assert len(layout.decoding) == 3 and layout.join_steps == [0, 0, 0]
+    batch = build_decode_batch(layout.decoding, runner.vocab_size, runner.device, None,
+                               layout.join_steps)
+    pre = runner._step_inputs(layout.steps[0], batch, [0, 0, 0])
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    with forbid_host_sync():
+        mixed, hidden = runner.forward_mixed(batch, 0, pre)
+        mixed_prefill = runner.model.compute_logits(hidden)
+    after_mixed = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    monkeypatch.setattr(flex_attention, "ENABLED", False)  # the reference: plain SDPA
+    alone = prefill_inputs(layout.steps[0], runner.block_size, runner.device)
+    hidden_alone = runner.model(alone.ids, alone.positions, runner.kv_caches,
+                                prefill_metadata(alone))
+    separate = runner.forward_decode(batch.input_ids, batch.positions, batch.active,
+                                     batch.block_tables, batch.max_position + 1)
+    # FlexAttention's softmax runs in base 2 (exp2 of log2-scaled scores): other roundings.
+    atol = 1e-4 if flex else ATOL
+    torch.testing.assert_close(mixed, separate, atol=atol, rtol=0)
+    torch.testing.assert_close(mixed_prefill, runner.model.compute_logits(hidden_alone),
+                               atol=atol, rtol=0)
+    for (k, v), (km, vm) in zip(runner.kv_caches, after_mixed, strict=True):
+        torch.testing.assert_close(k[:-1], km[:-1], atol=atol, rtol=0)  # scratch aside
+        torch.testing.assert_close(v[:-1], vm[:-1], atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------------- served
+
+
+def _workload(served: Served) -> dict[int, list[int]]:
+    """Three streams decoding while two long prompts arrive, one after the other."""
+    p = random_prompts([9, 23, 15, 170, 130], 512, seed=17)
+    for rid in range(3):
+        served.add(rid, p[rid], greedy(40))
+    served.add(3, p[3], greedy(), after_plans=2)
+    served.add(4, p[4], greedy(), after_plans=4)
+    served.prompts = p  # type: ignore[attr-defined]
+    return served.run()
+
+
+@pytest.mark.parametrize("k, async_mode, flex", [(8, True, False), (1, False, False),
+                                                 (4, True, False), (8, True, True)])
+def test_prompts_prefill_inside_the_steps_and_equal_hf(
+        llama: str, k: int, async_mode: bool, flex: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flex_attention, "ENABLED", flex)
+    runner = make_runner(llama)
+    runner.step_guard = forbid_host_sync
+    served = Served(runner, k, async_mode, budget=24)
+    out = _workload(served)
+    prompts = served.prompts  # type: ignore[attr-defined]
+    for rid in range(5):
+        assert out[rid] == hf_greedy(llama, prompts[rid], 40 if rid < 3 else NEW_TOKENS), rid
+    if k > 1:  # the long prompts were cut into pieces over several steps
+        spread = served.spread()
+        assert spread and max(len(s) for s in spread) >= 4
+    served.close()
+
+
+def test_the_baseline_prefill_phase_gives_the_same_tokens(llama: str) -> None:
+    mixed = Served(make_runner(llama), 8, True, budget=24)
+    phase = Served(make_runner(llama), 8, True, budget=64, prefill_phase=True)
+    assert _workload(mixed) == _workload(phase)
+    assert not phase.spread() and all(p.prefill_phase for p in phase.plans)
+    mixed.close()
+    phase.close()
+
+
+def test_preemption_and_prefix_hits_mid_prompt(llama: str) -> None:
+    """A cache too small for every stream: preempted requests re-prefill in pieces; prompts
+    sharing a 64-token prefix hit the cache in the middle of their prompt."""
+    runner = make_runner(llama, num_kv_blocks=16)
+    runner.step_guard = forbid_host_sync
+    served = Served(runner, 8, True, budget=20)
+    base, *tails = random_prompts([64, 40, 70, 30, 55], 512, seed=23)
+    prompts = [base + tails[0], base + tails[1], tails[2], base + tails[3]]
+    for rid, prompt in enumerate(prompts):
+        served.add(rid, prompt, greedy(60), after_plans=rid)
+    out = served.run()
+    stats = served.sched.stats
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens >= 64
+    for rid, prompt in enumerate(prompts):
+        assert out[rid] == hf_greedy(llama, prompt, 60), rid
+    served.close()
+
+
+def test_prompt_logprobs_and_seeds_in_mixed_steps(llama: str, tmp_path: Path) -> None:
+    """A prompt scored piece by piece over the steps gives the baseline's scores (and no
+    token before its detail); a seeded request samples the same tokens beside prefills."""
+    prompts = random_prompts([20, 150, 12], 512, seed=29)
+    scored = greedy(6, prompt_logprobs=True, top_n=3)
+    seeded = sampled(77, repetition_penalty=1.2)
+    runs = []
+    for phase in (False, True):
+        runner = make_runner(llama)
+        runner.step_guard = forbid_host_sync
+        served = Served(runner, 8, True, budget=16 if not phase else 512, prefill_phase=phase)
+        served.add(0, prompts[0], greedy(40))
+        served.add(2, prompts[2], seeded)
+        served.add(1, prompts[1], scored, after_plans=1)
+        out = served.run()
+        parts = served.details(1)
+        assert parts[-1].last and sum(len(x.token_ids) for x in parts) == len(prompts[1]) - 1
+        first = next(i for i, m in enumerate(served.messages) if isinstance(m, TokenBatch)
+                     and 1 in m.request_ids[m.token_ids >= 0].tolist())
+        assert served.messages.index(parts[-1]) < first
+        runs.append((out, np.concatenate([x.logprobs for x in parts]),
+                     np.concatenate([x.top_ids for x in parts])))
+        served.close()
+    (mixed, lp, top), (phase_out, lp_phase, top_phase) = runs
+    assert mixed == phase_out
+    np.testing.assert_allclose(lp, lp_phase, atol=1e-4, rtol=0)  # float32 sums of ~30
+    np.testing.assert_array_equal(top, top_phase)
+    alone = Served(make_runner(llama), 8, True, budget=16)
+    alone.add(2, prompts[2], seeded)
+    assert alone.run()[2] == mixed[2] and len(set(mixed[2])) > 4
+    alone.close()
