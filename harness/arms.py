@@ -25,18 +25,23 @@ class Arm:
     async_mode: bool
     paced: bool = True  # async only: --pace-plans (the default) or --no-pace-plans
     http: bool = False  # driven over the OpenAI-compatible HTTP API instead of gRPC
+    # Each plan's prefill in a forward of its own before its steps (the baseline of mixed
+    # steps, where prefill pieces ride inside the decode steps).
+    prefill_phase: bool = False
 
     @property
     def name(self) -> str:
         mode = "sync" if not self.async_mode else "async" if self.paced else "async unpaced"
-        return f"{mode} K={self.steps}" + (" HTTP" if self.http else "")
+        return (f"{mode} K={self.steps}" + (" prefill-phase" if self.prefill_phase else "")
+                + (" HTTP" if self.http else ""))
 
     @property
     def flags(self) -> list[str]:
         """The `tandem serve` flags of this arm."""
         return ["--num-scheduler-steps", str(self.steps),
                 "--async-postproc" if self.async_mode else "--no-async-postproc",
-                "--pace-plans" if self.paced else "--no-pace-plans"]
+                "--pace-plans" if self.paced else "--no-pace-plans",
+                *(["--prefill-phase"] if self.prefill_phase else [])]
 
 
 @contextlib.contextmanager

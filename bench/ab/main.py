@@ -15,6 +15,7 @@ client.  It writes a markdown table with ratios to sync K=1, a JSON file and a P
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from tandem_serve.bench.ab.tables import (
     cpu_table,
     http_ratios,
     peer_ratios,
+    prefill_ratios,
     table,
 )
 from tandem_serve.bench.serve.config import BenchConfig
@@ -61,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unpaced", action="store_true",
                    help="also run async arms with --no-pace-plans (plan n+1 built as soon as "
                         "plan n is sent), for K > 1")
+    p.add_argument("--prefill-phase", action="store_true",
+                   help="also run every arm with --prefill-phase (each plan's prefill in a "
+                        "forward of its own), for mixed steps' ratios to it")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every server (repeatable)")
     p.add_argument("--output-json", default="bench_ab.json")
@@ -69,17 +74,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_arms(steps: str, unpaced: bool, http: bool = False,
-                peers: tuple[str, ...] = ()) -> list[Arm]:
+                peers: tuple[str, ...] = (), prefill_phase: bool = False) -> list[Arm]:
     """sync and async for each K; with `unpaced`, async --no-pace-plans too where K > 1 (a
     one-step plan asks for the next one at its start either way); with `http`, each async
     arm over HTTP too, and with transformers serve among the peers at least the largest-K
-    async arm, so that peer is compared through the same HTTP client."""
+    async arm, so that peer is compared through the same HTTP client; with
+    `prefill_phase`, each sync and paced async arm's --prefill-phase twin."""
     kinds = [(False, True), (True, True), (True, False)]
     ks = [int(k) for k in steps.split(",")]
     arms = [Arm(k, a, paced) for k in ks for a, paced in kinds
             if paced or (unpaced and k > 1)]
+    twins = [dataclasses.replace(a, prefill_phase=True) for a in arms if a.paced] \
+        if prefill_phase else []
     over_http = ks if http else [max(ks)] if "transformers-serve" in peers else []
-    return arms + [Arm(k, True, True, http=True) for k in over_http]
+    return arms + twins + [Arm(k, True, True, http=True) for k in over_http]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -93,8 +101,8 @@ def main(args: argparse.Namespace) -> int:
     for p in peers:
         if p not in PEERS:
             raise SystemExit(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
-    arms: list[Arm | str] = [*engine_arms(args.steps, args.unpaced, args.http, tuple(peers)),
-                             *peers]
+    arms: list[Arm | str] = [*engine_arms(args.steps, args.unpaced, args.http, tuple(peers),
+                                          args.prefill_phase), *peers]
     runs: dict[str, list[dict[str, Any]]] = {}
     total = len(arms) * args.repeats
     n = 0
@@ -118,13 +126,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"CPU seconds per process ({os.cpu_count()} cores = {os.cpu_count()} CPU s per s of "
           "wall time):")
     print(cpu_table(results))
-    for ratios in (http_ratios(results), peer_ratios(results)):
+    for ratios in (http_ratios(results), peer_ratios(results), prefill_ratios(results)):
         if ratios:
             print()
             print(ratios)
     keep = [k for k, _ in COLUMNS] + ["completed", "duration", "median_tpot_ms", "p99_tpot_ms",
-                                      "median_ttft_ms", "p99_itl_ms", "plans", "wasted_tokens",
-                                      "delivered_tokens", "cpu_s", "repeats"]
+                                      "median_ttft_ms", "median_itl_ms", "p99_itl_ms", "plans",
+                                      "wasted_tokens", "delivered_tokens", "cpu_s", "repeats"]
     with open(args.output_json, "w") as f:
         json.dump({n: {k: r.get(k) for k in keep} for n, r in results.items()}, f, indent=2)
     chart(results, args.png, args.title or f"Tandem A/B on {os.path.basename(args.model)}")

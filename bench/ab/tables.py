@@ -82,6 +82,27 @@ def http_ratios(results: dict[str, dict[str, Any]]) -> str:
     return "; ".join(parts)
 
 
+PREFILL_RATIOS = [("p99_itl_ms", "ITL p99"), ("median_itl_ms", "ITL p50"),
+                  ("p99_tpot_ms", "TPOT p99"), ("median_tpot_ms", "TPOT p50"),
+                  ("mean_ttft_ms", "TTFT"), ("output_throughput", "output throughput")]
+
+
+def prefill_ratios(results: dict[str, dict[str, Any]]) -> str:
+    """Each arm's figures over its --prefill-phase twin's: mixed steps against a separate
+    prefill forward, both measured in this run."""
+    lines = []
+    for name, twin in results.items():
+        if not name.endswith(" prefill-phase") or name.removesuffix(" prefill-phase") \
+                not in results:
+            continue
+        mine = results[name.removesuffix(" prefill-phase")]
+        parts = [f"{label} {mine[k] / twin[k]:.2f}×" for k, label in PREFILL_RATIOS
+                 if mine.get(k) and twin.get(k)]
+        lines.append(f"{name.removesuffix(' prefill-phase')} (mixed steps) / {name}: "
+                     + ", ".join(parts))
+    return "\n".join(lines)
+
+
 def chart(results: dict[str, dict[str, Any]], path: str, title: str) -> None:
     import matplotlib
 

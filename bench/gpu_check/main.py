@@ -5,7 +5,8 @@ Stages, in order, each written to the report as it finishes (`report.py`):
 environment → the `gpu`-marked tests → greedy parity (float32 with CUDA graphs and eager,
 bfloat16 agreement) → the seed's experiment (a Llama-3-8B-shaped model with random bfloat16
 weights made on the device, async K=8 / sync K=8 / sync K=1 under `bench serve` at 10 req/s,
-1,024-token prompts with a 512-token shared prefix, 512 output tokens) → a `tandem profile`
+1,024-token prompts with a 512-token shared prefix, 512 output tokens, and async K=8 with
+`--prefill-phase` for mixed steps' ratios to a separate prefill forward) → a `tandem profile`
 of the async arm with torch.profiler → decode ms/step at batch 1/32/64 next to the
 memory-bandwidth bound and HF `generate()`. A stage the remaining budget cannot hold is
 skipped and named. `--cpu` runs the same flow on the CPU with the tiny models and a small

@@ -40,5 +40,5 @@ QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len
 
 # Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
 NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
-         "features": (60, 40), "experiment": (200, 60), "profile": (0, 0), "step": (60, 40),
+         "features": (60, 40), "experiment": (260, 75), "profile": (0, 0), "step": (60, 40),
          "families": (90, 40)}

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
+from tandem_serve.bench.ab.tables import prefill_ratios
 from tandem_serve.bench.gpu_check.models import decode_weight_bytes, experiment_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, experiment_table, say, step_table
@@ -81,26 +82,31 @@ def stage_experiment(plan: Plan, out: str, budget: Budget,
                      profile: dict[str, Any]) -> tuple[dict[str, Any], str]:
     model, flags = experiment_model(plan, out)
     flags = [*flags, "--device", plan.device, "--dtype", plan.dtype, *plan.server_args]
-    n = num_prompts(plan, budget, 3, 60.0 if plan.device == "cuda" else 10.0)
+    n = num_prompts(plan, budget, 4, 60.0 if plan.device == "cuda" else 10.0)
     bench = BenchConfig(model=model, num_prompts=n, input_len=plan.input_len,
                         prefix_len=plan.prefix_len, output_len=plan.output_len,
                         request_rate=plan.request_rate, seed=0, warmup=4, progress=False)
     work = Workload.build(bench)
     say(f"experiment: {n} prompts per arm on {os.path.basename(model)}")
-    arms = {"sync K=1": Arm(1, False), "sync K=8": Arm(8, False), "async K=8": Arm(8, True)}
+    # The last arm: each plan's prefill in a forward of its own, the baseline of mixed steps.
+    arms = {"sync K=1": Arm(1, False), "sync K=8": Arm(8, False), "async K=8": Arm(8, True),
+            "async K=8 prefill-phase": Arm(8, True, prefill_phase=True)}
     results: dict[str, dict[str, Any]] = {}
     for name, arm in arms.items():
         say(f"experiment: {name}")
         hook = profile_hook(plan, out, work, profile) if arm == Arm(8, True) else None
         results[name] = run_arm(model, arm, work, flags, hook)
-    keys = ("mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+    keys = ("mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+            "p99_itl_ms",
             "output_throughput", "request_throughput", "completed", "duration",
             "device_idle_pct", "steady_idle_pct", "forward_ms_per_plan", "postproc_ms_per_plan")
     fig: dict[str, Any] = {name: {k: r.get(k) for k in keys} for name, r in results.items()}
     fig["num_prompts"] = n
     text = experiment_table(fig_arms(fig), with_seed=plan.experiment_model == "llama3-8b")
+    mixed = prefill_ratios(fig_arms(fig))
     return fig, f"{n} prompts per arm, {plan.request_rate:g} req/s, {plan.input_len}-token " \
-                f"prompts ({plan.prefix_len} shared), {plan.output_len} output tokens.\n\n{text}"
+                f"prompts ({plan.prefix_len} shared), {plan.output_len} output tokens.\n\n{text}" \
+                f"\n\n{mixed}\n"
 
 
 def fig_arms(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:

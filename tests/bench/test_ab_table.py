@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tandem_serve.bench.ab.main import engine_arms
-from tandem_serve.bench.ab.tables import http_ratios, peer_ratios, table
+from tandem_serve.bench.ab.tables import http_ratios, peer_ratios, prefill_ratios, table
 from tandem_serve.harness.arms import Arm
 
 
@@ -44,3 +44,19 @@ def test_http_and_peer_ratios() -> None:
     assert peer_ratios(results) == ("async K=8 HTTP output throughput = 9.50× transformers "
                                     "serve's; async K=8 output throughput = 2.00× "
                                     "hf generate()'s")
+
+
+def test_prefill_phase_twins_and_their_ratios() -> None:
+    arms = engine_arms("8", unpaced=True, prefill_phase=True)
+    assert [a.name for a in arms] == ["sync K=8", "async K=8", "async unpaced K=8",
+                                      "sync K=8 prefill-phase", "async K=8 prefill-phase"]
+    assert "--prefill-phase" in arms[-1].flags and "--prefill-phase" not in arms[1].flags
+    mixed = {"p99_itl_ms": 20.0, "median_itl_ms": 10.0, "p99_tpot_ms": 12.0,
+             "median_tpot_ms": 10.0, "mean_ttft_ms": 300.0, "output_throughput": 99.0}
+    phase = {"p99_itl_ms": 80.0, "median_itl_ms": 10.0, "p99_tpot_ms": 24.0,
+             "median_tpot_ms": 11.0, "mean_ttft_ms": 200.0, "output_throughput": 100.0}
+    text = prefill_ratios({"async K=8": mixed, "async K=8 prefill-phase": phase,
+                           "sync K=8 prefill-phase": phase})
+    assert text == ("async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99 0.25×, "
+                    "ITL p50 1.00×, TPOT p99 0.50×, TPOT p50 0.91×, TTFT 1.50×, "
+                    "output throughput 0.99×")

@@ -33,7 +33,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
         "experiment": "passed", "profile": "passed", "step": "passed", "families": "passed"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
-    for arm in ("sync K=1", "sync K=8", "async K=8"):
+    for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
         assert arms[arm]["completed"] == arms["num_prompts"]
         assert arms[arm]["mean_tpot_ms"] > 0 and arms[arm]["forward_ms_per_plan"] > 0
     assert stages["profile"]["figures"]["plans"] >= 3
@@ -45,6 +45,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert all(rows[0]["ours_ms"] > 0 for rows in families.values())
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| async K=8 |" in report and "TPOT vs sync K=1" in report
+    assert "async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99" in report
 
 
 def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.Path) -> None:
