@@ -27,7 +27,7 @@ from tandem_serve.bench.report.sections import (
     step,
     tensor_parallel,
 )
-from tandem_serve.bench.report.serving import ab_default, ab_fast, pacing, profile
+from tandem_serve.bench.report.serving import ab_default, ab_fast, mixed, pacing, profile
 from tandem_serve.harness.processes import REPO_ROOT
 
 SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
@@ -37,6 +37,8 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
                    ab_default),
     "pacing": ("Paced planning (`tandem bench ab --unpaced`)", pacing),
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
+    "mixed": ("Mixed steps: decoding while long prompts arrive (`tandem bench stall`, "
+              "`tandem bench ab --prefill-phase`)", mixed),
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
     "guided": ("Guided decoding (`tandem bench step --guided`)", guided),

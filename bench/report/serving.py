@@ -168,3 +168,27 @@ def profile(ctx: Context) -> str:
         "<details><summary>Full summaries</summary>\n\nasync K=8:\n\n```\n" +
         texts["async"].strip() + "\n```\n\nsync K=8:\n\n```\n" + texts["sync"].strip() +
         "\n```\n</details>"])
+
+
+def mixed(ctx: Context) -> str:
+    """Mixed steps against `--prefill-phase`: decoding streams while long prompts arrive
+    (`bench stall`, on the worker's CPU clock), then Poisson arrivals of long prompts."""
+    stall = ["bench", "stall", "--model", ctx.models["default"], "--in-process",
+             "--rounds", "5"]
+    arrivals = ["bench", "ab", "--model", ctx.models["default"], "--steps", "8",
+                "--input-len", "1024", "--output-len", "128", "--num-prompts", "24",
+                "--request-rate", "0.75", "--max-concurrency", "64", "--prefill-phase",
+                "--repeats", str(ctx.repeats)]
+    stall_text = tandem(*stall).strip()
+    ab_text, _ = run_ab(arrivals)
+    intro = ("Prefill chunks inside the K decode steps (the default) against `--prefill-phase` "
+             "(each plan's chunks in a forward of their own before its steps), same server "
+             "otherwise. First the stall scenario: 4 streams decode while 6 prompts of ~1,000 "
+             "tokens arrive 1.2 s apart, K=8; the scheduler and runner run in one process on "
+             "a clock of the worker thread's CPU time, so a neighbour's job on a shared host "
+             "does not count as a stall.")
+    second = ("Then arrivals: Poisson, 0.75 requests/s of 1,024-token prompts with 128 output "
+              "tokens, every arm on a fresh server, arms interleaved; the last lines are each "
+              "arm's figures over its `--prefill-phase` twin's.")
+    return "\n\n".join([intro, code(shown(stall, ctx)), f"```\n{stall_text}\n```", second,
+                        code(shown(arrivals, ctx)), ab_text.strip()])
