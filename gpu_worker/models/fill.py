@@ -3,9 +3,10 @@
 `get(name)` returns one tensor under its HF name (`layout.expected_weights`), already in
 the target dtype, on the target device and cut to this rank's part. A quantized checkpoint
 also passes `linear(names)`, which builds a fused linear from its parts' names: a dense
-weight, or a `QuantLinear` the layer runs instead of its (then empty) weight parameter. Here the parts become
-the model's fused parameters: q|k|v, gate|up, q_norm|k_norm per head, Gemma's (1 + w)
-norms in float32, and each MoE layer's experts stacked into one tensor per projection.
+weight, or a `QuantLinear` the layer runs instead of its (then empty) weight parameter.
+Here the parts become the model's fused parameters: q|k|v, gate|up, q_norm|k_norm per
+head, Gemma's (1 + w) norms in float32, and each MoE layer's experts stacked into one
+tensor per projection.
 """
 from __future__ import annotations
 

@@ -41,6 +41,10 @@ def load_model_args(model_dir: str) -> ModelArgs:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+# Whether a quantized checkpoint stays quantized on the CPU by default (on CUDA it always
+# does): off, its linears are dequantized exactly at load and run through oneDNN like any
+# float weight; tests turn it on to run the quantized kernels' CPU paths in a whole model.
+CPU_KEEPS_QUANTIZED = False
 
 
 def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -93,7 +97,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     problems = quant_problems(args, shard.size)
     if problems:
         raise ValueError("; ".join(problems))
-    keep = device.type == "cuda" if keep_quantized is None else keep_quantized
+    keep = (device.type == "cuda" or CPU_KEEPS_QUANTIZED) if keep_quantized is None \
+        else keep_quantized
     model = CausalLM(local_args(args, shard))
     if load_format == "dummy":
         load_weights(model, lambda name: _dummy_part(name, expected[name], args, shard, dtype,

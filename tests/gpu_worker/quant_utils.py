@@ -125,7 +125,10 @@ def awq(w: torch.Tensor, g: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]
 def quant_config(fmt: str, group: int, block: tuple[int, int], published: bool
                  ) -> dict[str, Any]:
     """config.json's quantization_config: as published checkpoints spell it, or as
-    transformers 5 writes it (compressed-tensors: as llm-compressor writes it)."""
+    transformers 5 writes it (compressed-tensors: as llm-compressor writes it). `group`
+    0: one scale per output channel."""
+    if fmt in ("gptq", "awq") and group <= 0:
+        group = -1
     if fmt == "fp8-block":
         if published:  # Qwen3-FP8 / DeepSeek-V3
             return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
@@ -165,8 +168,9 @@ def _ct_config(fmt: str, group: int) -> dict[str, Any]:
             "observer": None}
         form = "float-quantized"
     else:
-        weights = {**common, "num_bits": 4, "type": "int", "strategy": "group",
-                   "group_size": group}
+        weights = {**common, "num_bits": 4, "type": "int",
+                   "strategy": "group" if group > 0 else "channel",
+                   "group_size": group if group > 0 else None}
         acts, form = None, "pack-quantized"
     return {"config_groups": {"group_0": {"input_activations": acts, "output_activations": None,
                                           "targets": ["Linear"], "weights": weights}},

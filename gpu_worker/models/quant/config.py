@@ -125,9 +125,10 @@ def _fp8(q: dict[str, Any]) -> QuantConfig:
 
 def _group(q: dict[str, Any], key: str) -> int:
     g = q.get(key)
-    g = 0 if g in (-1, None) else g
-    if g not in GROUP_SIZES:
-        raise _refuse(key, q.get(key), _ACCEPTED_GROUPS)
+    if g in (-1, None):
+        return 0  # per output channel
+    if g not in GROUP_SIZES or not g:
+        raise _refuse(key, g, _ACCEPTED_GROUPS)
     return int(g)
 
 

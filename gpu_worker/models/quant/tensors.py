@@ -8,7 +8,8 @@ A linear `m` with a [out, in] weight is stored as (g: group size, 0 = one per ch
 | fp8-block | m.weight e4m3 [out, in]; m.weight_scale_inv [⌈out/bo⌉, ⌈in/bi⌉] |
 | ct-fp8 | m.weight e4m3 [out, in]; m.weight_scale [out, 1] |
 | ct-w4a16 | m.weight_packed int32 [out, in/8]; m.weight_scale [out, in/g]; m.weight_shape [2] |
-| gptq | m.qweight int32 [in/8, out]; m.qzeros int32 [in/g, out/8]; m.scales [in/g, out]; m.g_idx [in] |
+| gptq | m.qweight int32 [in/8, out]; m.qzeros int32 [in/g, out/8]; m.scales [in/g, out]; |
+|      | m.g_idx [in] |
 | awq | m.qweight int32 [in, out/8]; m.qzeros int32 [in/g, out/8]; m.scales [in/g, out] |
 
 Sharding cuts the weight's output rows (column-parallel) or input columns (row-parallel);
