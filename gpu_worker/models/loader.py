@@ -14,6 +14,7 @@ from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, Model
 from tandem_serve.gpu_worker.models.fill import load_weights
 from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.quant import load as quant_load
+from tandem_serve.gpu_worker.models.quant.dummy import DummyQuantLinears
 from tandem_serve.gpu_worker.models.quant.split import problems as quant_problems
 from tandem_serve.gpu_worker.models.sharding import Part, Shard, checkpoint_part, local_args
 from tandem_serve.gpu_worker.weights import SafetensorsCheckpoint, read_json
@@ -101,8 +102,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         else keep_quantized
     model = CausalLM(local_args(args, shard))
     if load_format == "dummy":
-        load_weights(model, lambda name: _dummy_part(name, expected[name], args, shard, dtype,
-                                                     device))
+        def dummy(name: str) -> torch.Tensor:
+            return _dummy_part(name, expected[name], args, shard, dtype, device)
+
+        load_weights(model, dummy, None if args.quant is None else DummyQuantLinears(
+            args, shard, dtype, _no_file, dummy, keep))
     else:
         _load_checkpoint(model, model_dir, expected, shard, dtype, device, keep)
     log.info("weights: %.3f GiB on %s (%s)", weight_bytes(model) / 2**30, device,
@@ -112,6 +116,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     model.allow_flash = flash_attn
     model.eval()
     return model
+
+
+def _no_file(name: str, part: Part) -> torch.Tensor:
+    raise AssertionError(f"--load-format dummy reads no tensor ({name})")
 
 
 def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard,

@@ -164,3 +164,25 @@ def test_a_scale_of_the_wrong_shape_names_the_tensor(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unexpected shape for weight "
                        "'model.layers.1.mlp.down_proj.scales'"):
         load_model(quant, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "gptq"])
+def test_dummy_weights_with_a_quantization_config_are_quantized(tmp_path: Path, fmt: str
+                                                                ) -> None:
+    """`--load-format dummy` on a quantized model's config.json runs the format's kernels
+    and holds its bytes (what `scripts/gpu-check` serves), rather than a float model."""
+    from tandem_serve.gpu_worker.models.loader import weight_bytes
+    from tests.gpu_worker.quant_utils import quant_config
+
+    src = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False, seed=1)
+    cfg = json.loads(Path(src, "config.json").read_text())
+    plain = load_model(src, torch.float32, CPU, load_format="dummy", keep_quantized=True)
+    cfg["quantization_config"] = quant_config(fmt, 32, (128, 128), published=True)
+    Path(src, "config.json").write_text(json.dumps(cfg))
+    model = load_model(src, torch.float32, CPU, load_format="dummy", keep_quantized=True)
+    modes = {q.mode for layer in model.layers for q in layer.quant.values()}
+    assert modes == ({"dequantize"} if fmt == "fp8-block" else {"int4-cpu"})
+    assert weight_bytes(model) < weight_bytes(plain)
+    driver = PagedDriver(model, num_blocks=8, block_size=16, seed=1)
+    logits = driver.prefill([(driver.new_seq([1, 5, 9]), 3)])
+    assert torch.isfinite(logits).all()
