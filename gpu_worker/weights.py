@@ -69,23 +69,29 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def dtype(self, name: str) -> str:
+        """The stored dtype as safetensors names it ("BF16", "F8_E4M3", "I32", ...)."""
+        return str(self._handle(self._file_of[name]).get_slice(name).get_dtype())
+
+    def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
+        """The whole tensor, cast to `dtype` (None: as stored)."""
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
         t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(name)
-        return t.to(dtype=dtype)
+        return t if dtype is None else t.to(dtype=dtype)
 
-    def get_part(self, name: str, dtype: torch.dtype, dim: int | None, start: int = 0,
+    def get_part(self, name: str, dtype: torch.dtype | None, dim: int | None, start: int = 0,
                  stop: int = 0) -> torch.Tensor:
         """[start, stop) along `dim` of a tensor (all of it when `dim` is None), reading only
-        that part from the file: a tensor-parallel rank never loads the whole tensor."""
+        that part from the file: a tensor-parallel rank never loads the whole tensor. `dtype`
+        None keeps the stored dtype (quantized tensors)."""
         if dim is None:
             return self.get(name, dtype)
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
         view = self._handle(self._file_of[name]).get_slice(name)
         t: torch.Tensor = view[start:stop] if dim == 0 else view[:, start:stop]
-        return t.to(dtype=dtype).contiguous()
+        return (t if dtype is None else t.to(dtype=dtype)).contiguous()
 
     def close(self) -> None:
         for h in self._handles.values():

@@ -44,7 +44,7 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     # Parsing the config here (torch-free) names an unsupported architecture or rope type
     # before any process starts.
     from tandem_serve.gpu_worker.models.config import ModelArgs
-    from tandem_serve.gpu_worker.models.sharding import split_problems
+    from tandem_serve.gpu_worker.models.quant.split import split_problems
 
     try:
         args = ModelArgs.from_hf_config(config)

@@ -26,6 +26,7 @@ from tandem_serve.bench.gpu_check.families import stage_families
 from tandem_serve.bench.gpu_check.features import stage_features
 from tandem_serve.bench.gpu_check.parity import stage_parity
 from tandem_serve.bench.gpu_check.plans import CPU_PLAN, GPU_PLAN, NEEDS, QUICK_PLAN
+from tandem_serve.bench.gpu_check.quantized import stage_quantized
 from tandem_serve.bench.gpu_check.report import Budget, Report, Stage, say
 from tandem_serve.bench.gpu_check.stages import (
     stage_environment,
@@ -48,7 +49,7 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
-        ("step", stage_step), ("families", stage_families)]
+        ("step", stage_step), ("quantized", stage_quantized), ("families", stage_families)]
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]

@@ -26,6 +26,8 @@ class Plan:
     server_args: tuple[str, ...] = ()
     parity_model: str = "default"
     skip: tuple[str, ...] = ()  # stages this plan leaves out
+    # The quantized stage's formats (bench/gpu_check/quantized.py), beside the plain dtype.
+    quant_formats: tuple[str, ...] = ("ct-fp8", "fp8-block", "gptq")
 
 
 GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, "1,32,64",
@@ -35,10 +37,10 @@ QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len
                      output_len=8, request_rate=50.0,
                      max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,
                      step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
-                     skip=("gpu tests", "features"))
+                     skip=("gpu tests", "features"), quant_formats=("ct-fp8",))
 
 
 # Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
 NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
          "features": (60, 40), "experiment": (260, 75), "profile": (0, 0), "step": (60, 40),
-         "families": (90, 40)}
+         "quantized": (120, 40), "families": (90, 40)}

@@ -16,6 +16,7 @@ class Row:
     hf_ms: float | None
     ours_min_ms: float = 0.0  # fastest sample: what a quiet machine gives
     hf_min_ms: float | None = None
+    weight_bytes: int = 0  # what ours holds on the device (quantized linears as stored)
 
     @property
     def ratio(self) -> float | None:
@@ -24,7 +25,11 @@ class Row:
 
 def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
             repeats: int, with_hf: bool, where: Placement = Placement()) -> list[Row]:
+    from tandem_serve.gpu_worker.models.loader import weight_bytes
+
     ours = Ours(model, max(batches), prompt_len + steps + k, k, where=where)
+    held = weight_bytes(ours.runner.model)
+    progress(f"weights: {held / 2**30:.3f} GiB")
     hf = HF(model, where) if with_hf else None
     vocab = ours.runner.vocab_size
     rows = []
@@ -42,7 +47,7 @@ def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
                     theirs += hf.samples(prompts, steps, k)
                 progress(f"batch {b}: run {r + 1}/{repeats}")
             row = Row(b, float(np.median(mine)), float(np.median(theirs)) if theirs else None,
-                      min(mine), min(theirs) if theirs else None)
+                      min(mine), min(theirs) if theirs else None, held)
             rows.append(row)
             progress(f"batch {b}: ours {row.ours_ms:.2f} ms/step" + (
                 "" if row.hf_ms is None or row.ratio is None

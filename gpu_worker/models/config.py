@@ -21,6 +21,8 @@ from tandem_serve.gpu_worker.models.config_families import (
     sliding_windows,
 )
 from tandem_serve.gpu_worker.models.config_rope import SUPPORTED_ROPE_TYPES, rope_fields
+from tandem_serve.gpu_worker.models.quant.config import QuantConfig
+from tandem_serve.gpu_worker.models.quant.config import parse as parse_quant
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelArgs"]
 
@@ -96,6 +98,8 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
+    # How the linear weights are stored (None: plain floats); see `models.quant.config`.
+    quant: QuantConfig | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -131,6 +135,7 @@ class ModelArgs:
             () if eos is None else (int(eos),)
         )
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
+        quant = _quant(cfg, arch, family)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -151,8 +156,19 @@ class ModelArgs:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             pad_token_id=cfg.get("pad_token_id"),
+            quant=quant,
             **family,
         )
+
+
+def _quant(cfg: dict[str, Any], arch: str, family: dict[str, Any]) -> QuantConfig | None:
+    quant = parse_quant(cfg)
+    # Stacked experts and Phi-3's fused checkpoint tensors have no quantized form here yet.
+    if quant is not None and (family.get("num_experts") or arch == PHI3):
+        raise ValueError(f"quantized {arch} checkpoints are not supported (quantization_config "
+                         f"{quant.kind}): quantized mixture-of-experts and fused Phi-3 "
+                         "projections are not implemented")
+    return quant
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

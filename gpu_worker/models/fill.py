@@ -1,9 +1,12 @@
 """Filling a CausalLM's parameters from checkpoint tensors (`load_weights`).
 
 `get(name)` returns one tensor under its HF name (`layout.expected_weights`), already in
-the target dtype, on the target device and cut to this rank's part. Here the parts become
-the model's fused parameters: q|k|v, gate|up, q_norm|k_norm per head, Gemma's (1 + w)
-norms in float32, and each MoE layer's experts stacked into one tensor per projection.
+the target dtype, on the target device and cut to this rank's part. A quantized checkpoint
+also passes `linear(names)`, which builds a fused linear from its parts' names: a dense
+weight, or a `QuantLinear` the layer runs instead of its (then empty) weight parameter.
+Here the parts become the model's fused parameters: q|k|v, gate|up, q_norm|k_norm per
+head, Gemma's (1 + w) norms in float32, and each MoE layer's experts stacked into one
+tensor per projection.
 """
 from __future__ import annotations
 
@@ -17,16 +20,19 @@ from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.moe import grouped_usable
+from tandem_serve.gpu_worker.models.quant.linear import QuantLinear
 
 Get = Callable[[str], torch.Tensor]
+Linear = Callable[[list[str]], "torch.Tensor | QuantLinear"]
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def load_weights(model: CausalLM, get: Get) -> None:
-    """Fill every parameter of `model` from ``get(hf_name)``.
+def load_weights(model: CausalLM, get: Get, linear: Linear | None = None) -> None:
+    """Fill every parameter of `model` from ``get(hf_name)`` (and its linear layers from
+    ``linear(hf_names)`` when given).
 
     Fused tensors are concatenated on the target device; the parts are dropped right away.
     """
@@ -35,7 +41,7 @@ def load_weights(model: CausalLM, get: Get) -> None:
     model.norm = _norm(a, get("model.norm.weight"))
     model.lm_head = model.embed_tokens if a.tie_word_embeddings else _frozen(get("lm_head.weight"))
     for n, layer in enumerate(model.layers):
-        _fill_layer(a, cast(DecoderLayer, layer), layout.layer_prefix(n), get)
+        _fill_layer(a, cast(DecoderLayer, layer), layout.layer_prefix(n), get, linear)
     device = model.embed_tokens.device
     model.ropes = [r.to(device) for r in model.ropes]
     if a.gemma_norms:
@@ -50,10 +56,23 @@ def _norm(a: ModelArgs, weight: torch.Tensor) -> nn.Parameter:
     return _frozen(1.0 + weight.float() if a.gemma_norms else weight)
 
 
-def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get) -> None:
+def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get,
+                linear: Linear | None) -> None:
     def cat(names: list[str]) -> nn.Parameter:
         parts = [get(p + x) for x in names]
         return _frozen(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def weight(attr: str, names: list[str]) -> None:
+        if linear is None:
+            setattr(layer, attr, cat(names))
+            return
+        built = linear([p + x for x in names])
+        if isinstance(built, torch.Tensor):
+            setattr(layer, attr, _frozen(built))
+        else:  # the layer runs the QuantLinear; the parameter stays an empty placeholder
+            layer.quant[attr] = built
+            setattr(layer, attr, _frozen(torch.empty(0, dtype=built.dtype,
+                                                     device=built.tensors_device)))
 
     layer.input_norm = _norm(a, get(p + "input_layernorm.weight"))
     layer.post_norm = _norm(a, get(p + "post_attention_layernorm.weight"))
@@ -61,10 +80,10 @@ def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get) -> None:
         layer.pre_ff_norm = _norm(a, get(p + "pre_feedforward_layernorm.weight"))
         layer.post_ff_norm = _norm(a, get(p + "post_feedforward_layernorm.weight"))
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    layer.qkv_weight = cat([x + ".weight" for x in qkv])
+    weight("qkv_weight", [x + ".weight" for x in qkv])
     if a.qkv_bias:
         layer.qkv_bias = cat([x + ".bias" for x in qkv])
-    layer.o_weight = cat(["self_attn.o_proj.weight"])
+    weight("o_weight", ["self_attn.o_proj.weight"])
     if a.o_bias:
         layer.o_bias = cat(["self_attn.o_proj.bias"])
     if a.qk_norm:
@@ -75,8 +94,8 @@ def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get) -> None:
     if layer.moe:
         _fill_experts(a, layer, get)
         return
-    layer.gate_up_weight = cat(["mlp.gate_proj.weight", "mlp.up_proj.weight"])
-    layer.down_weight = cat(["mlp.down_proj.weight"])
+    weight("gate_up_weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+    weight("down_weight", ["mlp.down_proj.weight"])
     if a.mlp_bias:
         layer.gate_up_bias = cat(["mlp.gate_proj.bias", "mlp.up_proj.bias"])
         layer.down_bias = cat(["mlp.down_proj.bias"])

@@ -43,6 +43,7 @@ from tandem_serve.gpu_worker.models.layers import (
     rms_norm,
 )
 from tandem_serve.gpu_worker.models.moe import experts_forward, route
+from tandem_serve.gpu_worker.models.quant.linear import QuantLinear
 from tandem_serve.gpu_worker.models.rope import CosSin, model_ropes
 
 if TYPE_CHECKING:
@@ -105,6 +106,8 @@ class DecoderLayer(nn.Module):
             self.down_bias = _param((h,)) if args.mlp_bias else None
         # oneDNN-packed weights (CPU float32 only; see pack_linear), set after loading.
         self.packed: dict[str, torch.Tensor | None] = {}
+        # Quantized checkpoints: the linears kept quantized, by weight name (`models.quant`).
+        self.quant: dict[str, QuantLinear] = {}
         # Tensor parallelism (gpu_worker.parallel): sums the row-parallel o/down partial
         # outputs over the ranks; the identity on one rank.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
@@ -112,7 +115,13 @@ class DecoderLayer(nn.Module):
     def pack(self) -> None:
         names = ["qkv_weight", "o_weight"] + ([] if self.moe else ["gate_up_weight",
                                                                   "down_weight"])
-        self.packed = {n: pack_linear(getattr(self, n)) for n in names}
+        self.packed = {n: pack_linear(getattr(self, n)) for n in names if n not in self.quant}
+
+    def _linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        q = self.quant.get(name)
+        if q is not None:
+            return q.forward(x, bias)
+        return linear(x, getattr(self, name), bias, self.packed.get(name))
 
     def forward(
         self,
@@ -142,9 +151,8 @@ class DecoderLayer(nn.Module):
         """The attention block's output, summed over the ranks."""
         t = h.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        pk = self.packed
         n = self.layer_idx
-        qkv = linear(h, self.qkv_weight, self.qkv_bias, pk.get("qkv_weight"))
+        qkv = self._linear("qkv_weight", h, self.qkv_bias)
         if lora is not None:  # each row's own adapter delta (see gpu_worker.lora)
             qkv = lora.add(n, "qkv", h, qkv)
         qkv = qkv.view(t, hq + 2 * hkv, d)
@@ -164,19 +172,18 @@ class DecoderLayer(nn.Module):
             sliding_window=self.sliding_window,
         )
         a = attn.reshape(t, hq * d)
-        o = linear(a, self.o_weight, self.o_bias, pk.get("o_weight"))
+        o = self._linear("o_weight", a, self.o_bias)
         # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
         return self.reduce(o if lora is None else lora.add(n, "o", a, o))
 
     def _mlp(self, h: torch.Tensor, lora: LoraContext | None) -> torch.Tensor:
-        pk = self.packed
         n = self.layer_idx
-        gu = linear(h, self.gate_up_weight, self.gate_up_bias, pk.get("gate_up_weight"))
+        gu = self._linear("gate_up_weight", h, self.gate_up_bias)
         if lora is not None:
             gu = lora.add(n, "gate_up", h, gu)
         i = self.intermediate_size
         act = self.act(gu[:, :i]) * gu[:, i:]
-        down = linear(act, self.down_weight, self.down_bias, pk.get("down_weight"))
+        down = self._linear("down_weight", act, self.down_bias)
         return self.reduce(down if lora is None else lora.add(n, "down", act, down))
 
     def _experts(self, h: torch.Tensor) -> torch.Tensor:

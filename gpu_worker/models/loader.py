@@ -5,13 +5,17 @@ from __future__ import annotations
 import logging
 import os
 import zlib
+from typing import cast
 
 import torch
 
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from tandem_serve.gpu_worker.models.fill import load_weights
-from tandem_serve.gpu_worker.models.llama import CausalLM
+from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.quant import load as quant_load
+from tandem_serve.gpu_worker.models.quant.dummy import DummyQuantLinears
+from tandem_serve.gpu_worker.models.quant.split import problems as quant_problems
 from tandem_serve.gpu_worker.models.sharding import Part, Shard, checkpoint_part, local_args
 from tandem_serve.gpu_worker.weights import SafetensorsCheckpoint, read_json
 
@@ -38,6 +42,10 @@ def load_model_args(model_dir: str) -> ModelArgs:
 
 
 LOAD_FORMATS = ("auto", "dummy")
+# Whether a quantized checkpoint stays quantized on the CPU by default (on CUDA it always
+# does): off, its linears are dequantized exactly at load and run through oneDNN like any
+# float weight; tests turn it on to run the quantized kernels' CPU paths in a whole model.
+CPU_KEEPS_QUANTIZED = False
 
 
 def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
@@ -57,7 +65,8 @@ def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
                onednn: bool = True, flash_attn: bool = True,
-               shard: Shard | None = None, load_format: str = "auto") -> CausalLM:
+               shard: Shard | None = None, load_format: str = "auto",
+               keep_quantized: bool | None = None) -> CausalLM:
     """Load a checkpoint of a supported architecture into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
@@ -72,6 +81,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     The collectives that join the shards are installed by `gpu_worker.parallel`.
 
     `load_format`: "dummy" reads no file but config.json (`dummy_weight`).
+
+    `keep_quantized`: a quantized checkpoint's linears stay quantized on the device and run
+    through `models.quant.linear` (default: on CUDA); off, they are dequantized exactly to
+    `dtype` at load (the CPU's default: oneDNN then runs them like any float weight).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; supported: {SUPPORTED_DTYPES}")
@@ -82,17 +95,31 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
     shard = shard or Shard()
     # The checkpoint has the whole model's shapes; this rank's modules have its own.
     expected = layout.expected_weights(args)
+    problems = quant_problems(args, shard.size)
+    if problems:
+        raise ValueError("; ".join(problems))
+    keep = (device.type == "cuda" or CPU_KEEPS_QUANTIZED) if keep_quantized is None \
+        else keep_quantized
     model = CausalLM(local_args(args, shard))
     if load_format == "dummy":
-        load_weights(model, lambda name: _dummy_part(name, expected[name], args, shard, dtype,
-                                                     device))
+        def dummy(name: str) -> torch.Tensor:
+            return _dummy_part(name, expected[name], args, shard, dtype, device)
+
+        load_weights(model, dummy, None if args.quant is None else DummyQuantLinears(
+            args, shard, dtype, _no_file, dummy, keep))
     else:
-        _load_checkpoint(model, model_dir, expected, shard, dtype, device)
+        _load_checkpoint(model, model_dir, expected, shard, dtype, device, keep)
+    log.info("weights: %.3f GiB on %s (%s)", weight_bytes(model) / 2**30, device,
+             _format_summary(model))
     if onednn:
         model.pack_weights()
     model.allow_flash = flash_attn
     model.eval()
     return model
+
+
+def _no_file(name: str, part: Part) -> torch.Tensor:
+    raise AssertionError(f"--load-format dummy reads no tensor ({name})")
 
 
 def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard,
@@ -106,10 +133,29 @@ def _dummy_part(name: str, shape: tuple[int, ...], args: ModelArgs, shard: Shard
     return whole.narrow(part.dim, part.start, part.stop - part.start).contiguous()
 
 
+def weight_bytes(model: CausalLM) -> int:
+    """Bytes the model's weights hold on its device: parameters (a tied head once) and the
+    quantized linears as stored; oneDNN's packed copies are not counted."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total + sum(q.nbytes for layer in model.layers
+                       for q in cast(DecoderLayer, layer).quant.values())
+
+
+def _format_summary(model: CausalLM) -> str:
+    q = model.config.quant
+    modes = sorted({x.mode for layer in model.layers
+                    for x in cast(DecoderLayer, layer).quant.values()})
+    if q is None:
+        return f"{model.dtype}".removeprefix("torch.")
+    kept = f"kept quantized: {', '.join(modes)}" if modes else "dequantized at load"
+    return f"{q.kind}, {kept}"
+
+
 def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[int, ...]],
-                     shard: Shard, dtype: torch.dtype, device: torch.device) -> None:
+                     shard: Shard, dtype: torch.dtype, device: torch.device,
+                     keep_quantized: bool) -> None:
     args = load_model_args(model_dir)
-    stored = layout.checkpoint_shapes(args)
+    stored = quant_load.checkpoint_shapes(args, layout.checkpoint_shapes(args))
     views = layout.views(args)
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
         present = ckpt.names()
@@ -124,13 +170,14 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
                     f"unexpected shape for weight {name!r}: {found}, expected {shape} "
                     f"({args.architecture} config in {model_dir})"
                 )
-        extra = sorted(
-            n
-            for n in present - stored.keys()
-            if not n.endswith(_HARMLESS_SUFFIXES) and n != "lm_head.weight"
-        )
+        state, extra = quant_load.unexpected(present, stored, _HARMLESS_SUFFIXES)
+        if state:
+            raise quant_load.quant_state_error(state, args)
         if extra:
             log.warning("ignoring %d unexpected checkpoint tensors: %s", len(extra), extra[:8])
+        _check_float_dtypes(ckpt, [n for n in stored if not quant_load.is_quant_state(n)],
+                            args)
+
         def get(name: str) -> torch.Tensor:
             part = checkpoint_part(name, args, shard)
             if part.zeros:
@@ -141,7 +188,25 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
                 return ckpt.get_part(fused, dtype, part.dim, part.start, part.stop)
             return ckpt.get_part(name, dtype, part.dim, part.start, part.stop)
 
-        load_weights(model, get)
+        def read(name: str, part: Part) -> torch.Tensor:  # a quantized tensor, as stored
+            return ckpt.get_part(name, None, part.dim, part.start, part.stop)
+
+        linears = None if args.quant is None else quant_load.QuantLinears(
+            args, shard, dtype, read, get, keep_quantized)
+        load_weights(model, get, linears)
+
+
+def _check_float_dtypes(ckpt: SafetensorsCheckpoint, names: list[str], args: ModelArgs
+                        ) -> None:
+    """A tensor the model reads as floats must be stored as floats: an e4m3 or integer
+    weight without the quantization_config that says how to read it is refused, not cast."""
+    quantized = {m + ".weight" for m in quant_load.quantized_modules(args)}  # read by format
+    for name in names:
+        stored = ckpt.dtype(name)
+        if stored not in quant_load.FLOAT_DTYPES and name not in quantized:
+            why = ("config.json has no quantization_config" if args.quant is None
+                   else f"quantization_config ({args.quant.kind}) does not quantize it")
+            raise ValueError(f"weight {name!r} is stored as {stored}, not as floats: {why}")
 
 
 def _rows_of_fused(part: Part, first: int, rows: int) -> Part:

@@ -30,7 +30,8 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert {n: s["status"] for n, s in stages.items()} == {
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
         "features": "skipped",
-        "experiment": "passed", "profile": "passed", "step": "passed", "families": "passed"}
+        "experiment": "passed", "profile": "passed", "step": "passed", "quantized": "passed",
+        "families": "passed"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
     for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
@@ -40,6 +41,10 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert os.path.exists(stages["profile"]["figures"]["torch_trace"])
     step = stages["step"]["figures"]
     assert step["rows"][0]["batch"] == 1 and step["bandwidth_bound_ms"] > 0
+    quantized = stages["quantized"]["figures"]["rows"]  # float32 next to FP8 (dummy weights)
+    assert set(quantized) == {"float32", "ct-fp8"}
+    assert all(rows[0]["ours_ms"] > 0 and rows[0]["weight_bytes"] > 0
+               for rows in quantized.values())
     families = stages["families"]["figures"]  # an MoE and a Gemma 3 shape, dummy weights
     assert set(families) == {"qwen3-moe", "gemma3"}
     assert all(rows[0]["ours_ms"] > 0 for rows in families.values())
@@ -52,5 +57,30 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
     rc, results = gpu_check(tmp_path / "out", "--cpu", "--budget-s", "1")
     assert rc == 0
     skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
-    assert {"gpu tests", "parity", "features", "experiment", "step", "families"} <= set(skipped)
+    assert {"gpu tests", "parity", "features", "experiment", "step", "quantized",
+            "families"} <= set(skipped)
     assert all("budget" in why for n, why in skipped.items() if n != "profile")
+
+
+def test_the_gpu_plan_s_quantized_folders_are_served_formats(tmp_path: pathlib.Path) -> None:
+    """What the GPU run's quantized stage asks for on the seed's Llama-3-8B shape: every
+    format parses, takes group 128, and fits the shape (checked here: no GPU needed)."""
+    from tandem_serve.bench.gpu_check.models import LLAMA3_8B
+    from tandem_serve.bench.gpu_check.plans import GPU_PLAN
+    from tandem_serve.bench.gpu_check.quantized import quantized_folder
+    from tandem_serve.gpu_worker.models.config import ModelArgs
+    from tandem_serve.gpu_worker.models.quant.split import split_problems
+
+    model = tmp_path / "llama3-8b-shaped"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, **LLAMA3_8B}))
+    kinds = set()
+    for fmt in GPU_PLAN.quant_formats:
+        folder = quantized_folder(str(model), str(tmp_path / "out"), fmt)
+        args = ModelArgs.from_hf_config(json.loads(pathlib.Path(folder, "config.json")
+                                                   .read_text()))
+        assert args.quant is not None and split_problems(args, 1) == []
+        assert args.quant.group_size in (0, 128)
+        kinds.add(args.quant.kind)
+    assert kinds == {"ct-fp8", "fp8-block", "gptq"}
