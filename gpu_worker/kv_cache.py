@@ -23,14 +23,14 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448.0
 
 # --kv-cache-dtype's accepted values (`proto.config.KV_CACHE_DTYPES`); None: the model dtype.
-_KV_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
+CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8": FP8, "fp8_e4m3": FP8}
 
 
 def resolve_kv_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """The cache's element type for a `--kv-cache-dtype` value."""
-    if name not in _KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(_KV_DTYPES)}")
-    return _KV_DTYPES[name] or model_dtype
+    if name not in CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name!r} is not one of {', '.join(CACHE_DTYPES)}")
+    return CACHE_DTYPES[name] or model_dtype
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

@@ -285,7 +285,7 @@ def test_allocate_and_bytes_per_block() -> None:
 def test_fp8_cache_bytes_and_dtype_names() -> None:
     """fp8 costs half of bfloat16 per block and a quarter of float32; `auto` is the model's
     dtype; the names are the ones --kv-cache-dtype accepts."""
-    from tandem_serve.gpu_worker.kv_cache import _KV_DTYPES
+    from tandem_serve.gpu_worker.kv_cache import CACHE_DTYPES
     from tandem_serve.proto.config import KV_CACHE_DTYPES
 
     fp8 = kv_cache_bytes_per_block(4, 2, 64, 16, FP8)
@@ -295,7 +295,7 @@ def test_fp8_cache_bytes_and_dtype_names() -> None:
     assert resolve_kv_dtype("fp8", torch.float32) == resolve_kv_dtype("fp8_e4m3", torch.half) == FP8
     with pytest.raises(ValueError, match="fp8_e5m2"):
         resolve_kv_dtype("fp8_e5m2", torch.float32)
-    assert tuple(_KV_DTYPES) == KV_CACHE_DTYPES
+    assert tuple(CACHE_DTYPES) == KV_CACHE_DTYPES
 
 
 def test_fp8_cache_saturates_instead_of_overflowing() -> None:
