@@ -35,7 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from tandem_serve.gpu_worker import flex_attention
-from tandem_serve.gpu_worker.kv_cache import KVCache
+from tandem_serve.gpu_worker.kv_cache import (
+    KVCache,
+    as_stored,
+    is_fp8,
+    read_blocks,
+    store_rows,
+)
 
 try:  # pragma: no cover - not installed in the CPU test environment
     from flash_attn import flash_attn_varlen_func as _fa_varlen
@@ -138,7 +144,8 @@ class AttentionPlan:
 
 
 def flash_usable(kv_cache: KVCache) -> bool:
-    """Whether flash_attn can serve this cache (installed, CUDA, 16-bit, paged in 256s)."""
+    """Whether flash_attn can serve this cache (installed, CUDA, 16-bit, paged in 256s).
+    An fp8 cache is not 16-bit: flash_attn 2 cannot read it, so it takes the SDPA path."""
     k_cache = kv_cache[0]
     return (
         _fa_varlen is not None
@@ -191,8 +198,9 @@ def prepare_attention(
             index = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
             plan.groups.append((index, prepare_attention(meta.decode_rows(index, bound),
                                                          kv_cache, windows, False)))
-    elif meta.is_decode:
-        _prepare_decode(plan, meta, windows, device, k_cache.dtype)
+    elif meta.is_decode:  # fp8: float32 masks, cast to the queries' dtype on first use
+        _prepare_decode(plan, meta, windows, device,
+                        torch.float32 if is_fp8(k_cache) else k_cache.dtype)
     else:
         _prepare_prefill(plan, meta, windows, device)
     return plan
@@ -307,10 +315,8 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, write_slots: torch.Tensor
 ) -> None:
     """Scatter this forward's k/v [T, Hkv, D] into their slots (scratch for masked rows)."""
-    k_cache, v_cache = kv_cache
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, hkv, d).index_copy_(0, write_slots, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, write_slots, v)
+    store_rows(kv_cache[0], write_slots, k)
+    store_rows(kv_cache[1], write_slots, v)
 
 
 def paged_attention(
@@ -369,20 +375,19 @@ def _decode_sdpa(
     k_cache, v_cache = kv_cache
     s, hq, d = q.shape
     hkv = k_cache.shape[2]
-    n_blk = k_cache.shape[0]
     assert plan.gather_idx is not None
     idx, length = plan.gather_idx, plan.gather_len
     if sliding_window in plan.window_gathers:
         idx, length = plan.window_gathers[sliding_window]
     # index_select over whole flattened blocks is much faster on CPU than advanced indexing.
-    kg = k_cache.view(n_blk, -1).index_select(0, idx)
-    vg = v_cache.view(n_blk, -1).index_select(0, idx)
-    kg = kg.view(s, length, hkv, d).transpose(1, 2)
-    vg = vg.view(s, length, hkv, d).transpose(1, 2)
+    kg = read_blocks(k_cache, idx, q.dtype).view(s, length, hkv, d).transpose(1, 2)
+    vg = read_blocks(v_cache, idx, q.dtype).view(s, length, hkv, d).transpose(1, 2)
     # GQA without repeating K/V: the query heads sharing a kv head become that head's "query
     # positions" (all with the same length mask, since decode has one real position per row).
     qg = q.view(s, hkv, hq // hkv, d)
     mask = plan.decode_masks[sliding_window]
+    if mask.dtype != q.dtype:  # an fp8 cache's float32 mask: cast once, for every layer
+        mask = plan.decode_masks[sliding_window] = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
     return out.reshape(s, hq, d)
 
@@ -400,8 +405,8 @@ def _prefill_sdpa(
     hq = q.shape[1]
     hkv = k_cache.shape[2]
     d = k_cache.shape[3]
-    n_blk = k_cache.shape[0]
     gqa = hq != hkv
+    k, v = as_stored(k, k_cache), as_stored(v, v_cache)  # what a read-back would see
     # Zeros, not empty: rows not covered by any sequence (padding) must stay finite.
     out = torch.zeros_like(q)
     for seq in plan.seqs:
@@ -416,8 +421,8 @@ def _prefill_sdpa(
             first = seq.first_key.get(sliding_window, 0)
             n = seq.ctx_len - first
             blocks = seq.block_ids[first // plan.block_size:]
-            ks = k_cache.view(n_blk, -1).index_select(0, blocks).view(-1, hkv, d)[:n]
-            vs = v_cache.view(n_blk, -1).index_select(0, blocks).view(-1, hkv, d)[:n]
+            ks = read_blocks(k_cache, blocks, q.dtype).view(-1, hkv, d)[:n]
+            vs = read_blocks(v_cache, blocks, q.dtype).view(-1, hkv, d)[:n]
             ks = ks.transpose(0, 1).unsqueeze(0)
             vs = vs.transpose(0, 1).unsqueeze(0)
         mask = seq.masks[sliding_window]

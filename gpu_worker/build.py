@@ -39,6 +39,7 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
         runner = ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
                              block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
                              kv_cache_memory=cfg.kv_cache_memory,
+                             kv_cache_dtype=cfg.kv_cache_dtype,
                              max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                              cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
                              flash_attn=cfg.flash_attn, tp=tp,

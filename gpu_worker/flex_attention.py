@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tandem_serve.gpu_worker.kv_cache import read_blocks
+
 log = logging.getLogger(__name__)
 
 Q_BLOCK = 16
@@ -151,10 +153,10 @@ def flex_mixed(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], sca
                plan: FlexPlan, window: int | None) -> torch.Tensor:
     """q [T, Hq, D] -> [T, Hq, D], every row against its packed context."""
     k_cache, v_cache = kv_cache
-    n_blk, hkv, d = k_cache.shape[0], k_cache.shape[2], k_cache.shape[3]
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
     c = int(plan.gather_idx.shape[0]) * k_cache.shape[1]
-    kg = k_cache.view(n_blk, -1).index_select(0, plan.gather_idx).view(1, c, hkv, d)
-    vg = v_cache.view(n_blk, -1).index_select(0, plan.gather_idx).view(1, c, hkv, d)
+    kg = read_blocks(k_cache, plan.gather_idx, q.dtype).view(1, c, hkv, d)
+    vg = read_blocks(v_cache, plan.gather_idx, q.dtype).view(1, c, hkv, d)
     t, hq = q.shape[0], q.shape[1]
     qp = F.pad(q, (0, 0, 0, 0, 0, -(-t // Q_BLOCK) * Q_BLOCK - t)).unsqueeze(0)
     out = _call(qp.transpose(1, 2), kg.transpose(1, 2), vg.transpose(1, 2),

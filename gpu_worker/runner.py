@@ -26,7 +26,11 @@ from tandem_serve.gpu_worker import flex_attention, prompt_logprobs
 from tandem_serve.gpu_worker.attention import AttentionMetadata
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.guided import GuidedRegistry
-from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from tandem_serve.gpu_worker.kv_cache import (
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    resolve_kv_dtype,
+)
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.sampler import Sampler
@@ -74,6 +78,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_dir: str, *, device: str = "auto", dtype: str = "auto",
                  block_size: int = 16, num_kv_blocks: int = 0, kv_cache_memory: float = 0.0,
+                 kv_cache_dtype: str = "auto",
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
                  flash_attn: bool = True, tp: TensorParallel | None = None,
@@ -99,13 +104,16 @@ class ModelRunner:
         self.long_rope_from = (cfg.rope_original_max_position_embeddings or 0) \
             if cfg.rope_type == "longrope" else 0
         self.block_size = block_size
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         self.num_blocks = num_kv_blocks or self._blocks_for(kv_cache_memory, max_num_seqs)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
-                                           cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                                           cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                                            self.device)
-        log.info("KV cache: %d blocks of %d tokens", self.num_blocks, block_size)
+        log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks, block_size,
+                 str(self.kv_dtype).removeprefix("torch."),
+                 sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
         # LoRA adapter slots (gpu_worker.lora); None: adapters off, every row is the base.
         self.lora: LoraWeights | None = None
         if adapter_cache and max_loras > 0:
@@ -138,7 +146,7 @@ class ModelRunner:
     def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
         cfg = self.model.config
         per_block = kv_cache_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                             self.block_size, self.dtype)
+                                             self.block_size, self.kv_dtype)
         if gib > 0:
             return max(1, int(gib * (1 << 30)) // per_block)
         # Enough for every sequence slot at full length, capped at 4 GiB.

@@ -71,6 +71,9 @@ class ServerConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: float = 0.0  # GiB; 0: a default that fits max_num_seqs full sequences
+    # The paged cache's element type: "auto" (the model dtype) or fp8 (e4m3; twice the blocks
+    # of bf16 in the same memory; `gpu_worker.kv_cache`).  vLLM's spellings.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
@@ -214,11 +217,17 @@ def config_problems(cfg: ServerConfig) -> list[str]:
             if port and port == taken:
                 out.append(f"{flag} {port} must differ from {other} (0 turns it off)")
     out += _agent_problems(cfg)
+    if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
+        out.append(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is not one of "
+                   f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)")
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     return out + _parallel_problems(cfg)
 
+
+# --kv-cache-dtype's values (`gpu_worker.kv_cache` maps them; a test keeps the lists equal).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # The parsers openai_api/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS; a test
 # keeps the lists equal): proto/ imports nothing of ours.

@@ -67,6 +67,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
     p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
                    help="KV cache size in GiB (when --num-kv-blocks is 0)")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                   help="KV cache element type: auto (the model dtype) or fp8 (= fp8_e4m3: "
+                        "float8 e4m3, scale 1.0, twice the blocks of bfloat16 per GiB)")
     _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)

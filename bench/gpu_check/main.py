@@ -8,12 +8,16 @@ weights made on the device, async K=8 / sync K=8 / sync K=1 under `bench serve` 
 1,024-token prompts with a 512-token shared prefix, 512 output tokens, and async K=8 with
 `--prefill-phase` for mixed steps' ratios to a separate prefill forward) → a `tandem profile`
 of the async arm with torch.profiler → decode ms/step at batch 1/32/64 next to the
-memory-bandwidth bound and HF `generate()`. A stage the remaining budget cannot hold is
-skipped and named. `--cpu` runs the same flow on the CPU with the tiny models and a small
-workload, which is how machines without a GPU prove the script itself.
+memory-bandwidth bound and HF `generate()` → quantized weights (ms/step and GiB per format
+next to bf16) → model families → the fp8 KV cache (greedy agreement with a float32 cache;
+the seed workload's blocks and TPOT, fp8 next to auto).
+A stage the remaining budget cannot hold is skipped and named. `--cpu` runs the same flow on
+the CPU with the tiny models and a small workload, which is how machines without a GPU prove
+the script itself.
 
-Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py` and
-`features.py` (the stages), `report.py` (what is written), `wheels.py` (what the host lacks).
+Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py`,
+`features.py`, `quantized.py`, `families.py` and `kv_fp8.py` (the stages), `report.py` (what is written),
+`wheels.py` (what the host lacks).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from typing import Any
 
 from tandem_serve.bench.gpu_check.families import stage_families
 from tandem_serve.bench.gpu_check.features import stage_features
+from tandem_serve.bench.gpu_check.kv_fp8 import stage_kv_fp8
 from tandem_serve.bench.gpu_check.parity import stage_parity
 from tandem_serve.bench.gpu_check.plans import CPU_PLAN, GPU_PLAN, NEEDS, QUICK_PLAN
 from tandem_serve.bench.gpu_check.quantized import stage_quantized
@@ -49,7 +54,8 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
-        ("step", stage_step), ("quantized", stage_quantized), ("families", stage_families)]
+        ("step", stage_step), ("quantized", stage_quantized), ("families", stage_families),
+        ("kv fp8", stage_kv_fp8)]
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]

@@ -25,6 +25,8 @@ class Plan:
     parity_prompts: int
     server_args: tuple[str, ...] = ()
     parity_model: str = "default"
+    kv_prompts: int = 16  # the fp8 KV cache stage's agreement: prompts x greedy tokens
+    kv_tokens: int = 64
     skip: tuple[str, ...] = ()  # stages this plan leaves out
     # The quantized stage's formats (bench/gpu_check/quantized.py), beside the plain dtype.
     quant_formats: tuple[str, ...] = ("ct-fp8", "fp8-block", "gptq")
@@ -32,15 +34,17 @@ class Plan:
 
 GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, "1,32,64",
                 512, 32, 20, 4, ("--kv-cache-memory", "40", "--max-num-seqs", "128"))
-CPU_PLAN = Plan("cpu", "float32", "default", 128, 64, 32, 8.0, 48, 8, "1,8,32", 128, 16, 10, 4)
+CPU_PLAN = Plan("cpu", "float32", "default", 128, 64, 32, 8.0, 48, 8, "1,8,32", 128, 16, 10, 4,
+                kv_prompts=8, kv_tokens=32)
 QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len=16,
                      output_len=8, request_rate=50.0,
                      max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,
                      step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
+                     kv_prompts=2, kv_tokens=16,
                      skip=("gpu tests", "features"), quant_formats=("ct-fp8",))
 
 
 # Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
 NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
          "features": (60, 40), "experiment": (260, 75), "profile": (0, 0), "step": (60, 40),
-         "quantized": (120, 40), "families": (90, 40)}
+         "quantized": (120, 40), "families": (90, 40), "kv fp8": (150, 50)}

@@ -31,7 +31,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
         "features": "skipped",
         "experiment": "passed", "profile": "passed", "step": "passed", "quantized": "passed",
-        "families": "passed"}
+        "families": "passed", "kv fp8": "passed"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
     for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
@@ -48,6 +48,10 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     families = stages["families"]["figures"]  # an MoE and a Gemma 3 shape, dummy weights
     assert set(families) == {"qwen3-moe", "gemma3"}
     assert all(rows[0]["ours_ms"] > 0 for rows in families.values())
+    kv = stages["kv fp8"]["figures"]  # float32 model: fp8 holds 4x the blocks
+    assert kv["fp8"]["num_kv_blocks"] == 4 * kv["auto"]["num_kv_blocks"] > 0
+    assert kv["auto"]["mean_tpot_ms"] > 0 and kv["fp8"]["completed"] == kv["num_prompts"]
+    assert 0 <= kv["agreement"]["position_agreement"] <= 1
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| async K=8 |" in report and "TPOT vs sync K=1" in report
     assert "async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99" in report
@@ -58,7 +62,7 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
     assert rc == 0
     skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
     assert {"gpu tests", "parity", "features", "experiment", "step", "quantized",
-            "families"} <= set(skipped)
+            "families", "kv fp8"} <= set(skipped)
     assert all("budget" in why for n, why in skipped.items() if n != "profile")
 
 

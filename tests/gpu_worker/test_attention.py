@@ -1,4 +1,5 @@
-"""Paged attention against a dense causal reference (float32, 1e-5), cache writes, GQA."""
+"""Paged attention against a dense causal reference (float32, 1e-5), cache writes, GQA; with
+an fp8 cache, against the reference over the k/v as fp8 holds them (the same 1e-5)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,21 @@ from tandem_serve.gpu_worker.attention import (
     paged_attention,
     prepare_attention,
 )
-from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from tandem_serve.gpu_worker.kv_cache import (
+    FP8,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    resolve_kv_dtype,
+)
 
 ATOL = 1e-5
+KV_DTYPES = [torch.float32, FP8]
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """What an fp8 cache gives back for x: scale 1.0, saturated at ±448 (written by hand, not
+    with the code under test)."""
+    return x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)
 
 
 def dense_reference(
@@ -55,10 +68,10 @@ class Scenario:
     """
 
     def __init__(self, hq: int, hkv: int, d: int, block_size: int, num_blocks: int = 64,
-                 seed: int = 0) -> None:
+                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
         self.hq, self.hkv, self.d, self.bs = hq, hkv, d, block_size
         self.gen = torch.Generator().manual_seed(seed)
-        self.cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")[0]
+        self.cache = allocate_kv_cache(1, num_blocks, block_size, hkv, d, dtype, "cpu")[0]
         self.cache[0].copy_(torch.randn(self.cache[0].shape, generator=self.gen))
         self.cache[1].copy_(torch.randn(self.cache[1].shape, generator=self.gen))
         self.free = list(range(num_blocks))
@@ -87,16 +100,23 @@ class Scenario:
         rows = [s.blocks if s is not None else [] for s in seqs]
         return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int32)
 
+    def reference(self, s: Seq, scale: float, window: int | None) -> torch.Tensor:
+        """The dense reference over the history as the cache holds it."""
+        if self.cache[0].dtype != FP8:
+            return dense_reference(s.q, s.k, s.v, scale, window)
+        return dense_reference(s.q, fp8_round_trip(s.k), fp8_round_trip(s.v), scale, window)
+
 
 @pytest.mark.parametrize(
     "hq,hkv,block_size", [(4, 2, 16), (4, 1, 8), (8, 8, 16), (6, 2, 4)]
 )
 @pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_decode_matches_dense_and_masked_rows_touch_nothing(
-    hq: int, hkv: int, block_size: int, window: int | None
+    hq: int, hkv: int, block_size: int, window: int | None, kv_dtype: torch.dtype
 ) -> None:
     d = 32
-    sc = Scenario(hq, hkv, d, block_size, seed=hq * 100 + hkv)
+    sc = Scenario(hq, hkv, d, block_size, seed=hq * 100 + hkv, dtype=kv_dtype)
     ctx_lens = [1, block_size, block_size + 1, 40, 100]
     real = [sc.add(n, 1) for n in ctx_lens]
     # Masked rows interleaved: one with seq_len 0, one with a stale length and real blocks.
@@ -138,7 +158,7 @@ def test_decode_matches_dense_and_masked_rows_touch_nothing(
     for i, s in enumerate(rows):
         if s is None:
             continue
-        ref = dense_reference(s.q, s.k, s.v, scale, window)
+        ref = sc.reference(s, scale, window)
         torch.testing.assert_close(out[i], ref[0], atol=ATOL, rtol=0)
     # Exactly the real rows' slots changed; the scratch block (last) is the only other change.
     expected = [c.clone() for c in before]
@@ -153,11 +173,12 @@ def test_decode_matches_dense_and_masked_rows_touch_nothing(
 
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1), (8, 8)])
 @pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_prefill_matches_dense_with_prefix_chunks_and_padding(
-    hq: int, hkv: int, window: int | None
+    hq: int, hkv: int, window: int | None, kv_dtype: torch.dtype
 ) -> None:
     d, bs = 16, 16
-    sc = Scenario(hq, hkv, d, bs, num_blocks=96, seed=7 + hq + hkv)
+    sc = Scenario(hq, hkv, d, bs, num_blocks=96, seed=7 + hq + hkv, dtype=kv_dtype)
     # (context length after this forward, query length): fresh prompts, a 1-token prompt,
     # and chunks whose earlier part (or shared prefix) is already cached.
     shapes = [(33, 33), (1, 1), (100, 30), (64, 16), (17, 1), (300, 300)]
@@ -194,7 +215,7 @@ def test_prefill_matches_dense_with_prefix_chunks_and_padding(
     )
     assert torch.isfinite(out).all()
     for i, s in enumerate(seqs):
-        ref = dense_reference(s.q, s.k, s.v, scale, window)
+        ref = sc.reference(s, scale, window)
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]], ref, atol=ATOL, rtol=0)
     # Every sequence's whole history is now in its blocks; nothing else moved.
     expected = [c.clone() for c in before]
@@ -229,9 +250,10 @@ def test_plan_shared_across_layers_and_windows() -> None:
         )
 
 
-def test_decode_does_not_sync_host() -> None:
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_decode_does_not_sync_host(kv_dtype: torch.dtype) -> None:
     guard = pytest.importorskip("tandem_serve.gpu_worker.sync_guard")
-    sc = Scenario(4, 2, 16, 8, seed=5)
+    sc = Scenario(4, 2, 16, 8, seed=5, dtype=kv_dtype)
     seqs = [sc.add(n, 1) for n in (5, 30)]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([sc.slot(s, len(s.k) - 1) for s in seqs] + [-1]),
@@ -258,3 +280,37 @@ def test_allocate_and_bytes_per_block() -> None:
         assert k.data_ptr() != v.data_ptr()
     assert kv_cache_bytes_per_block(3, 2, 8, 16, torch.bfloat16) == 2 * 3 * 16 * 2 * 8 * 2
     assert kv_cache_bytes_per_block(1, 1, 1, 1, torch.float32) == 8
+
+
+def test_fp8_cache_bytes_and_dtype_names() -> None:
+    """fp8 costs half of bfloat16 per block and a quarter of float32; `auto` is the model's
+    dtype; the names are the ones --kv-cache-dtype accepts."""
+    from tandem_serve.gpu_worker.kv_cache import CACHE_DTYPES
+    from tandem_serve.proto.config import KV_CACHE_DTYPES
+
+    fp8 = kv_cache_bytes_per_block(4, 2, 64, 16, FP8)
+    assert 2 * fp8 == kv_cache_bytes_per_block(4, 2, 64, 16, torch.bfloat16)
+    assert 4 * fp8 == kv_cache_bytes_per_block(4, 2, 64, 16, torch.float32)
+    assert resolve_kv_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_dtype("fp8", torch.float32) == resolve_kv_dtype("fp8_e4m3", torch.half) == FP8
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        resolve_kv_dtype("fp8_e5m2", torch.float32)
+    assert tuple(CACHE_DTYPES) == KV_CACHE_DTYPES
+
+
+def test_fp8_cache_saturates_instead_of_overflowing() -> None:
+    """Past e4m3's ±448 a value is stored as ±448, never NaN; below 2**-10 it is 0."""
+    sc = Scenario(2, 1, 8, 4, num_blocks=4, seed=9, dtype=FP8)
+    k = torch.tensor([1e4, -1e9, 449.0, 0.3, -0.03, 1e-4, 2.0**-9, 0.0]).view(1, 1, 8)
+    s = Seq(k=k, v=-k, q=torch.randn(1, 2, 8, generator=sc.gen), blocks=[sc.free.pop()])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([sc.slot(s, 0)]), block_tables=sc.block_tables([s]),
+        seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=None,
+        query_lens=None, max_seq_len=1, is_decode=True)
+    out = paged_attention(s.q, k, -k, sc.cache, meta, 0.3)
+    stored = sc.cache[0][s.blocks[0], 0, 0].float()
+    assert stored.tolist() == [448.0, -448.0, 448.0, 0.3125, -0.029296875, 0.0, 2.0**-9, 0.0]
+    assert torch.equal(sc.cache[1][s.blocks[0], 0, 0].float(), -stored)
+    # One key: the output is its value, as stored.
+    torch.testing.assert_close(out[0], -stored.expand(2, 8), atol=ATOL, rtol=0)
+    assert torch.equal(stored, fp8_round_trip(k[0, 0]))

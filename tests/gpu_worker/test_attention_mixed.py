@@ -12,7 +12,13 @@ import torch
 from tandem_serve.gpu_worker import flex_attention
 from tandem_serve.gpu_worker.attention import AttentionMetadata, paged_attention
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
-from tests.gpu_worker.test_attention import ATOL, Scenario, Seq, dense_reference
+from tests.gpu_worker.test_attention import (
+    ATOL,
+    KV_DTYPES,
+    Scenario,
+    Seq,
+    dense_reference,
+)
 
 
 @pytest.fixture(params=["split", "flex"])
@@ -23,10 +29,12 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 16), (4, 1, 8), (6, 6, 4)])
 @pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
-                                window: int | None) -> None:
+                                window: int | None, kv_dtype: torch.dtype) -> None:
     d = 16
-    sc = Scenario(hq, hkv, d, block_size, num_blocks=96, seed=hq * 10 + hkv + block_size)
+    sc = Scenario(hq, hkv, d, block_size, num_blocks=96, seed=hq * 10 + hkv + block_size,
+                  dtype=kv_dtype)
     decode = [sc.add(n, 1) for n in (1, 30, block_size + 1, 57)]
     masked = sc.add(20, 1)  # a finished row: writes the scratch block, output ignored
     prefill_shapes = [(40, 40), (75, 17), (block_size * 3, 1), (90, 33)]
@@ -61,8 +69,7 @@ def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
         if s is masked:
             continue
         got = out[int(qsl[i]): int(qsl[i + 1])]
-        torch.testing.assert_close(got, dense_reference(s.q, s.k, s.v, scale, window),
-                                   atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, sc.reference(s, scale, window), atol=ATOL, rtol=0)
     expected = [c.clone() for c in before]
     for s in rows:
         if s is masked:

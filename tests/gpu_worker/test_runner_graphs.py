@@ -12,7 +12,8 @@ import torch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import random_prompts
-from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
+from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
+from tests.gpu_worker.test_kv_fp8 import hf_fp8_greedy
 
 
 class EagerReplay:
@@ -64,12 +65,14 @@ def test_graph_plumbing_padding_and_buckets_on_cpu(llama: str) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(llama: str) -> None:
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_cuda_graph_decode_matches_eager(llama: str, kv: str) -> None:
     prompts = random_prompts([1, 40, 150, 9, 77], 512, seed=61)
 
     def run(graphs: bool) -> tuple[ModelRunner, dict[int, list[int]]]:
         runner = ModelRunner(llama, device="cuda", dtype="float32", block_size=16,
-                             num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs)
+                             num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs,
+                             kv_cache_dtype=kv)
         # Replays and eager steps alike: no host read in the loop.  CUDA's own sync check is
         # process-wide and the publisher thread waits on copy events: dispatch checks only.
         runner.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)
@@ -86,5 +89,7 @@ def test_cuda_graph_decode_matches_eager(llama: str) -> None:
     assert graphed.graphs is not None and graphed.graphs.enabled and graphed.graphs._graphs
     _, eager = run(False)
     assert with_graphs == eager
-    for rid in range(3):
-        assert with_graphs[rid] == hf_greedy(llama, prompts[rid])
+    for rid in range(3):  # fp8: HF reading k/v rounded through e4m3
+        want = hf_greedy(llama, prompts[rid]) if kv == "auto" else \
+            hf_fp8_greedy(llama, prompts[rid], NEW_TOKENS)
+        assert with_graphs[rid] == want

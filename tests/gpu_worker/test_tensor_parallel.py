@@ -165,6 +165,15 @@ def test_prefill_pieces_in_decode_steps_equal_hf_and_tp1(ranks: list[dict[str, A
             assert got["out"][rid] == hf_greedy(paths[RUNNER_ARCH], prompt), rid
 
 
+def test_fp8_kv_cache_equals_tp1(ranks: list[dict[str, Any]], paths: dict[str, str]) -> None:
+    """Each rank's fp8 cache holds its own KV heads (scale 1.0: nothing to agree on across
+    ranks): the same tokens as TP=1 on an fp8 cache, on both ranks."""
+    got = ranks[0]["served_fp8"]
+    assert ranks[1]["served_fp8"]["out"] == got["out"]
+    assert tp_job.served_outputs(paths[RUNNER_ARCH], None, kv_cache_dtype="fp8")["out"] == \
+        got["out"]
+
+
 def test_adapters_and_a_guided_row_equal_peft_and_tp1(ranks: list[dict[str, Any]],
                                                        lora_spec: dict[str, str]) -> None:
     torch.set_num_threads(1)

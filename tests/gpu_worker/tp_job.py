@@ -111,13 +111,13 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
             "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
 
 
-def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
-                   ) -> dict[str, Any]:
+def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
+                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
     """The real scheduler's plans (K=8, a small per-step budget: prompts prefill in pieces
     inside the decode steps of streams already running) through every rank's runner; each
     rank plans for itself, the same plans from the same counts."""
     runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
-                         num_kv_blocks=400, tp=tp)
+                         num_kv_blocks=400, tp=tp, kv_cache_dtype=kv_cache_dtype)
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
     served = Served(runner, 8, True, budget=16)
@@ -212,6 +212,7 @@ def main() -> None:
             "async_k8": runner_outputs(spec["runner"], tp, 8, True, dev),
             "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
             "served": served_outputs(spec["runner"], tp, dev),
+            "served_fp8": served_outputs(spec["runner"], tp, dev, "fp8"),
             "guard_sees_host_reads": guard_sees_host_reads(tp),
         }
         if "lora" in spec:

@@ -98,6 +98,20 @@ def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
     assert message in capsys.readouterr().err
 
 
+def test_kv_cache_dtype_takes_vllm_spellings_and_refuses_the_rest_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_config([]).kv_cache_dtype == "auto"
+    for name in ("auto", "fp8", "fp8_e4m3"):
+        assert serve_config(["--kv-cache-dtype", name]).kv_cache_dtype == name
+    for bad in ("fp8_e5m2", "bfloat16", "FP8"):
+        with pytest.raises(SystemExit) as exc:
+            serve_config(["--kv-cache-dtype", bad])
+        assert exc.value.code == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"tandem: error: --kv-cache-dtype {bad!r} is not one of auto, fp8, fp8_e4m3 "
+            "(fp8 is e4m3; e5m2 is not supported)"]
+
+
 def test_default_model_is_built_without_loading_torch_into_the_frontend(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A first start builds the tiny model in a child process: torch and transformers stay
     out of the frontend (hundreds of MB of resident memory for the server's lifetime)."""
