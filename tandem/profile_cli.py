@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="", help="Chrome/Perfetto trace JSON to write")
     p.add_argument("--png", default="", help="timeline picture of a short window")
     p.add_argument("--png-window-ms", type=float, default=200.0)
+    p.add_argument("--png-centre", default="forward", metavar="SPAN",
+                   help="centre the picture on the gpu worker's median span of this name "
+                        "(e.g. prefill, to see what decoding rows wait for)")
     p.add_argument("--summary-json", default="", help="the summary as JSON")
     p.add_argument("workload", nargs=argparse.REMAINDER,
                    help="-- tandem subcommand to run while recording (e.g. bench serve ...)")
@@ -115,7 +118,8 @@ def _report(rec: Recording, args: argparse.Namespace) -> None:
             json.dump(profile_report.chrome_trace(rec.profiles), f)
         _say(f"trace: {args.output} (open in ui.perfetto.dev or chrome://tracing)")
     if args.png:
-        profile_report.timeline_png(rec.profiles, args.png, args.png_window_ms)
+        profile_report.timeline_png(rec.profiles, args.png, args.png_window_ms,
+                                    centre=args.png_centre)
         _say(f"timeline: {args.png}")
     if args.summary_json:
         with open(args.summary_json, "w") as f:

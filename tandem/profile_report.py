@@ -222,8 +222,9 @@ COLORS = {"forward": "#1f77b4", "sample": "#17becf", "prefill": "#9467bd",
 
 
 def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float = 200.0,
-                 title: str = "") -> None:
-    """One row per process over a short window in the middle of the recording."""
+                 title: str = "", centre: str = "forward") -> None:
+    """One row per process over a short window around the gpu worker's median `centre`
+    span (the middle of the recording when it has none)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,7 +233,7 @@ def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float
     lo, hi = _window(profiles)
     # Centre on the device's work, not on the recording: a workload may fill only part of it.
     forwards = sorted(s[1] for p in profiles if p["role"] == "gpu-worker"
-                      for s in p["spans"] if s[0] == "forward")
+                      for s in p["spans"] if s[0] == centre)
     mid = forwards[len(forwards) // 2] if forwards else lo + (hi - lo) // 2
     w0 = max(lo, mid - int(window_ms * 5e5))
     w1 = min(hi, w0 + int(window_ms * 1e6))
