@@ -58,9 +58,11 @@ def measure(model: str, batches: list[int], prompt_len: int, steps: int, k: int,
 
 
 def format_table(rows: list[Row]) -> str:
-    lines = ["| batch | ours ms/step | HF ms/step | ours / HF |", "|---:|---:|---:|---:|"]
+    lines = ["| batch | ours ms/step | HF ms/step | ours / HF | weights MiB |",
+             "|---:|---:|---:|---:|---:|"]
     for r in rows:
         hf = "-" if r.hf_ms is None else f"{r.hf_ms:.2f}"
         ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
-        lines.append(f"| {r.batch} | {r.ours_ms:.2f} | {hf} | {ratio} |")
+        held = f"{r.weight_bytes / 2**20:.1f}" if r.weight_bytes else "-"
+        lines.append(f"| {r.batch} | {r.ours_ms:.2f} | {hf} | {ratio} | {held} |")
     return "\n".join(lines)
