@@ -1,0 +1,66 @@
+"""The scheduler's view of speculative decoding: a plan's token counts become bounds.
+
+Without speculation a K-step plan adds exactly K tokens to a decoding request, so the
+scheduler predicts every count (`scheduler.requests`).  With k draft tokens per step a row
+advances by 1 to k + 1 tokens a step, known only when the plan's StepDone arrives.  So
+planning keeps the *lower* bound (K tokens: a verify step always emits at least the target's
+own token) and, while a plan is unconfirmed, the *slack* it may add on top (K * k per
+request).  Lower bounds keep every count-based finish true (a request the scheduler
+finishes by counts has finished at the worker too; the worker reports the finishes it
+reaches earlier in StepDone), KV lookahead covers the upper bound (the slack of plans still
+running plus K * (k + 1) for the plan being built), and StepDone replaces the bound by the
+worker's count.  A preempted request resumes only once its counts are confirmed: resuming
+re-prefills the history, whose length must be exact.
+"""
+from __future__ import annotations
+
+from tandem_serve.scheduler.requests import Request, RequestStatus
+
+
+class SpecCounts:
+    """Per plan and request: the tokens predicted (the lower bound) and the slack added."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.k = num_speculative_tokens
+        self._plans: dict[int, dict[int, tuple[int, int]]] = {}
+        self._slack: dict[int, int] = {}  # request id -> slack of its unconfirmed plans
+
+    @property
+    def enabled(self) -> bool:
+        return self.k > 0
+
+    def positions(self, req: Request, num_computed: int, steps: int) -> int:
+        """KV positions `req` may fill after `steps` decode steps from `num_computed` (a
+        lower bound), within its history limit."""
+        if not self.enabled or not steps:
+            return num_computed + steps
+        bound = num_computed + self._slack.get(req.request_id, 0) + steps * (self.k + 1)
+        return min(bound, max(req.max_tokens, num_computed + steps))
+
+    def predict(self, plan_id: int, req: Request, steps: int) -> None:
+        """`req` decodes `steps` steps in plan `plan_id`: K tokens at least, K * k more at most."""
+        if not self.enabled or not steps:
+            return
+        slack = steps * self.k
+        self._plans.setdefault(plan_id, {})[req.request_id] = (steps, slack)
+        self._slack[req.request_id] = self._slack.get(req.request_id, 0) + slack
+
+    def confirmed(self, req: Request) -> bool:
+        return not self._slack.get(req.request_id)
+
+    def correct(self, plan_id: int, produced: dict[int, int],
+                requests: dict[int, Request]) -> None:
+        """StepDone(plan_id): the worker's counts replace the plan's lower bounds."""
+        for rid, (predicted, slack) in self._plans.pop(plan_id, {}).items():
+            left = self._slack.get(rid, 0) - slack
+            if left > 0:
+                self._slack[rid] = left
+            else:
+                self._slack.pop(rid, None)
+            req = requests.get(rid)
+            if req is None or rid not in produced or req.status is RequestStatus.FINISHED:
+                continue
+            extra = produced[rid] - predicted
+            req.num_tokens += extra
+            if req.status is RequestStatus.RUNNING:  # a preempted one recomputes from 0
+                req.num_computed += extra

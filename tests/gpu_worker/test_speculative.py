@@ -1,0 +1,172 @@
+"""Speculative decoding (n-gram drafts) inside the K-step loop: the proposer against a plain
+Python reference, acceptance and cutting units, and the runner's output with speculation
+equal to its output without, token for token, with drafts accepted."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.spec_batch import accept_greedy, finish_run, propose_ngram
+from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.proto.speculative import parse_speculative
+from tests.gpu_worker.model_utils import EOS_ID, make_tiny_checkpoint
+from tests.gpu_worker.runner_driver import Driver
+
+
+def reference_ngram(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The longest suffix n-gram with an earlier occurrence; the most recent one's
+    continuation (up to k tokens)."""
+    size = len(history)
+    for n in range(n_max, n_min - 1, -1):
+        for start in range(size - n - 1, -1, -1):
+            if history[start: start + n] == history[size - n:]:
+                return history[start + n: start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("k, n_min, n_max", [(4, 2, 4), (3, 1, 3), (5, 3, 3)])
+def test_proposer_matches_the_reference(k: int, n_min: int, n_max: int) -> None:
+    rng = random.Random(k * 10 + n_min)
+    for _ in range(20):
+        rows = [[rng.randrange(4) for _ in range(rng.randrange(1, 30))] for _ in range(6)]
+        width = max(map(len, rows)) + rng.randrange(0, 5)
+        history = torch.full((len(rows), width), -1, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            history[i, : len(r)] = torch.tensor(r)
+        lens = torch.tensor([len(r) for r in rows])
+        with forbid_host_sync():
+            drafts, length = propose_ngram(history, lens, k, n_min, n_max)
+        for i, r in enumerate(rows):
+            want = reference_ngram(r, k, n_min, n_max)
+            assert int(length[i]) == len(want), (r, want)
+            assert drafts[i, : len(want)].tolist() == want
+
+
+def test_accept_and_cut_runs() -> None:
+    drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 2, 3]])
+    length = torch.tensor([3, 3, 1, 0])
+    target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
+    accepted = accept_greedy(drafts, length, target)
+    assert accepted.tolist() == [3, 1, 1, 0]
+    stop = torch.tensor([[7], [-1], [-1], [-1]])
+    tokens, finish, count = finish_run(
+        target, accepted, torch.tensor([True, True, True, True]),
+        torch.tensor([0, 0, 0, 0], dtype=torch.int32),
+        torch.tensor([99, 99, 1, 99], dtype=torch.int32), stop, torch.zeros(4, dtype=torch.int64),
+        1000)
+    # Row 0 stops at its stop id inside the accepted run; row 2 at max_new_tokens=1.
+    assert tokens.tolist() == [[5, 6, 7, -1], [5, 9, -1, -1], [5, -1, -1, -1], [1, -1, -1, -1]]
+    assert count.tolist() == [3, 2, 1, 1]
+    assert finish[0].tolist() == [0, 0, int(FinishReason.EOS_TOKEN), 0]
+    assert finish[2, 0] == int(FinishReason.MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def copier(ckpt_root: Path) -> str:
+    """A llama whose attention and MLP outputs are scaled down: nearly a bigram model, so
+    greedy output follows chains that a copy-heavy prompt already holds (drafts accepted),
+    while the context still moves the logits (the KV of accepted drafts matters)."""
+    path = make_tiny_checkpoint(ckpt_root, "llama", tokenizer=False, seed=5)
+    file = Path(path) / "model.safetensors"
+    weights = load_file(file)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = weights[name] * 0.05
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
+
+
+def _run(model: str, spec: str, k: int, per_step: bool,
+         requests: list[tuple[list[int], SamplingParams]], guard: bool = False
+         ) -> tuple[dict[int, list[int]], dict[int, FinishReason], Driver]:
+    runner = ModelRunner(model, device="cpu", dtype="float32", num_kv_blocks=400, block_size=4,
+                         speculative=parse_speculative(spec))
+    if guard:
+        runner.step_guard = forbid_host_sync
+    d = Driver(runner)
+    for i, (prompt, sampling) in enumerate(requests):
+        d.add(i, prompt, sampling)
+    for _ in range(120):
+        if all(t.finish for t in d.reqs.values()):
+            break
+        d.run(k, per_step)
+    return d.outputs(), {rid: t.finish for rid, t in d.reqs.items()}, d
+
+
+@pytest.fixture(scope="module")
+def chain(copier: str) -> list[int]:
+    """Greedy output from one token: the chain the copy-heavy prompts repeat."""
+    out, _, _ = _run(copier, "", 8, True, [([7], SamplingParams(max_new_tokens=40))])
+    return [7] + out[0]
+
+
+def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
+    greedy = SamplingParams(max_new_tokens=30, stop_token_ids=[EOS_ID])
+    return [
+        (chain[:30] + chain[:3], greedy),
+        (chain[5:25] + chain[5:8], SamplingParams(max_new_tokens=13)),  # cut inside a run
+        # Row 0 again, given a stop id inside its first accepted run (in the test).
+        (chain[:30] + chain[:3], SamplingParams(max_new_tokens=30)),
+        # Rows that do not speculate ride along unchanged: seeded sampling, penalties.
+        (chain[:12], SamplingParams(max_new_tokens=20, temperature=0.9, seed=11)),
+        (chain[:12] + chain[:4], SamplingParams(max_new_tokens=20, repetition_penalty=1.3)),
+        ([3, 1, 4, 1, 5], greedy),
+    ]
+
+
+@pytest.mark.parametrize("k, per_step", [(8, True), (1, False), (3, True)])
+def test_greedy_output_equals_output_without_speculation(copier: str, chain: list[int],
+                                                         k: int, per_step: bool) -> None:
+    requests = _requests(chain)
+    first, _, _ = _run(copier, "", k, per_step, requests[2:3])
+    stop = first[0][3]
+    requests[2] = (requests[2][0], SamplingParams(max_new_tokens=30, stop_token_ids=[stop]))
+    want, want_finish, _ = _run(copier, "", k, per_step, requests)
+    got, got_finish, d = _run(copier, SPEC, k, per_step, requests, guard=True)
+    assert got == want
+    assert got_finish == want_finish
+    assert want_finish[2] == FinishReason.EOS_TOKEN and len(want[2]) == 4
+    # ... and the stop came inside a verify step's run, not at its first token.
+    ends = [m.step for m in d.messages if isinstance(m, TokenBatch)
+            for rid, fin in zip(m.request_ids.tolist(), m.finish.tolist(), strict=True)
+            if rid == 2 and fin]
+    assert len(ends) == 1 and ends[0] % d.stride == 3
+    assert len(want[1]) == 13
+    accepted = sum(done.num_accepted_tokens for done in d.done)
+    drafted = sum(done.num_draft_tokens for done in d.done)
+    assert 0 < accepted <= drafted and sum(done.num_drafts for done in d.done) > 0
+    # Fewer verify steps than tokens: rows advanced several tokens in some steps.
+    steps = sum(1 for done in d.done for _ in range(k))
+    assert sum(len(v) for v in got.values()) > steps
+
+
+def test_preempt_and_resume_keep_parity(copier: str, chain: list[int]) -> None:
+    requests = _requests(chain)[:2]
+    outs = []
+    for spec in ("", SPEC):
+        runner = ModelRunner(copier, device="cpu", dtype="float32", num_kv_blocks=400,
+                             block_size=4, speculative=parse_speculative(spec))
+        d = Driver(runner)
+        for i, (prompt, sampling) in enumerate(requests):
+            d.add(i, prompt, sampling)
+        d.run(4)
+        d.preempt(0)
+        d.run(4)
+        d.resume(0)
+        for _ in range(40):
+            if all(t.finish for t in d.reqs.values()):
+                break
+            d.run(4)
+        outs.append(d.outputs())
+    assert outs[0] == outs[1]
+    assert np.all([len(v) for v in outs[0].values()])
