@@ -16,7 +16,8 @@ past the row's position and is overwritten when real tokens reach those position
 ids, max_new_tokens and max_model_len cut a run exactly at the finishing token.
 
 Only rows whose next token is the plain argmax of the logits speculate: greedy, without
-penalties, min_new_tokens, length penalty, guided decoding or logprobs.  Every other row
+penalties, length penalty, guided decoding or logprobs (min_new_tokens is applied to every
+draft position, `mask_min_new`).  Every other row
 (sampled ones included) gets no drafts and advances by its one sampled token, so it is
 served exactly as without speculation (`eligible`).
 
@@ -40,7 +41,7 @@ def eligible(req: RequestState) -> bool:
     p = req.sampling
     return (p.temperature == 0.0 and p.repetition_penalty == 1.0
             and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and p.min_new_tokens == 0 and p.length_penalty_decay == 1.0
+            and p.length_penalty_decay == 1.0
             and not p.logprobs and p.top_n == 0 and not p.guided_id)
 
 
@@ -71,6 +72,20 @@ def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: 
     length = torch.where(found, (hist_len - start).clamp(max=k), 0)
     index = (start.clamp(min=0).unsqueeze(1) + torch.arange(k, device=device))
     return history.gather(1, index.clamp(max=width - 1)), length
+
+
+def mask_min_new(logits: Tensor, output_count: Tensor, min_new: Tensor, stop_ids: Tensor
+                 ) -> None:
+    """min_new_tokens at every verify position, in place: position j's stop ids get -inf
+    while output_count + j < min_new (a plain step's rule, for the token it would sample
+    there).  logits [B, 1 + k, V]; stop_ids [B, S], -1 padded."""
+    rows, width, vocab = logits.shape
+    j = torch.arange(width, device=logits.device)
+    banned = (output_count.unsqueeze(1) + j) < min_new.unsqueeze(1)  # [B, 1 + k]
+    # Padding (-1) goes to a spare column, cut off again.
+    is_stop = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
+    is_stop.scatter_(1, torch.where(stop_ids >= 0, stop_ids, vocab), True)
+    logits.masked_fill_(banned.unsqueeze(2) & is_stop[:, :vocab].unsqueeze(1), float("-inf"))
 
 
 def accept_greedy(drafts: Tensor, length: Tensor, target: Tensor) -> Tensor:

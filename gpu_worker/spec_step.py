@@ -12,7 +12,12 @@ from torch import Tensor
 
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.sampler import SamplerOutput
-from tandem_serve.gpu_worker.spec_batch import VerifyRows, accept_greedy, finish_run
+from tandem_serve.gpu_worker.spec_batch import (
+    VerifyRows,
+    accept_greedy,
+    finish_run,
+    mask_min_new,
+)
 from tandem_serve.gpu_worker.steps import PrefillInputs
 
 # (verify rows, step, the step's prefill pieces) -> logits [B * (1 + k), V] and prompt detail.
@@ -33,6 +38,8 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
                        b.max_seq_len(step), b.row_lens(step))
     logits, details = forward(rows, step, pre)
     logits = logits.view(b.size, spec.stride, -1)
+    if b.hints.any_min_new_tokens:
+        mask_min_new(logits, b.output_count, b.sampling.min_new_tokens, b.stop_ids)
     target = logits.argmax(dim=2)  # before the sampler edits the first column in place
     # Rows without drafts take exactly this token, as in a plain step; greedy rows with
     # drafts get the argmax here too (they have nothing that changes their logits).

@@ -134,7 +134,7 @@ class Scheduler:
             return
         progress.step_done = True
         produced = dict(zip(msg.request_ids.tolist(), msg.num_tokens.tolist(), strict=True))
-        self.spec.correct(msg.plan_id, produced, self.state.requests)
+        reached = self.spec.correct(msg.plan_id, produced, self.state.requests)
         for request_id, num_tokens in produced.items():
             self.state.ledger.add_produced(request_id, num_tokens)
         finished = zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist(), strict=True)
@@ -142,6 +142,9 @@ class Scheduler:
             req = self.state.requests.get(request_id)
             if req is not None:  # else finished by counts, aborted, or reported again
                 self.state.finish(req, FinishReason(reason))
+        for req in reached:  # speculation: a finish by counts inside a plan already built
+            if req.status is RequestStatus.RUNNING and (reason := req.count_finish()):
+                self.state.finish(req, reason)
         self.state.retire_complete_plans()
 
     def on_adapter_failed(self, msg: AdapterFailed) -> None:

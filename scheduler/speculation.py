@@ -49,8 +49,11 @@ class SpecCounts:
         return not self._slack.get(req.request_id)
 
     def correct(self, plan_id: int, produced: dict[int, int],
-                requests: dict[int, Request]) -> None:
-        """StepDone(plan_id): the worker's counts replace the plan's lower bounds."""
+                requests: dict[int, Request]) -> list[Request]:
+        """StepDone(plan_id): the worker's counts replace the plan's lower bounds.  Returns
+        the running requests that the corrected counts show finishing by their limits in a
+        plan already built (finished by counts, as without speculation)."""
+        reached = []
         for rid, (predicted, slack) in self._plans.pop(plan_id, {}).items():
             left = self._slack.get(rid, 0) - slack
             if left > 0:
@@ -60,7 +63,19 @@ class SpecCounts:
             req = requests.get(rid)
             if req is None or rid not in produced or req.status is RequestStatus.FINISHED:
                 continue
-            extra = produced[rid] - predicted
-            req.num_tokens += extra
+            later = [plans for _, plans in sorted(self._plans.items()) if rid in plans]
+            exact = (req.num_tokens - predicted - sum(p[rid][0] for p in later)
+                     + produced[rid])
+            # Later plans were predicted from the bound: cap each by what is really left.
+            room = req.max_tokens - exact
+            for plan in later:
+                steps, plan_slack = plan[rid]
+                plan[rid] = (min(steps, max(room, 0)), plan_slack)
+                room -= plan[rid][0]
+            bound = exact + sum(p[rid][0] for p in later)
             if req.status is RequestStatus.RUNNING:  # a preempted one recomputes from 0
-                req.num_computed += extra
+                req.num_computed += bound - req.num_tokens
+            req.num_tokens = bound
+            if req.status is RequestStatus.RUNNING and req.count_finish() is not None:
+                reached.append(req)
+        return reached

@@ -121,6 +121,9 @@ def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
         (chain[:12], SamplingParams(max_new_tokens=20, temperature=0.9, seed=11)),
         (chain[:12] + chain[:4], SamplingParams(max_new_tokens=20, repetition_penalty=1.3)),
         ([3, 1, 4, 1, 5], greedy),
+        # min_new_tokens holds every stop id off, at every draft position too.
+        # Given a stop id it reaches early (in the test), held off by min_new_tokens.
+        (chain[:20] + chain[:3], SamplingParams(max_new_tokens=24)),
     ]
 
 
@@ -128,9 +131,11 @@ def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
 def test_greedy_output_equals_output_without_speculation(copier: str, chain: list[int],
                                                          k: int, per_step: bool) -> None:
     requests = _requests(chain)
-    first, _, _ = _run(copier, "", k, per_step, requests[2:3])
-    stop = first[0][3]
-    requests[2] = (requests[2][0], SamplingParams(max_new_tokens=30, stop_token_ids=[stop]))
+    first, _, _ = _run(copier, "", k, per_step, [requests[2], requests[6]])
+    requests[2] = (requests[2][0], SamplingParams(max_new_tokens=30,
+                                                  stop_token_ids=[first[0][3]]))
+    requests[6] = (requests[6][0], SamplingParams(max_new_tokens=24, min_new_tokens=17,
+                                                  stop_token_ids=[first[1][8]]))
     want, want_finish, _ = _run(copier, "", k, per_step, requests)
     got, got_finish, d = _run(copier, SPEC, k, per_step, requests, guard=True)
     assert got == want
@@ -142,6 +147,7 @@ def test_greedy_output_equals_output_without_speculation(copier: str, chain: lis
             if rid == 2 and fin]
     assert len(ends) == 1 and ends[0] % d.stride == 3
     assert len(want[1]) == 13
+    assert len(want[6]) >= 17 and want[6][:17] != first[1][:17]  # the stop id was held off
     accepted = sum(done.num_accepted_tokens for done in d.done)
     drafted = sum(done.num_draft_tokens for done in d.done)
     assert 0 < accepted <= drafted and sum(done.num_drafts for done in d.done) > 0
