@@ -310,7 +310,7 @@ class ModelRunner:
             b.active = b.active | joining
         if b.spec is not None:
             return verify_step(b, step, pre, partial(self._logits, lora=b.lora),
-                               self._sample, partial(self._record, last=last),
+                               self._sample, self.sampler, partial(self._record, last=last),
                                self.max_model_len)
         logits, details = self._logits(b, step, pre, b.lora, graph)
         out = self._sample(b, logits)

@@ -9,15 +9,24 @@ paths and the mixed steps' prefill pieces need no new kernel: every token's KV i
 before any row attends, so the row of draft j sees drafts 1..j-1 of the same forward, which
 is causal verification.  The draft positions a row does not use write nothing (slot -1).
 
-A greedy row then accepts the longest prefix of drafts equal to the target's argmax and
-emits one token more (the target's token after that prefix): a + 1 tokens, identical to what
-a + 1 plain greedy steps would have produced.  The KV of rejected drafts stays in the cache
+Every verify position is sampled as a plain step would sample that token (same processing,
+same seeded uniform: the row's seed and its output count at that position), and a row
+accepts the longest prefix of drafts equal to those tokens, then emits the sampled token at
+the first mismatch: a + 1 tokens, identical to what a + 1 plain steps would have produced.
+For greedy rows that is the longest prefix matching the argmax plus the target's next token.
+For sampled rows it is exactly the standard rejection rule with a one-hot draft: the draft t
+is accepted with probability p(t) (the sampled token is t), and on rejection the emitted
+token is distributed as p with t removed and renormalised (a draw from p given it is not
+t); the target distribution is kept exactly, and a seeded row gets the very tokens it gets
+without speculation.  The KV of rejected drafts stays in the cache
 past the row's position and is overwritten when real tokens reach those positions.  Stop
 ids, max_new_tokens and max_model_len cut a run exactly at the finishing token.
 
-Only rows whose next token is the plain argmax of the logits speculate: greedy, without
-penalties, length penalty, guided decoding or logprobs (min_new_tokens is applied to every
-draft position, `mask_min_new`).  Every other row
+Rows whose token at a position depends on tokens not yet known when the positions are
+sampled together do not speculate: repetition, frequency and presence penalties (they count
+the tokens before), guided decoding (its automaton state), and, not composed yet, logprobs /
+top-n and typical-p.  They get no drafts and advance by their one sampled token, so they are
+served exactly as without speculation (`eligible`).  Every other row
 (sampled ones included) gets no drafts and advances by its one sampled token, so it is
 served exactly as without speculation (`eligible`).
 
@@ -37,11 +46,10 @@ from tandem_serve.proto.speculative import SpeculativeConfig
 
 
 def eligible(req: RequestState) -> bool:
-    """Whether the row's next token is the argmax of the raw logits (see the module doc)."""
+    """Whether the row's verify positions can all be sampled at once (the module doc)."""
     p = req.sampling
-    return (p.temperature == 0.0 and p.repetition_penalty == 1.0
-            and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
-            and p.length_penalty_decay == 1.0
+    return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and not (0 < p.typical_p < 1)
             and not p.logprobs and p.top_n == 0 and not p.guided_id)
 
 
@@ -74,23 +82,9 @@ def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: 
     return history.gather(1, index.clamp(max=width - 1)), length
 
 
-def mask_min_new(logits: Tensor, output_count: Tensor, min_new: Tensor, stop_ids: Tensor
-                 ) -> None:
-    """min_new_tokens at every verify position, in place: position j's stop ids get -inf
-    while output_count + j < min_new (a plain step's rule, for the token it would sample
-    there).  logits [B, 1 + k, V]; stop_ids [B, S], -1 padded."""
-    rows, width, vocab = logits.shape
-    j = torch.arange(width, device=logits.device)
-    banned = (output_count.unsqueeze(1) + j) < min_new.unsqueeze(1)  # [B, 1 + k]
-    # Padding (-1) goes to a spare column, cut off again.
-    is_stop = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=logits.device)
-    is_stop.scatter_(1, torch.where(stop_ids >= 0, stop_ids, vocab), True)
-    logits.masked_fill_(banned.unsqueeze(2) & is_stop[:, :vocab].unsqueeze(1), float("-inf"))
-
-
-def accept_greedy(drafts: Tensor, length: Tensor, target: Tensor) -> Tensor:
-    """Drafts accepted per row: the longest prefix (within `length`) equal to the target's
-    tokens at the same positions.  drafts [B, k], target [B, 1 + k]."""
+def accept_prefix(drafts: Tensor, length: Tensor, target: Tensor) -> Tensor:
+    """Drafts accepted per row: the longest prefix (within `length`) equal to the tokens
+    sampled from the target at the same positions.  drafts [B, k], target [B, 1 + k]."""
     k = drafts.shape[1]
     within = torch.arange(k, device=drafts.device).unsqueeze(0) < length.unsqueeze(1)
     match = (drafts == target[:, :k]) & within

@@ -1,9 +1,11 @@
 """One verify step of the K-step loop (speculative decoding, `gpu_worker.spec_batch`):
-propose, one forward over every row's 1 + k tokens, sample the first token as a plain step
-would, accept the greedy rows' drafts, cut runs at finishing tokens, advance on the device.
+propose, one forward over every row's 1 + k tokens, sample every position as a plain step
+would sample that token, accept each row's matching prefix of drafts, cut runs at finishing
+tokens, advance on the device.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,13 +13,8 @@ import torch
 from torch import Tensor
 
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
-from tandem_serve.gpu_worker.sampler import SamplerOutput
-from tandem_serve.gpu_worker.spec_batch import (
-    VerifyRows,
-    accept_greedy,
-    finish_run,
-    mask_min_new,
-)
+from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingTensors
+from tandem_serve.gpu_worker.spec_batch import VerifyRows, accept_prefix, finish_run
 from tandem_serve.gpu_worker.steps import PrefillInputs
 
 # (verify rows, step, the step's prefill pieces) -> logits [B * (1 + k), V] and prompt detail.
@@ -28,7 +25,8 @@ Record = Callable[[DecodeBatch, Tensor], None]
 
 
 def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: Forward,
-                sample: Sample, record: Record, max_model_len: int) -> StepTensors:
+                sample: Sample, sampler: Sampler, record: Record, max_model_len: int
+                ) -> StepTensors:
     """The step's tokens come back as [B, 1 + k] (-1 past each row's emitted run)."""
     spec = b.spec
     assert spec is not None, "a verify step needs the plan's speculative state"
@@ -38,14 +36,12 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
                        b.max_seq_len(step), b.row_lens(step))
     logits, details = forward(rows, step, pre)
     logits = logits.view(b.size, spec.stride, -1)
-    if b.hints.any_min_new_tokens:
-        mask_min_new(logits, b.output_count, b.sampling.min_new_tokens, b.stop_ids)
-    target = logits.argmax(dim=2)  # before the sampler edits the first column in place
-    # Rows without drafts take exactly this token, as in a plain step; greedy rows with
-    # drafts get the argmax here too (they have nothing that changes their logits).
+    # The first position exactly as a plain step samples it (every row: penalties, guided
+    # masks, logprobs); the draft positions only matter for rows that speculate.
     out = sample(b, logits[:, 0].contiguous())
-    tokens = torch.cat((out.token_ids.unsqueeze(1), target[:, 1:]), dim=1)
-    accepted = accept_greedy(drafts, length, target)
+    later = _sample_later(b, logits[:, 1:], sampler)
+    tokens = torch.cat((out.token_ids.unsqueeze(1), later), dim=1)
+    accepted = accept_prefix(drafts, length, tokens)
     emitted, finish, count = finish_run(tokens, accepted, b.active, b.output_count,
                                         b.max_new, b.stop_ids, b.positions, max_model_len)
     record(b, emitted[:, 0])
@@ -57,3 +53,25 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     spec.record(emitted, length, count)
     return StepTensors(step, emitted, finish, out.logprobs, out.ranks, out.top_ids,
                        out.top_logprobs, details)
+
+
+def _sample_later(b: DecodeBatch, logits: Tensor, sampler: Sampler) -> Tensor:
+    """Positions 1..k of every row, each with the output count it would have there (its
+    seeded uniform, min_new_tokens and length penalty follow); no penalties, masks or
+    logprobs: rows that need them have no drafts, and their tokens here are never used."""
+    rows, k, vocab = logits.shape
+    counts = (b.output_count.unsqueeze(1)
+              + torch.arange(1, k + 1, dtype=b.output_count.dtype, device=logits.device))
+    out = sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, k), None,
+                  counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=False,
+                  need_logprobs=False, max_top_n=0, hints=b.hints, inplace=True)
+    return out.token_ids.view(rows, k)
+
+
+def _repeat(st: SamplingTensors, k: int) -> SamplingTensors:
+    """Each row's parameters k times over, without the output-count penalties."""
+    fields = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
+    repeated = {name: t.repeat_interleave(k, dim=0) for name, t in fields.items()
+                if t is not None}
+    repeated.update(frequency_penalty=None, presence_penalty=None)
+    return SamplingTensors(**repeated)

@@ -12,12 +12,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.spec_batch import accept_greedy, finish_run, propose_ngram
+from tandem_serve.gpu_worker.sampler import Sampler
+from tandem_serve.gpu_worker.spec_batch import accept_prefix, finish_run, propose_ngram
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import EOS_ID, make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import Driver
+from tests.gpu_worker.sampler_utils import make_rows
 
 
 def reference_ngram(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -53,7 +55,7 @@ def test_accept_and_cut_runs() -> None:
     drafts = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7], [1, 2, 3]])
     length = torch.tensor([3, 3, 1, 0])
     target = torch.tensor([[5, 6, 7, 8], [5, 9, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4]])
-    accepted = accept_greedy(drafts, length, target)
+    accepted = accept_prefix(drafts, length, target)
     assert accepted.tolist() == [3, 1, 1, 0]
     stop = torch.tensor([[7], [-1], [-1], [-1]])
     tokens, finish, count = finish_run(
@@ -176,3 +178,43 @@ def test_preempt_and_resume_keep_parity(copier: str, chain: list[int]) -> None:
         outs.append(d.outputs())
     assert outs[0] == outs[1]
     assert np.all([len(v) for v in outs[0].values()])
+
+
+def test_sampled_rows_keep_their_seeded_tokens(copier: str, chain: list[int]) -> None:
+    """A sampled row's draft is kept when the token sampled at its position (same seed and
+    output count as without speculation) equals it: the one-hot rejection rule, so a seeded
+    row gets exactly the tokens it gets without speculation, and drafts are still accepted."""
+    prompt = chain[:30] + chain[:3]
+    requests = [(prompt, SamplingParams(max_new_tokens=24, temperature=t, seed=seed, top_k=k,
+                                        top_p=p, min_p=m))
+                for seed, (t, k, p, m) in enumerate([(0.3, 0, 1.0, 0.0), (0.7, 20, 0.9, 0.0),
+                                                     (1.0, 0, 1.0, 0.05), (0.5, 5, 1.0, 0.0)])]
+    want, _, _ = _run(copier, "", 8, True, requests)
+    got, _, d = _run(copier, SPEC, 8, True, requests, guard=True)
+    assert got == want
+    assert sum(done.num_accepted_tokens for done in d.done) > 0
+
+
+def test_one_hot_rejection_keeps_the_target_distribution() -> None:
+    """Accepting draft t when the token sampled at its position is t is the rejection rule
+    for a one-hot draft: accepted with probability p(t); on rejection the emitted token is
+    distributed as p without t, renormalised.  Checked over 20,000 seeds of one row."""
+    n, draft = 20_000, 1
+    probs = torch.tensor([0.1, 0.45, 0.25, 0.2])
+    st, hints = make_rows([dict(temperature=1.0, seed=s) for s in range(n)])
+    logits = probs.log().repeat(n, 1)
+    tokens = Sampler()(logits, st, None, torch.zeros(n, dtype=torch.int32), all_greedy=False,
+                       any_penalty=False, need_logprobs=False, max_top_n=0, hints=hints)
+    drafts = torch.full((n, 1), draft)
+    target = torch.stack((tokens.token_ids, tokens.token_ids), dim=1)
+    accepted = accept_prefix(drafts, torch.ones(n, dtype=torch.int64), target)
+    rate = accepted.double().mean().item()
+    assert abs(rate - probs[draft].item()) < 4 * (0.45 * 0.55 / n) ** 0.5
+    rejected = tokens.token_ids[accepted == 0]
+    assert not (rejected == draft).any()
+    residual = probs.clone()
+    residual[draft] = 0
+    residual /= residual.sum()
+    freq = torch.bincount(rejected, minlength=4).double() / len(rejected)
+    bound = 4 * (residual.double() * (1 - residual.double()) / len(rejected)).sqrt()
+    assert ((freq - residual.double()).abs() <= bound + 1e-12).all()
