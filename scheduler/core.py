@@ -81,7 +81,8 @@ class Scheduler:
     def __init__(self, params: SchedulerParams) -> None:
         self.state = SchedulerState(params)
         self.params = params
-        self.spec = SpecCounts(params.num_speculative_tokens)
+        self.spec = SpecCounts(params.num_speculative_tokens,
+                               params.num_blocks * params.block_size)
         self.clock = time.monotonic  # tests replace it
 
     @property

@@ -20,8 +20,12 @@ from tandem_serve.scheduler.requests import Request, RequestStatus
 class SpecCounts:
     """Per plan and request: the tokens predicted (the lower bound) and the slack added."""
 
-    def __init__(self, num_speculative_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, cache_positions: int) -> None:
         self.k = num_speculative_tokens
+        # The lookahead never asks for more than the whole cache: a request that fits
+        # without speculation must not fail for it (the worker drafts only into the blocks a
+        # row holds, so a smaller reservation costs speculation, never correctness).
+        self.cache_positions = cache_positions
         self._plans: dict[int, dict[int, tuple[int, int]]] = {}
         self._slack: dict[int, int] = {}  # request id -> slack of its unconfirmed plans
 
@@ -35,7 +39,8 @@ class SpecCounts:
         if not self.enabled or not steps:
             return num_computed + steps
         bound = num_computed + self._slack.get(req.request_id, 0) + steps * (self.k + 1)
-        return min(bound, max(req.max_tokens, num_computed + steps))
+        bound = min(bound, req.max_tokens, self.cache_positions)
+        return max(bound, num_computed + steps)
 
     def predict(self, plan_id: int, req: Request, steps: int) -> None:
         """`req` decodes `steps` steps in plan `plan_id`: K tokens at least, K * k more at most."""
