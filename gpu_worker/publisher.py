@@ -170,6 +170,11 @@ def publish_step(publish: TokenPublisher, plan: StepPlan, batch: DecodeBatch, st
         return
     width = st.token_ids.shape[1]
     for j in range(width):
-        publish(plan, batch, StepTensors(st.step * width + j, st.token_ids[:, j],
-                                         st.finish[:, j], st.logprobs, st.ranks, st.top_ids,
-                                         st.top_logprobs), last and j == width - 1)
+        publish(plan, batch, StepTensors(
+            st.step * width + j, st.token_ids[:, j], st.finish[:, j], _column(st.logprobs, j),
+            _column(st.ranks, j), _column(st.top_ids, j), _column(st.top_logprobs, j)),
+            last and j == width - 1)
+
+
+def _column(t: torch.Tensor | None, j: int) -> torch.Tensor | None:
+    return None if t is None else t[:, j]

@@ -18,17 +18,17 @@ For sampled rows it is exactly the standard rejection rule with a one-hot draft:
 is accepted with probability p(t) (the sampled token is t), and on rejection the emitted
 token is distributed as p with t removed and renormalised (a draw from p given it is not
 t); the target distribution is kept exactly, and a seeded row gets the very tokens it gets
-without speculation.  The KV of rejected drafts stays in the cache
-past the row's position and is overwritten when real tokens reach those positions.  Stop
-ids, max_new_tokens and max_model_len cut a run exactly at the finishing token.
+without speculation.  The KV of rejected drafts stays in the cache past the row's position
+and is overwritten when real tokens reach those positions.  Stop ids, max_new_tokens and
+max_model_len cut a run exactly at the finishing token.  Logprobs and top-n come from each
+position's own distribution, as a plain step gives them.
 
 Rows whose token at a position depends on tokens not yet known when the positions are
 sampled together do not speculate: repetition, frequency and presence penalties (they count
-the tokens before), guided decoding (its automaton state), and, not composed yet, logprobs /
-top-n and typical-p.  They get no drafts and advance by their one sampled token, so they are
-served exactly as without speculation (`eligible`).  Every other row
-(sampled ones included) gets no drafts and advances by its one sampled token, so it is
-served exactly as without speculation (`eligible`).
+the tokens before), guided decoding (its automaton state), and, not composed yet, typical-p
+(its entropy is a float sum that may round differently over the verify rows).  They get no
+drafts and advance by their one sampled token, so they are served exactly as without
+speculation (`eligible`).
 
 Everything here is batched tensor ops with no host read, so the K-step loop stays free of
 host syncs; the per-row history the proposer searches lives on the device for the plan.
@@ -50,7 +50,7 @@ def eligible(req: RequestState) -> bool:
     p = req.sampling
     return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
             and p.presence_penalty == 0.0 and not (0 < p.typical_p < 1)
-            and not p.logprobs and p.top_n == 0 and not p.guided_id)
+            and not p.guided_id)
 
 
 def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: int

@@ -40,7 +40,7 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     # masks, logprobs); the draft positions only matter for rows that speculate.
     out = sample(b, logits[:, 0].contiguous())
     later = _sample_later(b, logits[:, 1:], sampler)
-    tokens = torch.cat((out.token_ids.unsqueeze(1), later), dim=1)
+    tokens = torch.cat((out.token_ids.unsqueeze(1), later.token_ids.view(b.size, -1)), dim=1)
     accepted = accept_prefix(drafts, length, tokens)
     emitted, finish, count = finish_run(tokens, accepted, b.active, b.output_count,
                                         b.max_new, b.stop_ids, b.positions, max_model_len)
@@ -51,21 +51,32 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     b.positions = b.positions + count
     b.active = b.active & (finish.amax(dim=1) == 0)
     spec.record(emitted, length, count)
-    return StepTensors(step, emitted, finish, out.logprobs, out.ranks, out.top_ids,
-                       out.top_logprobs, details)
+    return StepTensors(step, emitted, finish, _columns(out.logprobs, later.logprobs),
+                       _columns(out.ranks, later.ranks), _columns(out.top_ids, later.top_ids),
+                       _columns(out.top_logprobs, later.top_logprobs), details)
 
 
-def _sample_later(b: DecodeBatch, logits: Tensor, sampler: Sampler) -> Tensor:
+def _columns(first: Tensor | None, rest: Tensor | None) -> Tensor | None:
+    """A token detail of position 0 [B, ...] and of positions 1..k [B * k, ...] as
+    [B, 1 + k, ...] (the publisher sends column j with the step's j-th batch)."""
+    if first is None or rest is None:
+        return first
+    rest = rest.view(first.shape[0], -1, *first.shape[1:])
+    return torch.cat((first.unsqueeze(1), rest), dim=1)
+
+
+def _sample_later(b: DecodeBatch, logits: Tensor, sampler: Sampler) -> SamplerOutput:
     """Positions 1..k of every row, each with the output count it would have there (its
-    seeded uniform, min_new_tokens and length penalty follow); no penalties, masks or
-    logprobs: rows that need them have no drafts, and their tokens here are never used."""
+    seeded uniform, min_new_tokens and length penalty follow), with the logprobs the batch
+    asks for; no penalties or guided masks: rows that need them have no drafts, and their
+    tokens here are never used."""
     rows, k, vocab = logits.shape
     counts = (b.output_count.unsqueeze(1)
               + torch.arange(1, k + 1, dtype=b.output_count.dtype, device=logits.device))
-    out = sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, k), None,
-                  counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=False,
-                  need_logprobs=False, max_top_n=0, hints=b.hints, inplace=True)
-    return out.token_ids.view(rows, k)
+    return sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, k), None,
+                   counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=False,
+                   need_logprobs=b.need_logprobs, max_top_n=b.max_top_n, hints=b.hints,
+                   inplace=True)
 
 
 def _repeat(st: SamplingTensors, k: int) -> SamplingTensors:

@@ -126,7 +126,21 @@ def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
         # min_new_tokens holds every stop id off, at every draft position too.
         # Given a stop id it reaches early (in the test), held off by min_new_tokens.
         (chain[:20] + chain[:3], SamplingParams(max_new_tokens=24)),
+        # Logprobs and top-n of every emitted token, from its own position's distribution.
+        (chain[:30] + chain[:3], SamplingParams(max_new_tokens=20, logprobs=True, top_n=3)),
     ]
+
+
+def _details(d: Driver, rid: int) -> list[tuple[float, int, list[int]]]:
+    """Each emitted token's logprob, rank and top-n ids, in order."""
+    out = []
+    for m in d.messages:
+        if isinstance(m, TokenBatch) and rid in m.request_ids.tolist():
+            i = m.request_ids.tolist().index(rid)
+            if m.token_ids[i] >= 0:
+                assert m.logprobs is not None and m.ranks is not None and m.top_ids is not None
+                out.append((float(m.logprobs[i]), int(m.ranks[i]), m.top_ids[i].tolist()))
+    return out
 
 
 @pytest.mark.parametrize("k, per_step", [(8, True), (1, False), (3, True)])
@@ -138,9 +152,12 @@ def test_greedy_output_equals_output_without_speculation(copier: str, chain: lis
                                                   stop_token_ids=[first[0][3]]))
     requests[6] = (requests[6][0], SamplingParams(max_new_tokens=24, min_new_tokens=17,
                                                   stop_token_ids=[first[1][8]]))
-    want, want_finish, _ = _run(copier, "", k, per_step, requests)
+    want, want_finish, plain = _run(copier, "", k, per_step, requests)
     got, got_finish, d = _run(copier, SPEC, k, per_step, requests, guard=True)
     assert got == want
+    for (lp, ranks, top), (lp2, ranks2, top2) in zip(_details(plain, 7), _details(d, 7),
+                                                     strict=True):
+        assert abs(lp - lp2) < 1e-4 and ranks == ranks2 and top == top2
     assert got_finish == want_finish
     assert want_finish[2] == FinishReason.EOS_TOKEN and len(want[2]) == 4
     # ... and the stop came inside a verify step's run, not at its first token.
