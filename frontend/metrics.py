@@ -48,6 +48,13 @@ ADAPTER_REQUESTS = Counter("tandem_lora_requests_total", "Requests per LoRA adap
 GUIDED_SENT = Counter("tandem_guided_tables_sent_total",
                       "Compiled guided constraints sent to the scheduler, once per id "
                       "(first) and again when it lacked one (asked)", ["why"])
+SPEC_DRAFTS = Counter("tandem_spec_decode_num_drafts",
+                      "Speculative decoding: row-steps verified with a draft")
+SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens",
+                            "Speculative decoding: draft tokens proposed")
+SPEC_ACCEPTED = Counter("tandem_spec_decode_num_accepted_tokens",
+                        "Speculative decoding: draft tokens accepted")
+_spec_seen = [0, 0, 0]  # the totals the counters hold (EngineStats carries totals)
 POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
                      "Steps published by the gpu worker and not yet processed, the most over "
                      "the postproc workers' latest reports")
@@ -99,6 +106,12 @@ def on_stats(s: EngineStats) -> None:
     ADAPTER_LOADS.set(s.adapter_loads)
     for q in s.queue_times_s:
         QUEUE_TIME.observe(q)
+    totals = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
+    for i, (counter, total) in enumerate(zip((SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED),
+                                             totals, strict=True)):
+        if total > _spec_seen[i]:
+            counter.inc(total - _spec_seen[i])
+            _spec_seen[i] = total
 
 
 def on_postproc_stats(s: PostprocStats) -> None:

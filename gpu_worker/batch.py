@@ -18,6 +18,7 @@ from tandem_serve.proto.messages import PromptDetail
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
     from tandem_serve.gpu_worker.lora import LoraContext
+    from tandem_serve.gpu_worker.spec_batch import SpecBatch
 
 
 @dataclass
@@ -52,15 +53,21 @@ class DecodeBatch:
     step_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)  # host, at the plan's start
     join_steps: list[int] = field(default_factory=list)
+    # Speculative decoding (`gpu_worker.speculative`): the plan's drafts and histories, and
+    # the most positions a row advances per step (1 + k; 1 without speculation).
+    spec: SpecBatch | None = None
+    stride: int = 1
 
     def max_seq_len(self, step: int) -> int:
-        return self.step_lens[step] if step < len(self.step_lens) else self.max_position + step + 1
+        if step < len(self.step_lens):
+            return self.step_lens[step]
+        return self.max_position + (step + 1) * self.stride
 
     def row_lens(self, step: int) -> list[int]:
         """Host bound of each row's context length at `step` (a row not decoding yet: 1,
         its output is discarded)."""
         joins = self.join_steps or [0] * len(self.start_positions)
-        return [p + step - j + 1 if j <= step else 1
+        return [p + (step - j + 1) * self.stride if j <= step else 1
                 for p, j in zip(self.start_positions, joins, strict=True)]
 
     @property
@@ -78,8 +85,9 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
 
 def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
                        guided: GuidedRegistry | None = None,
-                       join_steps: list[int] | None = None) -> DecodeBatch:
-    """`join_steps[i]`: the step row i starts decoding in (None: every row from step 0)."""
+                       join_steps: list[int] | None = None, stride: int = 1) -> DecodeBatch:
+    """`join_steps[i]`: the step row i starts decoding in (None: every row from step 0);
+    `stride`: the most positions a row advances per step (speculative decoding)."""
     params = [r.sampling for r in reqs]
     joins = join_steps or [0] * len(reqs)
 
@@ -139,15 +147,15 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         guided=guided.batch(reqs) if guided is not None else None,
         joins={step: col([s == step for s in joins], torch.bool)
                for step in sorted(set(joins)) if step > 0},
-        step_lens=_step_lens(positions, joins) if any(joins) else [],
-        start_positions=positions, join_steps=joins,
+        step_lens=_step_lens(positions, joins, stride) if any(joins) else [],
+        start_positions=positions, join_steps=joins, stride=stride,
     )
 
 
-def _step_lens(positions: list[int], joins: list[int]) -> list[int]:
+def _step_lens(positions: list[int], joins: list[int], stride: int) -> list[int]:
     """Per step up to the last join, the longest joined row's context length then."""
-    return [max([p + step - j + 1 for p, j in zip(positions, joins, strict=True) if j <= step],
-                default=1) for step in range(max(joins) + 1)]
+    return [max([p + (step - j + 1) * stride for p, j in zip(positions, joins, strict=True)
+                 if j <= step], default=1) for step in range(max(joins) + 1)]
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.ipc.process import StartupError, worker_threads
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.speculative import parse_speculative
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.parallel import TensorParallel
@@ -44,7 +45,8 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
                              cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
                              flash_attn=cfg.flash_attn, tp=tp,
                              adapter_cache=cfg.adapter_cache, max_loras=cfg.max_loras,
-                             max_lora_rank=cfg.max_lora_rank, load_format=cfg.load_format)
+                             max_lora_rank=cfg.max_lora_rank, load_format=cfg.load_format,
+                             speculative=parse_speculative(cfg.speculative_config))
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
     if runner.device.type == "cpu":

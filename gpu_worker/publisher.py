@@ -157,3 +157,24 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 def _pinned_copy(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else _pinned(t)
+
+
+def publish_step(publish: TokenPublisher, plan: StepPlan, batch: DecodeBatch, st: StepTensors,
+                 last: bool) -> None:
+    """A step's prompt detail (from its prefill pieces), then its tokens: a verify step's
+    [B, 1 + k] as 1 + k batches in order, -1 where a row emitted fewer."""
+    if st.details is not None:
+        publish.send_scores(*st.details)
+    if st.token_ids.dim() == 1:
+        publish(plan, batch, st, last)
+        return
+    width = st.token_ids.shape[1]
+    for j in range(width):
+        publish(plan, batch, StepTensors(
+            st.step * width + j, st.token_ids[:, j], st.finish[:, j], _column(st.logprobs, j),
+            _column(st.ranks, j), _column(st.top_ids, j), _column(st.top_logprobs, j)),
+            last and j == width - 1)
+
+
+def _column(t: torch.Tensor | None, j: int) -> torch.Tensor | None:
+    return None if t is None else t[:, j]

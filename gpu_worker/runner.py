@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,7 +33,10 @@ from tandem_serve.gpu_worker.kv_cache import (
 )
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
-from tandem_serve.gpu_worker.sampler import Sampler
+from tandem_serve.gpu_worker.publisher import publish_step
+from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
+from tandem_serve.gpu_worker.spec_batch import VerifyRows, build_spec_batch
+from tandem_serve.gpu_worker.spec_step import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import (
     Piece,
@@ -53,6 +56,7 @@ from tandem_serve.proto.messages import (
     StepDone,
     StepPlan,
 )
+from tandem_serve.proto.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
@@ -83,7 +87,8 @@ class ModelRunner:
                  cuda_graphs: bool = True, onednn: bool = True,
                  flash_attn: bool = True, tp: TensorParallel | None = None,
                  adapter_cache: str = "", max_loras: int = 0, max_lora_rank: int = 16,
-                 load_format: str = "auto") -> None:
+                 load_format: str = "auto", speculative: SpeculativeConfig | None = None
+                 ) -> None:
         self.device = tp.device if tp is not None else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         t0 = time.monotonic()
@@ -134,8 +139,10 @@ class ModelRunner:
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
+        # Speculative decoding (None: off); its verify steps run eager (no decode graphs).
+        self.speculative = speculative
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and speculative is None:
             from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
@@ -279,7 +286,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
-    def forward_mixed(self, b: DecodeBatch, step: int, pre: PrefillInputs
+    def forward_mixed(self, b: DecodeBatch | VerifyRows, step: int, pre: PrefillInputs
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the decode rows and a step's prefill pieces: the decode rows'
         logits [B, V] and the pieces' hidden states (eager: CUDA graphs cover pure decode
@@ -309,39 +316,55 @@ class ModelRunner:
         joining = b.joins.get(step)
         if joining is not None:  # their last prefill piece runs in this step
             b.active = b.active | joining
-        details = None
-        if pre is not None:
-            logits, hidden = self.forward_mixed(b, step, pre)
-            if pre.scores.rows:
-                details = self._scores(hidden, pre)
-        elif graph is not None:
-            logits = graph(b)
-        else:
-            logits = self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                         b.max_seq_len(step), b.lora, b.row_lens(step))
-        # Guided rows' masks after the forward is under way (grammar rows wait for the host).
-        may_block = b.guided.prepare() if b.guided is not None else None
-        out = self.sampler(logits, b.sampling, b.seen, b.output_count,
-                           all_greedy=b.all_greedy, any_penalty=b.any_penalty,
-                           need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
-                           hints=b.hints, inplace=True, counts=b.counts, may_block=may_block,
-                           mask=b.guided.apply_ if b.guided is not None else None)
+        if b.spec is not None:
+            return verify_step(b, step, pre, partial(self._logits, lora=b.lora),
+                               self._sample, self.sampler, partial(self._record, last=last),
+                               self.max_model_len)
+        logits, details = self._logits(b, step, pre, b.lora, graph)
+        out = self._sample(b, logits)
         tok = torch.where(b.active, out.token_ids, -1)
-        if b.guided is not None:
-            b.guided.advance(tok, b.active, last)
         finish = self._finish_reasons(b, tok)
-        if b.seen is not None:
-            # Masked rows write False into their own row only; they never sample again.
-            b.seen.scatter_(1, tok.clamp(min=0).unsqueeze(1), b.active.unsqueeze(1))
-        if b.counts is not None:  # masked rows add 0
-            b.counts.scatter_add_(1, tok.clamp(min=0).unsqueeze(1),
-                                  b.active.to(b.counts.dtype).unsqueeze(1))
+        self._record(b, tok, last)
         b.output_count += b.active.to(torch.int32)
         b.input_ids = torch.where(b.active, tok, b.input_ids)
         b.positions = b.positions + b.active.to(torch.int64)
         b.active = b.active & (finish == 0)
         return StepTensors(step, tok, finish, out.logprobs, out.ranks, out.top_ids,
                            out.top_logprobs, details)
+
+    def _logits(self, b: DecodeBatch | VerifyRows, step: int, pre: PrefillInputs | None,
+                lora: LoraContext | None, graph: GraphStep | None = None
+                ) -> tuple[torch.Tensor, Any]:
+        """The decode rows' logits, and the prompt detail of the step's prefill pieces."""
+        if pre is not None:
+            logits, hidden = self.forward_mixed(b, step, pre)
+            return logits, self._scores(hidden, pre) if pre.scores.rows else None
+        if graph is not None:
+            assert isinstance(b, DecodeBatch)
+            return graph(b), None
+        return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
+                                   b.max_seq_len(step), lora, b.row_lens(step)), None
+
+    def _sample(self, b: DecodeBatch, logits: torch.Tensor) -> SamplerOutput:
+        # Guided rows' masks after the forward is under way (grammar rows wait for the host).
+        may_block = b.guided.prepare() if b.guided is not None else None
+        return self.sampler(logits, b.sampling, b.seen, b.output_count,
+                            all_greedy=b.all_greedy, any_penalty=b.any_penalty,
+                            need_logprobs=b.need_logprobs, max_top_n=b.max_top_n,
+                            hints=b.hints, inplace=True, counts=b.counts, may_block=may_block,
+                            mask=b.guided.apply_ if b.guided is not None else None)
+
+    @staticmethod
+    def _record(b: DecodeBatch, tok: torch.Tensor, last: bool) -> None:
+        """A sampled token (-1: masked row) into the guided states and penalty tables."""
+        if b.guided is not None:
+            b.guided.advance(tok, b.active, last)
+        if b.seen is not None:
+            # Masked rows write False into their own row only; they never sample again.
+            b.seen.scatter_(1, tok.clamp(min=0).unsqueeze(1), b.active.unsqueeze(1))
+        if b.counts is not None:  # masked rows add 0
+            b.counts.scatter_add_(1, tok.clamp(min=0).unsqueeze(1),
+                                  b.active.to(b.counts.dtype).unsqueeze(1))
 
     def _finish_reasons(self, b: DecodeBatch, tok: torch.Tensor) -> torch.Tensor:
         count = b.output_count + 1
@@ -377,9 +400,15 @@ class ModelRunner:
         steps: list[StepTensors] = []
         batch: DecodeBatch | None = None
         if layout.decoding:
+            spec = self.speculative
             batch = build_decode_batch(layout.decoding, self.vocab_size, self.device,
-                                       self.guided, layout.join_steps)
-            slots = [r.lora_slot for r in layout.decoding]
+                                       self.guided, layout.join_steps,
+                                       spec.num_speculative_tokens + 1 if spec else 1)
+            if spec is not None:
+                batch.spec = build_spec_batch(spec, layout.decoding, plan.num_steps,
+                                              self.block_size, self.device)
+            # A verify step has 1 + k decode rows per request.
+            slots = [r.lora_slot for r in layout.decoding for _ in range(batch.stride)]
             batch.lora = self._lora_context(slots)
             graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
             work = StepWork(layout.steps, layout.join_steps,
@@ -395,6 +424,9 @@ class ModelRunner:
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         done.decode_only = bool(layout.decoding) and not layout.num_prefill
+        if batch is not None and batch.spec is not None:  # after the plan's one host read
+            done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens = (
+                batch.spec.counts())
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,
@@ -418,11 +450,11 @@ class ModelRunner:
             steps.append(st)
             if plan.publish_per_step:
                 with TRACER.span("publish", plan.plan_id, k):
-                    _publish(publish, plan, batch, st, k == last)
+                    publish_step(publish, plan, batch, st, k == last)
             self._step_s = time.perf_counter() - started
         if not plan.publish_per_step:  # sync mode: the plan's tokens go out after its last step
             for st in steps:
-                _publish(publish, plan, batch, st, st.step == last)
+                publish_step(publish, plan, batch, st, st.step == last)
         return steps
 
     def _collect(self, plan: StepPlan, decoding: list[RequestState], steps: list[StepTensors],
@@ -436,8 +468,8 @@ class ModelRunner:
             states = batch.guided.state.cpu().numpy() if batch.guided.groups else None
             batch.guided.finish(decoding, states)
         if steps:
-            toks = torch.stack([s.token_ids for s in steps]).cpu().numpy()  # [K, B]
-            fins = torch.stack([s.finish for s in steps]).cpu().numpy()
+            toks = _columns([s.token_ids for s in steps])  # [K, B] ([K * (1 + k), B])
+            fins = _columns([s.finish for s in steps])
             for i, r in enumerate(decoding):
                 col = toks[:, i]
                 valid = col[col >= 0]
@@ -460,9 +492,6 @@ class ModelRunner:
             forward_time=0.0, wall_time=0.0)
 
 
-def _publish(publish: TokenPublisher, plan: StepPlan, batch: DecodeBatch, st: StepTensors,
-             last: bool) -> None:
-    """A step's prompt detail (from its prefill pieces), then its tokens."""
-    if st.details is not None:
-        publish.send_scores(*st.details)
-    publish(plan, batch, st, last)
+def _columns(per_step: list[torch.Tensor]) -> np.ndarray:
+    """Per-step [B] or [B, 1 + k] tensors as one host array [tokens in order, B]."""
+    return torch.cat([t.reshape(t.shape[0], -1).T for t in per_step]).cpu().numpy()

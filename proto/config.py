@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_serve.proto.speculative import speculative_problems
+
 
 @dataclass(frozen=True)
 class Addresses:
@@ -135,6 +137,8 @@ class ServerConfig:
     adapter_cache: str = ""
     max_loras: int = 8
     max_lora_rank: int = 16
+    # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
+    speculative_config: str = ""
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -223,6 +227,9 @@ def config_problems(cfg: ServerConfig) -> list[str]:
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
+    out += speculative_problems(cfg.speculative_config)
+    if cfg.speculative_config and cfg.tensor_parallel_size > 1:
+        out.append("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
     return out + _parallel_problems(cfg)
 
 

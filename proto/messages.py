@@ -324,6 +324,11 @@ class StepDone:
     # the plan only continued decoding (no prefill): the device-idle share in steady decode.
     idle_time: float = 0.0
     decode_only: bool = False
+    # Speculative decoding in this plan: row-steps that had a draft, draft tokens proposed,
+    # draft tokens accepted (the vLLM counters tandem_spec_decode_*).
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -45,6 +45,11 @@ class EngineStats:
     # (vLLM's lora_requests_info labels, which endpoint pickers read for adapter affinity).
     running_adapters: list[str] = field(default_factory=list)
     waiting_adapters: list[str] = field(default_factory=list)
+    # Speculative decoding since start (StepDone's counts): row-steps with a draft, draft
+    # tokens, accepted draft tokens.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass

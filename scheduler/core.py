@@ -43,6 +43,7 @@ from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hash
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
 from tandem_serve.scheduler.guided import constraint_id
 from tandem_serve.scheduler.requests import Request, RequestStatus
+from tandem_serve.scheduler.speculation import SpecCounts
 from tandem_serve.scheduler.state import (
     MAX_OUTSTANDING_ASYNC,
     SchedulerParams,
@@ -80,6 +81,8 @@ class Scheduler:
     def __init__(self, params: SchedulerParams) -> None:
         self.state = SchedulerState(params)
         self.params = params
+        self.spec = SpecCounts(params.num_speculative_tokens,
+                               params.num_blocks * params.block_size)
         self.clock = time.monotonic  # tests replace it
 
     @property
@@ -131,14 +134,18 @@ class Scheduler:
         if progress is None:  # a duplicate of a plan already retired
             return
         progress.step_done = True
-        produced = zip(msg.request_ids.tolist(), msg.num_tokens.tolist(), strict=True)
-        for request_id, num_tokens in produced:
+        produced = dict(zip(msg.request_ids.tolist(), msg.num_tokens.tolist(), strict=True))
+        reached = self.spec.correct(msg.plan_id, produced, self.state.requests)
+        for request_id, num_tokens in produced.items():
             self.state.ledger.add_produced(request_id, num_tokens)
         finished = zip(msg.finished_ids.tolist(), msg.finish_reasons.tolist(), strict=True)
         for request_id, reason in finished:
             req = self.state.requests.get(request_id)
             if req is not None:  # else finished by counts, aborted, or reported again
                 self.state.finish(req, FinishReason(reason))
+        for req in reached:  # speculation: a finish by counts inside a plan already built
+            if req.status is RequestStatus.RUNNING and (reason := req.count_finish()):
+                self.state.finish(req, reason)
         self.state.retire_complete_plans()
 
     def on_adapter_failed(self, msg: AdapterFailed) -> None:
@@ -234,7 +241,7 @@ class Scheduler:
         # The worker decodes every running request K times (capped by its limits) whether
         # the plan names it or not: it gets its lookahead blocks, or leaves the batch now.
         steps = self._steps(req)
-        positions = req.num_computed + steps
+        positions = self.spec.positions(req, req.num_computed, steps)
         if not self._fits_alone(req, positions):
             return
         new_blocks = self._grow(req, positions, draft)
@@ -277,6 +284,8 @@ class Scheduler:
         """Start (or resume) the head of the queue; False when it has to wait."""
         if not self._fits_alone(req, req.num_tokens - 1 + self._steps(req)):
             return True
+        if not self.spec.confirmed(req):
+            return False  # preempted while a plan ran: its history length is not known yet
         if not req.lora_slot and not self.state.lora.can_take(req.adapter_id):
             return False  # every adapter slot is held: wait like for KV blocks
         if not self.state.constraints.ready(req.sampling):
@@ -313,6 +322,7 @@ class Scheduler:
                 steps = split.decode_steps
                 req.num_tokens += steps
                 req.num_computed += steps
+                self.spec.predict(draft.plan_id, req, steps)
             self._register_filled_blocks(req)
             finish = req.count_finish()
             if finish is not None:  # the worker stops it in this plan: drop it in the next
@@ -342,13 +352,12 @@ class Scheduler:
     def _decode_steps(self, req: Request) -> DecodeSteps:
         return lambda first: self._steps(req, first)
 
-    @staticmethod
-    def _positions_after(req: Request, num_computed: int, split: Split) -> int:
+    def _positions_after(self, req: Request, num_computed: int, split: Split) -> int:
         """KV positions `req` needs once `split`'s chunk is computed after `num_computed`:
         a chunk that completes the prompt decodes in the same plan, so its decode lookahead
         is included."""
-        return num_computed + split.total + (split.decode_steps if split.join is not None
-                                             else 0)
+        return self.spec.positions(req, num_computed + split.total,
+                                   split.decode_steps if split.join is not None else 0)
 
     def _chunk_that_fits(self, req: Request, num_prefill: int) -> int | None:
         """A smaller chunk that does not complete the prompt and fits in the free blocks."""

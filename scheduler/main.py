@@ -33,6 +33,7 @@ from tandem_serve.proto.messages import (
     StopHit,
     WorkerReady,
 )
+from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports
@@ -57,6 +58,7 @@ def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
 
 def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
     tokens = cfg.max_num_batched_tokens or default_tokens(ready.device_type, cfg.prefill_phase)
+    spec = parse_speculative(cfg.speculative_config)
     return SchedulerParams(
         num_blocks=ready.num_kv_blocks, block_size=ready.block_size,
         num_steps=cfg.num_scheduler_steps, max_model_len=ready.max_model_len,
@@ -66,7 +68,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         enable_prefix_caching=prefix_caching(cfg, ready),
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
-        max_loras=cfg.max_loras if cfg.adapter_cache else 0)
+        max_loras=cfg.max_loras if cfg.adapter_cache else 0,
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:

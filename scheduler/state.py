@@ -54,6 +54,8 @@ class SchedulerParams:
     vocab_size: int = 0
     guided_kept: int = 32
     max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
+    # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
+    num_speculative_tokens: int = 0
 
 
 @dataclass(frozen=True)

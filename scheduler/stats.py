@@ -27,12 +27,16 @@ class Timings:
     postproc_busy_s: float = 0.0
     steady_busy_s: float = 0.0
     steady_idle_s: float = 0.0
+    spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
 
     def on(self, msg: object, num_postproc: int) -> None:
         if isinstance(msg, StepDone):
             self.num_plans += 1
             self.worker_busy_s += msg.wall_time
             self.forward_s += msg.forward_time
+            drafts, tokens, accepted = self.spec
+            self.spec = (drafts + msg.num_drafts, tokens + msg.num_draft_tokens,
+                         accepted + msg.num_accepted_tokens)
             # The wait before a plan with prefill is usually for new requests, not for us.
             if msg.decode_only:
                 self.steady_busy_s += msg.wall_time
@@ -89,6 +93,6 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
                         times.steady_idle_s, sched.take_queue_times(),
                         list(s.loaded_adapters), s.adapter_loads, list(s.running_adapters),
-                        list(s.waiting_adapters))
+                        list(s.waiting_adapters), *times.spec)
     to_frontend.put(stats)
     return now, stats

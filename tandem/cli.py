@@ -149,6 +149,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help="the largest adapter rank served (the device cost per token grows "
                         "with it)")
+    p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2} (default: off)')
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")

@@ -78,6 +78,8 @@ class Driver:
         self._drop_tables: list[str] = []
         self._loads: list[AdapterLoad] = []
         self.done: list[StepDone] = []
+        spec = runner.speculative  # a verify step advances a row by up to 1 + k positions
+        self.stride = spec.num_speculative_tokens + 1 if spec is not None else 1
 
     # -- deltas for the next plan
 
@@ -137,7 +139,7 @@ class Driver:
         """Blocks for this plan's writes, exactly as many as the scheduler would give."""
         positions = t.computed + t.chunk
         if positions == len(t.history) - 1:
-            positions += min(k, t.steps_left(self.runner.max_model_len))
+            positions += min(k * self.stride, t.steps_left(self.runner.max_model_len))
         new = []
         while len(t.blocks) * self.bs < positions:
             b = self.free.pop()
@@ -187,13 +189,15 @@ class Driver:
         got: dict[int, int] = Counter()
         finished: dict[int, FinishReason] = {}
         if batches[0].step >= 0:
-            assert [b.step for b in batches] == list(range(plan.num_steps))
+            assert [b.step for b in batches] == list(range(plan.num_steps * self.stride))
         for b in batches:
             for rid, tok, fin in zip(b.request_ids.tolist(), b.token_ids.tolist(),
                                      b.finish.tolist(), strict=True):
                 assert not self.reqs[rid].gone, f"dropped request {rid} is still decoding"
                 if rid in finished or self.reqs[rid].finish:
                     assert tok == -1, f"request {rid} got a token after it finished"
+                    continue
+                if tok < 0 and self.stride > 1:  # a verify step's run ended before this column
                     continue
                 assert tok >= 0
                 self.reqs[rid].out.append(tok)

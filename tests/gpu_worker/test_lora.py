@@ -247,3 +247,20 @@ def test_seeded_sampling_and_logprobs_under_an_adapter_ignore_the_batch(model: s
             for b in batches if 8 in b.request_ids and b.token_ids[
                 list(b.request_ids).index(8)] >= 0]
     assert rows and all(rank == 1 and lp <= 0 for rank, lp in rows)
+
+
+def test_speculative_verify_rows_apply_their_adapters(model: str, cache: Path,
+                                                      expected: dict[int, list[int]]) -> None:
+    # Each request's 1 + k verify rows run under its adapter (drafts from 1-grams: some
+    # are proposed on these random prompts, and verified under the adapter).
+    from tandem_serve.proto.speculative import parse_speculative
+
+    spec = parse_speculative('{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_min": 1, "prompt_lookup_max": 2}')
+    runner = lora_runner(model, cache, speculative=spec)
+    runner.step_guard = forbid_host_sync
+    d = Driver(runner, seed=6)
+    d.add = functools.partial(d.add, sampling=sampling())  # type: ignore[method-assign]
+    run_mix(d)
+    assert d.outputs() == expected
+    assert sum(done.num_drafts for done in d.done) > 0

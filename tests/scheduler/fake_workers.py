@@ -228,9 +228,13 @@ class FakeWorker:
                 f"prefill past len - 1: computed {req.num_computed} + chunk {req.chunk}, "
                 f"history {len(req.history)}")
             needed = self._positions_needed(req)
-            assert len(req.table) == -(-needed // bs), (
-                f"{len(req.table)} blocks for {needed} positions: the rule needs exactly "
-                f"{-(-needed // bs)}")
+            if self.params.num_speculative_tokens:  # the lookahead is a bound, not exact
+                assert len(req.table) >= -(-needed // bs), (
+                    f"{len(req.table)} blocks for up to {needed} positions")
+            else:
+                assert len(req.table) == -(-needed // bs), (
+                    f"{len(req.table)} blocks for {needed} positions: the rule needs exactly "
+                    f"{-(-needed // bs)}")
             for index, block in enumerate(req.table):
                 assert 0 <= block < self.params.num_blocks
                 holders[block].append((req, index))
@@ -246,6 +250,10 @@ class FakeWorker:
         after_prefill = req.num_computed + req.chunk
         if after_prefill < len(req.history) - 1:
             return after_prefill
+        k = self.params.num_speculative_tokens
+        if k:  # every step may advance 1 + k positions, up to the request's limit
+            limit = min(req.prompt_len + req.max_new, self.params.max_model_len)
+            return min(after_prefill + self._steps_left(req) * (k + 1), limit)
         return after_prefill + self._steps_left(req)
 
     def _steps_left(self, req: WorkerRequest) -> int:
@@ -277,22 +285,30 @@ class FakeWorker:
                     continue
                 assert not req.guided_id or req.guided_id in self.tables, (
                     f"request {rid} decodes without its constraint {req.guided_id}")
-                self._write(req, req.num_computed)
-                token = self.rng.randrange(VOCAB)
-                req.history.append(token)
-                req.kv_values.append(kv_value(req.kv_values[-1], token))
-                req.num_computed += 1
-                produced[rid] += 1
-                self.produced_total += 1
-                req.finish = self._finish_reason(req)
-                if req.finished:
-                    finished[rid] = req.finish
-                    self.finished_in[rid] = plan.plan_id
-                    if req.finish != FinishReason.EOS_TOKEN:
-                        self.count_drop_due[rid] = plan.plan_id + 1
-                rows.append((rid, token, int(req.finish)))
+                # Speculation: 1 to 1 + k tokens a step (accepted drafts and the bonus).
+                for _ in range(self.rng.randint(1, 1 + self.params.num_speculative_tokens)):
+                    rows.append(self._decode_one(plan, rid, req, produced, finished))
+                    if req.finished:
+                        break
             steps.append(rows)
         return steps, produced, finished
+
+    def _decode_one(self, plan: StepPlan, rid: int, req: WorkerRequest,
+                    produced: Counter[int], finished: dict[int, int]) -> Row:
+        self._write(req, req.num_computed)
+        token = self.rng.randrange(VOCAB)
+        req.history.append(token)
+        req.kv_values.append(kv_value(req.kv_values[-1], token))
+        req.num_computed += 1
+        produced[rid] += 1
+        self.produced_total += 1
+        req.finish = self._finish_reason(req)
+        if req.finished:
+            finished[rid] = req.finish
+            self.finished_in[rid] = plan.plan_id
+            if req.finish != FinishReason.EOS_TOKEN and not self.params.num_speculative_tokens:
+                self.count_drop_due[rid] = plan.plan_id + 1
+        return (rid, token, int(req.finish))
 
     def _finish_reason(self, req: WorkerRequest) -> FinishReason:
         if self.rng.random() < self.p_eos:

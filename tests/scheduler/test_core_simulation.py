@@ -82,3 +82,19 @@ def test_random_workload_with_constraints_named_by_id(num_steps: int, async_mode
                      ids_only=True).run()
     assert sim.num_asked > 0, "some tables were asked for again"
     assert sim.sched.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("async_mode", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_random_workload_speculative(num_steps: int, async_mode: bool) -> None:
+    # A step advances a row by 1 to 1 + k tokens: the scheduler plans on lower bounds, its
+    # lookahead covers the upper one (the fake worker checks every write and block), and
+    # StepDone's counts correct it; preempted requests resume with exact histories.
+    # K * (k + 1) lookahead: a larger cache, or nothing but one request fits.
+    params = small_cache(num_steps, async_mode, num_speculative_tokens=3 if num_steps == 1 else 2,
+                         num_blocks=24 if num_steps == 1 else 40)
+    sim = Simulation(params, seed=41 + num_steps + async_mode).run()
+    stats = sim.sched.stats
+    assert stats.num_preemptions > 0
+    hows = Counter(sim.ended.values())
+    assert hows["stop"] and hows["worker"] and hows["abort"]

@@ -1,0 +1,232 @@
+"""Speculative decoding inside the K-step loop, its device state and tensor ops: n-gram
+(prompt lookup) drafts proposed on the device, verified by the step's one target forward
+(`gpu_worker.spec_step`), accepted on the device.
+
+A verify step gives every decode row 1 + k query tokens: its input token and up to k draft
+tokens at the following positions.  Each of them is laid out as a decode row of its own
+(same block table, its own position and context length), so the forward, the attention
+paths and the mixed steps' prefill pieces need no new kernel: every token's KV is written
+before any row attends, so the row of draft j sees drafts 1..j-1 of the same forward, which
+is causal verification.  The draft positions a row does not use write nothing (slot -1).
+
+Every verify position is sampled as a plain step would sample that token (same processing,
+same seeded uniform: the row's seed and its output count at that position), and a row
+accepts the longest prefix of drafts equal to those tokens, then emits the sampled token at
+the first mismatch: a + 1 tokens, identical to what a + 1 plain steps would have produced.
+For greedy rows that is the longest prefix matching the argmax plus the target's next token.
+For sampled rows it is exactly the standard rejection rule with a one-hot draft: the draft t
+is accepted with probability p(t) (the sampled token is t), and on rejection the emitted
+token is distributed as p with t removed and renormalised (a draw from p given it is not
+t); the target distribution is kept exactly, and a seeded row gets the very tokens it gets
+without speculation.  The KV of rejected drafts stays in the cache past the row's position
+and is overwritten when real tokens reach those positions.  Stop ids, max_new_tokens and
+max_model_len cut a run exactly at the finishing token.  Logprobs and top-n come from each
+position's own distribution, as a plain step gives them.
+
+Rows whose token at a position depends on tokens not yet known when the positions are
+sampled together do not speculate: repetition, frequency and presence penalties (they count
+the tokens before), guided decoding (its automaton state), and, not composed yet, typical-p
+(its entropy is a float sum that may round differently over the verify rows).  They get no
+drafts and advance by their one sampled token, so they are served exactly as without
+speculation (`eligible`).
+
+Everything here is batched tensor ops with no host read, so the K-step loop stays free of
+host syncs; the per-row history the proposer searches lives on the device for the plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.proto.messages import FinishReason
+from tandem_serve.proto.speculative import SpeculativeConfig
+
+
+def eligible(req: RequestState) -> bool:
+    """Whether the row's verify positions can all be sampled at once (the module doc)."""
+    p = req.sampling
+    return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and not (0 < p.typical_p < 1)
+            and not p.guided_id)
+
+
+def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: int
+                  ) -> tuple[Tensor, Tensor]:
+    """Prompt-lookup drafts for every row: the longest suffix n-gram (n_max down to n_min)
+    of `history[:hist_len]` that also occurs earlier; its most recent earlier occurrence's
+    continuation, up to k tokens, is the draft.  Returns drafts [B, k] (garbage past each
+    row's length) and their lengths [B] (0: no match)."""
+    rows, width = history.shape
+    device = history.device
+    start = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    found = torch.zeros(rows, dtype=torch.bool, device=device)
+    for n in range(n_max, n_min - 1, -1):
+        if width < n + 1:
+            continue
+        windows = history.unfold(1, n, 1)  # [B, W, n]: every n-gram, by start
+        suffix_at = (hist_len - n).clamp(min=0).unsqueeze(1) + torch.arange(n, device=device)
+        suffix = history.gather(1, suffix_at.clamp(max=width - 1))
+        same = (windows == suffix.unsqueeze(1)).all(dim=2)  # [B, W]
+        at = torch.arange(windows.shape[1], device=device)
+        # An earlier occurrence with at least one token after it (not the suffix itself).
+        ok = same & (at.unsqueeze(0) + n < hist_len.unsqueeze(1)) & (hist_len >= n).unsqueeze(1)
+        last = torch.where(ok, at.unsqueeze(0), -1).amax(dim=1)
+        take = ~found & (last >= 0)
+        start = torch.where(take, last + n, start)
+        found = found | take
+    length = torch.where(found, (hist_len - start).clamp(max=k), 0)
+    index = (start.clamp(min=0).unsqueeze(1) + torch.arange(k, device=device))
+    return history.gather(1, index.clamp(max=width - 1)), length
+
+
+def accept_prefix(drafts: Tensor, length: Tensor, target: Tensor) -> Tensor:
+    """Drafts accepted per row: the longest prefix (within `length`) equal to the tokens
+    sampled from the target at the same positions.  drafts [B, k], target [B, 1 + k]."""
+    k = drafts.shape[1]
+    within = torch.arange(k, device=drafts.device).unsqueeze(0) < length.unsqueeze(1)
+    match = (drafts == target[:, :k]) & within
+    return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def finish_run(tokens: Tensor, accepted: Tensor, active: Tensor, output_count: Tensor,
+               max_new: Tensor, stop_ids: Tensor, positions: Tensor, max_model_len: int
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """Cut each row's run of `accepted + 1` tokens at its first finishing token.  Returns the
+    emitted tokens [B, 1 + k] (-1 past the run), their finish reasons (uint8, at the
+    finishing token only) and the emitted count per row."""
+    j = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    in_run = (j <= accepted.unsqueeze(1)) & active.unsqueeze(1)
+    is_stop = (tokens.unsqueeze(2) == stop_ids.unsqueeze(1)).any(dim=2)
+    hit_max = output_count.unsqueeze(1) + j + 1 >= max_new.unsqueeze(1)
+    # Token j makes the history positions + j + 2 long.
+    hit_len = positions.unsqueeze(1) + j + 2 >= max_model_len
+    reason = torch.where(
+        is_stop, int(FinishReason.EOS_TOKEN),
+        torch.where(hit_max, int(FinishReason.MAX_TOKENS),
+                    torch.where(hit_len, int(FinishReason.TOKEN_LIMIT), 0)))
+    reason = torch.where(in_run, reason, 0)
+    ends = (reason > 0).to(torch.int32)
+    after_end = (ends.cumsum(dim=1) - ends) > 0
+    emit = in_run & ~after_end
+    return (torch.where(emit, tokens, -1), torch.where(emit, reason, 0).to(torch.uint8),
+            emit.sum(dim=1))
+
+
+@dataclass
+class VerifyRows:
+    """A verify step's decode rows, 1 + k per batch row, shaped for the runner's forwards
+    like a `DecodeBatch` (a row's unused draft positions are inactive: they write no KV)."""
+
+    input_ids: Tensor  # [B * (1 + k)]
+    positions: Tensor
+    active: Tensor
+    block_tables: Tensor
+    drafts: Tensor  # [B, k]
+    length: Tensor  # [B] drafts in use per batch row
+    bound: int  # host bound of every row's context length in this step
+    lens: list[int]  # host bound per verify row
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def max_seq_len(self, step: int) -> int:
+        return self.bound
+
+    def row_lens(self, step: int) -> list[int]:
+        return self.lens
+
+
+@dataclass
+class SpecBatch:
+    """A plan's speculative state on the device, next to its `DecodeBatch`."""
+
+    config: SpeculativeConfig
+    history: Tensor  # [B, L] int64: prompt + output so far, -1 past hist_len
+    hist_len: Tensor  # [B] int64
+    capacity: Tensor  # [B] int64: positions the row's KV blocks hold
+    eligible: Tensor  # [B] bool
+    # Device counters over the plan: rows that got a draft, draft tokens, accepted drafts.
+    num_drafts: Tensor
+    num_draft_tokens: Tensor
+    num_accepted: Tensor
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens
+
+    @property
+    def stride(self) -> int:
+        return self.k + 1
+
+    def propose(self, positions: Tensor, active: Tensor, output_count: Tensor,
+                max_new: Tensor, max_model_len: int) -> tuple[Tensor, Tensor]:
+        """Drafts [B, k] and lengths [B], capped where tokens could never be kept: past the
+        row's KV blocks, max_model_len or max_new_tokens."""
+        cfg = self.config
+        drafts, length = propose_ngram(self.history, self.hist_len, self.k,
+                                       cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        room = torch.minimum(self.capacity - 1 - positions,
+                             torch.minimum(max_model_len - 2 - positions,
+                                           (max_new - output_count - 1).to(torch.int64)))
+        length = torch.minimum(length, room.clamp(min=0))
+        length = torch.where(active & self.eligible, length, 0)
+        return drafts, length
+
+    def expand(self, input_ids: Tensor, drafts: Tensor, length: Tensor, positions: Tensor,
+               active: Tensor, block_tables: Tensor, bound: int, lens: list[int]
+               ) -> VerifyRows:
+        """The verify forward's decode rows, 1 + k per row (`lens`: each row's host bound,
+        given per batch row)."""
+        s = self.stride
+        j = torch.arange(s, device=positions.device).unsqueeze(0)
+        used = active.unsqueeze(1) & (j <= length.unsqueeze(1))
+        # Unused positions repeat the input token (a draft past a row's length may be -1).
+        ids = torch.cat((input_ids.unsqueeze(1), drafts), dim=1)
+        ids = torch.where(used, ids, input_ids.unsqueeze(1))
+        pos = torch.where(used, positions.unsqueeze(1) + j, positions.unsqueeze(1))
+        return VerifyRows(ids.reshape(-1), pos.reshape(-1), used.reshape(-1),
+                          block_tables.repeat_interleave(s, dim=0), drafts, length, bound,
+                          [n for n in lens for _ in range(s)])
+
+    def record(self, tokens: Tensor, length: Tensor, count: Tensor) -> None:
+        """Append each row's emitted tokens to its history; count drafts and acceptances."""
+        j = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        at = (self.hist_len.unsqueeze(1) + j).clamp(max=self.history.shape[1] - 1)
+        keep = self.history.gather(1, at)
+        self.history.scatter_(1, at, torch.where(tokens >= 0, tokens, keep))
+        self.hist_len = self.hist_len + count
+        drafted = length > 0
+        self.num_drafts += drafted.sum()
+        self.num_draft_tokens += length.sum()
+        self.num_accepted += torch.where(drafted, (count - 1).clamp(min=0), 0).sum()
+
+
+    def counts(self) -> tuple[int, int, int]:
+        """The plan's counters, read back once it has ended."""
+        both = torch.stack((self.num_drafts, self.num_draft_tokens, self.num_accepted))
+        drafts, tokens, accepted = both.tolist()
+        return drafts, tokens, accepted
+
+
+def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], num_steps: int,
+                     block_size: int, device: torch.device) -> SpecBatch:
+    """Host histories onto the device once per plan, with room for the plan's tokens."""
+    stride = config.num_speculative_tokens + 1
+    width = max(len(r.history) for r in reqs) + num_steps * stride
+    history = torch.full((len(reqs), width), -1, dtype=torch.int64)
+    for i, r in enumerate(reqs):
+        history[i, : len(r.history)] = torch.tensor(r.history, dtype=torch.int64)
+
+    def col(values: list, dtype: torch.dtype) -> Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    return SpecBatch(config, history.to(device, non_blocking=True),
+                     col([len(r.history) for r in reqs], torch.int64),
+                     col([len(r.block_ids) * block_size for r in reqs], torch.int64),
+                     col([eligible(r) for r in reqs], torch.bool),
+                     zero.clone(), zero.clone(), zero.clone())

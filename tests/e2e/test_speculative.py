@@ -1,0 +1,130 @@
+"""End to end: with `--speculative-config` (n-gram drafts) greedy streams still equal HF
+`generate()`, K=8 async and K=1 sync, and the spec-decode counters move; on a model that
+copies (nearly a bigram model) drafts from a copy-heavy prompt are accepted."""
+from __future__ import annotations
+
+import pathlib
+import re
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tandem_serve.rpc.client import GenerateOptions
+from tests.e2e.server import Server, free_port
+from tests.hf_reference import hf_greedy
+
+pytestmark = pytest.mark.slow
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}'
+PROMPTS = [
+    ("one two three four five one two three four five one two three four five one two", 24),
+    ("1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", 20),
+    ("The quick brown fox jumps over", 9),
+    ("abc abc abc abc abc abc abc abc abc", 30),
+]
+
+
+@pytest.fixture(scope="module")
+def hf_outputs(tiny_model_dir: pathlib.Path) -> dict[str, str]:
+    return dict(zip([t for t, _ in PROMPTS], hf_greedy(tiny_model_dir, PROMPTS), strict=True))
+
+
+def stream_text(server: Server, text: str, n: int) -> tuple[str, int]:
+    parts, last = [], None
+    for resp in server.client.stream(text, GenerateOptions(max_new_tokens=n, min_new_tokens=n)):
+        parts.append(resp.text)
+        last = resp
+    assert last is not None
+    return "".join(parts), last.generated_token_count
+
+
+def counters(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    return {m[1]: float(m[2]) for m in re.finditer(r"^tandem_spec_decode_(\w+)_total (\S+)$",
+                                                    text, re.M)}
+
+
+@pytest.mark.parametrize("steps, mode", [(8, "--async-postproc"), (1, "--no-async-postproc")])
+def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
+                                                  hf_outputs: dict[str, str], steps: int,
+                                                  mode: str) -> None:
+    port = free_port()
+    server = Server(str(tiny_model_dir), "--num-scheduler-steps", str(steps), mode,
+                    "--speculative-config", SPEC, "--metrics-port", str(port)).wait_ready()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: stream_text(server, *p), PROMPTS))
+        for (text, n), (got, count) in zip(PROMPTS, results, strict=True):
+            assert count == n
+            assert got == hf_outputs[text], f"K={steps} {mode}: {text!r}"
+        seen: dict[str, float] = {}
+        for _ in range(50):  # the scheduler reports its counters every 0.2 s
+            seen = counters(port)
+            if seen.get("num_drafts", 0) > 0:
+                break
+            time.sleep(0.1)
+        assert seen["num_drafts"] > 0 and seen["num_draft_tokens"] >= seen["num_drafts"]
+        assert 0 <= seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Attention and MLP outputs scaled down: greedy output follows chains of tokens, so a
+    prompt that already holds the chain gets its drafts accepted (as in the runner tests)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.gpu_worker.model_utils import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("copier"), "llama", seed=5)
+    file = pathlib.Path(path) / "model.safetensors"
+    weights = load_file(file)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = weights[name] * 0.05
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+def hf_ids(model_dir: str, prompt: list[int], n: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_drafts_from_a_copy_heavy_prompt_are_accepted(copier: str) -> None:
+    import openai
+    from transformers import AutoTokenizer
+
+    chain = [7] + hf_ids(copier, [7], 40)
+    prompt = chain[:30] + chain[:3]  # copy-heavy: its continuation is in the prompt
+    want = AutoTokenizer.from_pretrained(copier).decode(hf_ids(copier, prompt, 24),
+                                                        skip_special_tokens=True)
+    port = free_port()
+    server = Server(copier, "--speculative-config", SPEC, "--metrics-port", str(port),
+                    http=True).wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                               api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        got = client.completions.create(model=name, prompt=prompt, max_tokens=24,
+                                        temperature=0, extra_body={"min_tokens": 24})
+        assert got.choices[0].text == want
+        seen: dict[str, float] = {}
+        for _ in range(50):
+            seen = counters(port)
+            if seen.get("num_accepted_tokens", 0) > 0:
+                break
+            time.sleep(0.1)
+        assert 0 < seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
