@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tandem_serve.rpc.client import GenerateOptions
 from tests.e2e.server import Server, free_port
+from tests.e2e.test_greedy_parity import stream_text
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -29,15 +29,6 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def hf_outputs(tiny_model_dir: pathlib.Path) -> dict[str, str]:
     return dict(zip([t for t, _ in PROMPTS], hf_greedy(tiny_model_dir, PROMPTS), strict=True))
-
-
-def stream_text(server: Server, text: str, n: int) -> tuple[str, int]:
-    parts, last = [], None
-    for resp in server.client.stream(text, GenerateOptions(max_new_tokens=n, min_new_tokens=n)):
-        parts.append(resp.text)
-        last = resp
-    assert last is not None
-    return "".join(parts), last.generated_token_count
 
 
 def counters(port: int) -> dict[str, float]:
@@ -74,20 +65,11 @@ def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
 
 @pytest.fixture(scope="module")
 def copier(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """Attention and MLP outputs scaled down: greedy output follows chains of tokens, so a
-    prompt that already holds the chain gets its drafts accepted (as in the runner tests)."""
-    from safetensors.torch import load_file, save_file
+    """Greedy output follows chains of tokens, so a prompt that already holds the chain gets
+    its drafts accepted (as in the runner tests)."""
+    from tests.gpu_worker.model_utils import make_copier_checkpoint
 
-    from tests.gpu_worker.model_utils import make_tiny_checkpoint
-
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("copier"), "llama", seed=5)
-    file = pathlib.Path(path) / "model.safetensors"
-    weights = load_file(file)
-    for name in weights:
-        if "o_proj" in name or "down_proj" in name:
-            weights[name] = weights[name] * 0.05
-    save_file(weights, file, metadata={"format": "pt"})
-    return path
+    return make_copier_checkpoint(tmp_path_factory.mktemp("copier"))
 
 
 def hf_ids(model_dir: str, prompt: list[int], n: int) -> list[int]:

@@ -105,6 +105,23 @@ def randomize_weights(model: torch.nn.Module, seed: int = 0, scale: float = 1.0)
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
+def make_copier_checkpoint(tmp_dir: str | os.PathLike[str], *, tokenizer: bool = True) -> str:
+    """A tiny llama whose attention and MLP outputs are scaled down: nearly a bigram model,
+    so greedy output follows chains that a copy-heavy prompt already holds (speculative
+    drafts get accepted), while the context still moves the logits (the KV of accepted
+    drafts matters)."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_dir, "llama", tokenizer=tokenizer, seed=5)
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = weights[name] * 0.05
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
 def make_tiny_checkpoint(
     tmp_dir: str | os.PathLike[str],
     arch: str,

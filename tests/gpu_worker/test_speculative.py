@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.sampler import Sampler
@@ -17,7 +16,7 @@ from tandem_serve.gpu_worker.spec_batch import accept_prefix, finish_run, propos
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
-from tests.gpu_worker.model_utils import EOS_ID, make_tiny_checkpoint
+from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver
 from tests.gpu_worker.sampler_utils import make_rows
 
@@ -72,17 +71,8 @@ def test_accept_and_cut_runs() -> None:
 
 @pytest.fixture(scope="module")
 def copier(ckpt_root: Path) -> str:
-    """A llama whose attention and MLP outputs are scaled down: nearly a bigram model, so
-    greedy output follows chains that a copy-heavy prompt already holds (drafts accepted),
-    while the context still moves the logits (the KV of accepted drafts matters)."""
-    path = make_tiny_checkpoint(ckpt_root, "llama", tokenizer=False, seed=5)
-    file = Path(path) / "model.safetensors"
-    weights = load_file(file)
-    for name in weights:
-        if "o_proj" in name or "down_proj" in name:
-            weights[name] = weights[name] * 0.05
-    save_file(weights, file, metadata={"format": "pt"})
-    return path
+    """Nearly a bigram model (see make_copier_checkpoint)."""
+    return make_copier_checkpoint(ckpt_root, tokenizer=False)
 
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}'
