@@ -31,7 +31,7 @@ from tandem_serve.proto.messages import (
     StepPlan,
     TokenBatch,
 )
-from tests.gpu_worker.model_utils import EOS_ID, HFReference, make_tiny_checkpoint
+from tests.gpu_worker.model_utils import EOS_ID, HFReference, make_tiny_checkpoint, random_prompts
 
 NEW_TOKENS = 24
 
@@ -255,6 +255,35 @@ CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 _paths: dict[str, str] = {}
 _refs: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
 _hf: dict[str, HFReference] = {}
+
+
+BUSY_LENGTHS = [1, 33, 70, 9, 40, 100]
+
+
+def run_busy_batch(d: Driver, k: int, per_step: bool) -> list[list[int]]:
+    """Six requests through plans of `k` steps until all finish: a prompt chunked over two
+    plans, one joining a running batch, a preemption while a newcomer takes the blocks, the
+    resume (it re-prefills its prompt and what it had produced), and a prompt sharing request
+    2's first four blocks (64 cached tokens).  The prompts, in request order."""
+    p = random_prompts(BUSY_LENGTHS, 512, seed=7)
+    d.add(0, p[0])
+    d.add(1, p[1])
+    d.add(2, p[2], chunk=40)  # the rest of its prompt in the next plan
+    d.run(k, per_step)
+    d.prefill(2, len(p[2]) - 1 - 40)
+    d.add(3, p[3])  # joins a running batch
+    d.run(k, per_step)
+    d.preempt(1)  # its blocks go to request 4 first
+    d.add(4, p[4])
+    d.run(k, per_step)
+    d.resume(1)
+    shared = p[2][:64] + p[5][:36]
+    d.add(5, shared, shared=d.reqs[2].blocks[:4], cached=64)
+    for _ in range(100):
+        if all(t.finish for t in d.reqs.values()):
+            break
+        d.run(k, per_step)
+    return [*p[:5], shared]
 
 
 def checkpoint(root: Path, name: str) -> str:

@@ -20,7 +20,13 @@ from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.family_utils import FAMILIES, PHI3_ORIGINAL, checkpoint
 from tests.gpu_worker.model_utils import PagedDriver, random_prompts
-from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner
+from tests.gpu_worker.runner_driver import (
+    NEW_TOKENS,
+    Driver,
+    hf_greedy,
+    make_runner,
+    run_busy_batch,
+)
 
 CPU = torch.device("cpu")
 # Phi-3's prompts either stay within its original context for their whole output (short
@@ -86,10 +92,6 @@ def test_paged_greedy_parity(ckpt_root: Path, family: str) -> None:
     _varied(want)
 
 
-def _run(d: Driver, k: int, per_step: bool) -> None:
-    d.run(k, per_step)
-
-
 @pytest.mark.parametrize("k, per_step", [(8, True), (1, False)], ids=["async-k8", "sync-k1"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_runner_busy_batch_preemption_and_prefix(ckpt_root: Path, family: str, k: int,
@@ -100,26 +102,7 @@ def test_runner_busy_batch_preemption_and_prefix(ckpt_root: Path, family: str, k
     assert runner.long_rope_from == (PHI3_ORIGINAL if family == "phi3" else 0)
     runner.step_guard = forbid_host_sync
     d = Driver(runner, seed=len(family))
-    p = random_prompts(LENGTHS, 512, seed=7)
-    d.add(0, p[0])
-    d.add(1, p[1])
-    d.add(2, p[2], chunk=40)  # the rest of its prompt in the next plan
-    _run(d, k, per_step)
-    d.prefill(2, len(p[2]) - 1 - 40)
-    d.add(3, p[3])  # joins a running batch
-    _run(d, k, per_step)
-    d.preempt(1)  # its blocks go to request 4 first
-    d.add(4, p[4])
-    _run(d, k, per_step)
-    d.resume(1)  # re-prefills its prompt and what it had produced
-    # Request 2's first four blocks hold the first 64 tokens of this prompt.
-    shared = p[2][:64] + p[5][:36]
-    d.add(5, shared, shared=d.reqs[2].blocks[:4], cached=64)
-    for _ in range(100):
-        if all(t.finish for t in d.reqs.values()):
-            break
-        _run(d, k, per_step)
-    prompts = [*p[:5], shared]
+    prompts = run_busy_batch(d, k, per_step)
     want = [hf_greedy(path, q) for q in prompts]
     assert [d.reqs[r].out for r in range(6)] == want
     _varied(want)

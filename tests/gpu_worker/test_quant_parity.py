@@ -20,10 +20,9 @@ from tandem_serve.gpu_worker.models.loader import load_model, weight_bytes
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import PagedDriver, make_tiny_checkpoint, random_prompts
 from tests.gpu_worker.quant_utils import FORMATS, quantize
-from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
+from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, run_busy_batch
 
 CPU = torch.device("cpu")
-LENGTHS = [1, 33, 70, 9, 40, 100]
 # fp8-block: blocks that do not divide the rows (ragged last blocks, and fused q|k|v and
 # gate|up parts that start inside a block).
 BLOCK = (48, 32)
@@ -40,10 +39,6 @@ def ckpts(ckpt_root: Path) -> dict[str, tuple[str, str]]:
                           block=BLOCK) for fmt in FORMATS}
 
 
-def _run(d: Driver, k: int, per_step: bool) -> None:
-    d.run(k, per_step)
-
-
 @pytest.mark.parametrize("k, per_step, kept", [(8, True, True), (1, False, False)],
                          ids=["async-k8-kept-quantized", "sync-k1-dequantized"])
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -57,25 +52,7 @@ def test_busy_batch_equals_hf_on_the_dequantized_weights(
     assert modes == ({"dequantize"} if "fp8" in fmt else {"int4-cpu"}) if kept else not modes
     runner.step_guard = forbid_host_sync
     d = Driver(runner, seed=len(fmt))
-    p = random_prompts(LENGTHS, 512, seed=7)
-    d.add(0, p[0])
-    d.add(1, p[1])
-    d.add(2, p[2], chunk=40)
-    _run(d, k, per_step)
-    d.prefill(2, len(p[2]) - 1 - 40)
-    d.add(3, p[3])
-    _run(d, k, per_step)
-    d.preempt(1)
-    d.add(4, p[4])
-    _run(d, k, per_step)
-    d.resume(1)
-    shared = p[2][:64] + p[5][:36]
-    d.add(5, shared, shared=d.reqs[2].blocks[:4], cached=64)
-    for _ in range(100):
-        if all(t.finish for t in d.reqs.values()):
-            break
-        _run(d, k, per_step)
-    want = [hf_greedy(ref, q) for q in [*p[:5], shared]]
+    want = [hf_greedy(ref, q) for q in run_busy_batch(d, k, per_step)]
     assert [d.reqs[r].out for r in range(6)] == want
     assert max(len(set(o)) for o in want) >= 8  # parity means something only if it varies
 
