@@ -35,7 +35,8 @@ from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parall
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
-from tandem_serve.gpu_worker.spec_batch import VerifyRows, build_spec_batch
+from tandem_serve.gpu_worker.spec_batch import VerifyRows, verify_slots
+from tandem_serve.gpu_worker.spec_policy import Speculation, decode_timer
 from tandem_serve.gpu_worker.spec_step import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import (
@@ -139,10 +140,12 @@ class ModelRunner:
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
-        # Speculative decoding (None: off); its verify steps run eager (no decode graphs).
-        self.speculative = speculative
+        # Speculative decoding (None: off); verify steps run eager, plain steps may use graphs.
+        self.speculation = (Speculation(speculative, decode_timer(
+            self.forward_decode, self.device, self.max_model_len, block_size))
+            if speculative is not None else None)
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda" and speculative is None:
+        if cuda_graphs and self.device.type == "cuda":
             from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
@@ -400,17 +403,16 @@ class ModelRunner:
         steps: list[StepTensors] = []
         batch: DecodeBatch | None = None
         if layout.decoding:
-            spec = self.speculative
+            spec = (self.speculation.plan(layout.decoding, plan.num_steps, self.block_size,
+                                          self.device) if self.speculation else None)
             batch = build_decode_batch(layout.decoding, self.vocab_size, self.device,
                                        self.guided, layout.join_steps,
-                                       spec.num_speculative_tokens + 1 if spec else 1)
-            if spec is not None:
-                batch.spec = build_spec_batch(spec, layout.decoding, plan.num_steps,
-                                              self.block_size, self.device)
-            # A verify step has 1 + k decode rows per request.
-            slots = [r.lora_slot for r in layout.decoding for _ in range(batch.stride)]
+                                       spec.stride if spec else 1)
+            batch.spec = spec
+            slots = verify_slots(spec, [r.lora_slot for r in layout.decoding])
             batch.lora = self._lora_context(slots)
-            graph = self.graphs.for_plan(batch, plan.num_steps) if self.graphs else None
+            graph = (self.graphs.for_plan(batch, plan.num_steps)
+                     if self.graphs and spec is None else None)
             work = StepWork(layout.steps, layout.join_steps,
                             partial(self._step_inputs, b=batch, decode_slots=slots))
             with self.step_guard():
@@ -424,9 +426,9 @@ class ModelRunner:
         done.forward_time = forward_time
         done.wall_time = time.monotonic() - t0
         done.decode_only = bool(layout.decoding) and not layout.num_prefill
-        if batch is not None and batch.spec is not None:  # after the plan's one host read
+        if batch is not None and batch.spec is not None and self.speculation is not None:
             done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens = (
-                batch.spec.counts())
+                self.speculation.finish(batch.spec, layout.decoding))
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,

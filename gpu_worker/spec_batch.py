@@ -2,12 +2,14 @@
 (prompt lookup) drafts proposed on the device, verified by the step's one target forward
 (`gpu_worker.spec_step`), accepted on the device.
 
-A verify step gives every decode row 1 + k query tokens: its input token and up to k draft
-tokens at the following positions.  Each of them is laid out as a decode row of its own
-(same block table, its own position and context length), so the forward, the attention
-paths and the mixed steps' prefill pieces need no new kernel: every token's KV is written
-before any row attends, so the row of draft j sees drafts 1..j-1 of the same forward, which
-is causal verification.  The draft positions a row does not use write nothing (slot -1).
+A verify step gives each row that speculates in the plan (`gpu_worker.spec_policy` picks
+them) 1 + k query tokens: its input token and up to k draft tokens at the following
+positions.  The plan's rows come first, as a plain step has them, then k draft rows per
+speculating row (same block table, its own position and context length), so the forward,
+the attention paths and the mixed steps' prefill pieces need no new kernel: every token's
+KV is written before any row attends, so the row of draft j sees drafts 1..j-1 of the same
+forward, which is causal verification.  The draft positions a row does not use write
+nothing (slot -1).
 
 Every verify position is sampled as a plain step would sample that token (same processing,
 same seeded uniform: the row's seed and its output count at that position), and a row
@@ -26,8 +28,8 @@ position's own distribution, as a plain step gives them.
 Rows whose token at a position depends on tokens not yet known when the positions are
 sampled together do not speculate: repetition, frequency and presence penalties (they count
 the tokens before), guided decoding (its automaton state), and, not composed yet, typical-p
-(its entropy is a float sum that may round differently over the verify rows).  They get no
-drafts and advance by their one sampled token, so they are served exactly as without
+(its entropy is a float sum that may round differently over the verify rows).  They never
+speculate and advance by their one sampled token, so they are served exactly as without
 speculation (`eligible`).
 
 Everything here is batched tensor ops with no host read, so the K-step loop stays free of
@@ -117,15 +119,14 @@ def finish_run(tokens: Tensor, accepted: Tensor, active: Tensor, output_count: T
 
 @dataclass
 class VerifyRows:
-    """A verify step's decode rows, 1 + k per batch row, shaped for the runner's forwards
-    like a `DecodeBatch` (a row's unused draft positions are inactive: they write no KV)."""
+    """A verify step's decode rows, shaped for the runner's forwards like a `DecodeBatch`:
+    the plan's B rows as a plain step has them, then k draft rows for each of the S rows that
+    speculate (a row's unused draft positions are inactive: they write no KV)."""
 
-    input_ids: Tensor  # [B * (1 + k)]
+    input_ids: Tensor  # [B + S * k]
     positions: Tensor
     active: Tensor
     block_tables: Tensor
-    drafts: Tensor  # [B, k]
-    length: Tensor  # [B] drafts in use per batch row
     bound: int  # host bound of every row's context length in this step
     lens: list[int]  # host bound per verify row
 
@@ -142,17 +143,21 @@ class VerifyRows:
 
 @dataclass
 class SpecBatch:
-    """A plan's speculative state on the device, next to its `DecodeBatch`."""
+    """A plan's speculative state on the device, next to its `DecodeBatch`: for the S rows
+    that speculate in this plan (`index`, chosen by `gpu_worker.spec_policy`)."""
 
     config: SpeculativeConfig
-    history: Tensor  # [B, L] int64: prompt + output so far, -1 past hist_len
-    hist_len: Tensor  # [B] int64
-    capacity: Tensor  # [B] int64: positions the row's KV blocks hold
-    eligible: Tensor  # [B] bool
-    # Device counters over the plan: rows that got a draft, draft tokens, accepted drafts.
-    num_drafts: Tensor
-    num_draft_tokens: Tensor
-    num_accepted: Tensor
+    index: Tensor  # [S] int64: the batch rows that speculate
+    chosen: list[int]  # the same, on the host
+    history: Tensor  # [S, L] int64: prompt + output so far, -1 past hist_len
+    hist_len: Tensor  # [S] int64
+    capacity: Tensor  # [S] int64: positions the row's KV blocks hold
+    # Device counters per speculating row over the plan: verify steps it was active in,
+    # steps it had a draft, draft tokens, accepted drafts.
+    steps: Tensor
+    drafted: Tensor
+    draft_tokens: Tensor
+    accepted: Tensor
 
     @property
     def k(self) -> int:
@@ -164,69 +169,88 @@ class SpecBatch:
 
     def propose(self, positions: Tensor, active: Tensor, output_count: Tensor,
                 max_new: Tensor, max_model_len: int) -> tuple[Tensor, Tensor]:
-        """Drafts [B, k] and lengths [B], capped where tokens could never be kept: past the
-        row's KV blocks, max_model_len or max_new_tokens."""
-        cfg = self.config
+        """Drafts [S, k] and lengths [S] of the speculating rows (the batch's [B] tensors
+        given), capped where tokens could never be kept: past the row's KV blocks,
+        max_model_len or max_new_tokens."""
+        cfg, i = self.config, self.index
         drafts, length = propose_ngram(self.history, self.hist_len, self.k,
                                        cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-        room = torch.minimum(self.capacity - 1 - positions,
-                             torch.minimum(max_model_len - 2 - positions,
-                                           (max_new - output_count - 1).to(torch.int64)))
+        pos = positions[i]
+        room = torch.minimum(self.capacity - 1 - pos,
+                             torch.minimum(max_model_len - 2 - pos,
+                                           (max_new[i] - output_count[i] - 1).to(torch.int64)))
         length = torch.minimum(length, room.clamp(min=0))
-        length = torch.where(active & self.eligible, length, 0)
-        return drafts, length
+        return drafts, torch.where(active[i], length, 0)
 
     def expand(self, input_ids: Tensor, drafts: Tensor, length: Tensor, positions: Tensor,
                active: Tensor, block_tables: Tensor, bound: int, lens: list[int]
                ) -> VerifyRows:
-        """The verify forward's decode rows, 1 + k per row (`lens`: each row's host bound,
-        given per batch row)."""
-        s = self.stride
-        j = torch.arange(s, device=positions.device).unsqueeze(0)
-        used = active.unsqueeze(1) & (j <= length.unsqueeze(1))
+        """The verify forward's rows: the batch's B rows, then k draft rows per speculating
+        row (`lens`: each batch row's host bound)."""
+        i, k = self.index, self.k
+        j = torch.arange(1, k + 1, device=positions.device).unsqueeze(0)
+        used = active[i].unsqueeze(1) & (j <= length.unsqueeze(1))
         # Unused positions repeat the input token (a draft past a row's length may be -1).
-        ids = torch.cat((input_ids.unsqueeze(1), drafts), dim=1)
-        ids = torch.where(used, ids, input_ids.unsqueeze(1))
-        pos = torch.where(used, positions.unsqueeze(1) + j, positions.unsqueeze(1))
-        return VerifyRows(ids.reshape(-1), pos.reshape(-1), used.reshape(-1),
-                          block_tables.repeat_interleave(s, dim=0), drafts, length, bound,
-                          [n for n in lens for _ in range(s)])
+        ids = torch.where(used, drafts, input_ids[i].unsqueeze(1))
+        pos = torch.where(used, positions[i].unsqueeze(1) + j, positions[i].unsqueeze(1))
+        return VerifyRows(torch.cat((input_ids, ids.reshape(-1))),
+                          torch.cat((positions, pos.reshape(-1))),
+                          torch.cat((active, used.reshape(-1))),
+                          torch.cat((block_tables, block_tables[i].repeat_interleave(k, dim=0))),
+                          bound, lens + [lens[r] for r in self.chosen for _ in range(k)])
 
-    def record(self, tokens: Tensor, length: Tensor, count: Tensor) -> None:
-        """Append each row's emitted tokens to its history; count drafts and acceptances."""
+    def spread(self, rows: int, values: Tensor, fill: int) -> Tensor:
+        """Per speculating row values [S, ...] as [rows, ...], `fill` elsewhere."""
+        out = torch.full((rows, *values.shape[1:]), fill, dtype=values.dtype,
+                         device=values.device)
+        return out.index_copy_(0, self.index, values)
+
+    def record(self, tokens: Tensor, length: Tensor, count: Tensor, active: Tensor) -> None:
+        """Append each speculating row's emitted tokens [S, 1 + k] to its history; count its
+        verify steps (`active`: the row decoded in this one), drafts and acceptances."""
         j = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         at = (self.hist_len.unsqueeze(1) + j).clamp(max=self.history.shape[1] - 1)
         keep = self.history.gather(1, at)
         self.history.scatter_(1, at, torch.where(tokens >= 0, tokens, keep))
         self.hist_len = self.hist_len + count
         drafted = length > 0
-        self.num_drafts += drafted.sum()
-        self.num_draft_tokens += length.sum()
-        self.num_accepted += torch.where(drafted, (count - 1).clamp(min=0), 0).sum()
+        self.steps += active.to(torch.int64)
+        self.drafted += drafted.to(torch.int64)
+        self.draft_tokens += length
+        self.accepted += torch.where(drafted, (count - 1).clamp(min=0), 0)
+
+    def counts(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Per speculating row, read back once the plan has ended: verify steps, steps with
+        a draft, draft tokens, accepted drafts."""
+        both = torch.stack((self.steps, self.drafted, self.draft_tokens, self.accepted))
+        steps, drafted, tokens, accepted = both.tolist()
+        return steps, drafted, tokens, accepted
 
 
-    def counts(self) -> tuple[int, int, int]:
-        """The plan's counters, read back once it has ended."""
-        both = torch.stack((self.num_drafts, self.num_draft_tokens, self.num_accepted))
-        drafts, tokens, accepted = both.tolist()
-        return drafts, tokens, accepted
+def verify_slots(spec: SpecBatch | None, slots: list[int]) -> list[int]:
+    """Per-row values (adapter slots) for a step's rows: the batch's, then each speculating
+    row's k times (`SpecBatch.expand`'s order)."""
+    if spec is None:
+        return slots
+    return slots + [slots[i] for i in spec.chosen for _ in range(spec.k)]
 
 
-def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], num_steps: int,
-                     block_size: int, device: torch.device) -> SpecBatch:
-    """Host histories onto the device once per plan, with room for the plan's tokens."""
+def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], chosen: list[int],
+                     num_steps: int, block_size: int, device: torch.device) -> SpecBatch:
+    """The chosen rows' host histories onto the device once per plan, with room for the
+    plan's tokens."""
     stride = config.num_speculative_tokens + 1
-    width = max(len(r.history) for r in reqs) + num_steps * stride
-    history = torch.full((len(reqs), width), -1, dtype=torch.int64)
-    for i, r in enumerate(reqs):
+    rows = [reqs[i] for i in chosen]
+    width = max(len(r.history) for r in rows) + num_steps * stride
+    history = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
         history[i, : len(r.history)] = torch.tensor(r.history, dtype=torch.int64)
 
-    def col(values: list, dtype: torch.dtype) -> Tensor:
+    def col(values: list, dtype: torch.dtype = torch.int64) -> Tensor:
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
-    zero = torch.zeros((), dtype=torch.int64, device=device)
-    return SpecBatch(config, history.to(device, non_blocking=True),
-                     col([len(r.history) for r in reqs], torch.int64),
-                     col([len(r.block_ids) * block_size for r in reqs], torch.int64),
-                     col([eligible(r) for r in reqs], torch.bool),
-                     zero.clone(), zero.clone(), zero.clone())
+    zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
+    return SpecBatch(config, col(chosen), list(chosen), history.to(device, non_blocking=True),
+                     col([len(r.history) for r in rows]),
+                     col([len(r.block_ids) * block_size for r in rows]),
+                     zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone())

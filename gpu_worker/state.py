@@ -29,6 +29,8 @@ class RequestState:
     guided_state: int = -1
     matcher: Any = None
     lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
+    # Drafts accepted per verify step, as measured (< 0: not yet; gpu_worker.spec_policy).
+    spec_rate: float = -1.0
 
     @property
     def num_generated(self) -> int:

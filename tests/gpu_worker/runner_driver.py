@@ -78,8 +78,10 @@ class Driver:
         self._drop_tables: list[str] = []
         self._loads: list[AdapterLoad] = []
         self.done: list[StepDone] = []
-        spec = runner.speculative  # a verify step advances a row by up to 1 + k positions
-        self.stride = spec.num_speculative_tokens + 1 if spec is not None else 1
+        spec = runner.speculation  # a verify step advances a row by up to 1 + k positions
+        self.stride = spec.stride if spec is not None else 1
+        if spec is not None:  # every eligible row speculates (the cost rule has its own tests)
+            spec.policy.always = True
 
     # -- deltas for the next plan
 
@@ -189,7 +191,9 @@ class Driver:
         got: dict[int, int] = Counter()
         finished: dict[int, FinishReason] = {}
         if batches[0].step >= 0:
-            assert [b.step for b in batches] == list(range(plan.num_steps * self.stride))
+            # Verify steps publish 1 + k batches each; plans where no row speculates, one.
+            assert [b.step for b in batches] in (
+                list(range(plan.num_steps * self.stride)), list(range(plan.num_steps)))
         for b in batches:
             for rid, tok, fin in zip(b.request_ids.tolist(), b.token_ids.tolist(),
                                      b.finish.tolist(), strict=True):

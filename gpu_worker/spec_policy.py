@@ -1,0 +1,158 @@
+"""Which rows of a plan speculate: a measured rule, decided on the host when the plan starts.
+
+A speculating request costs its plan k more rows in every step's forward (its drafts), and
+pays back only the drafts the target accepts.  Whether that wins depends on the device: on
+a GPU a decode forward is memory-bound, so a few more rows are nearly free at small batch
+sizes and cost their full share at large ones; on a CPU every row costs its matmuls.  So
+the rule weighs the two with figures measured on this device, per plan:
+
+* `StepCost`: the seconds of one decode forward over n rows, measured the first time a size
+  is needed (at powers of two, a few forwards each, between plans) and interpolated;
+* each request's acceptance estimate: drafts accepted per verify step, averaged over its
+  plans that speculated (steps whose lookup found nothing count as 0: their rows cost the
+  same).  A new request starts from `prior` (half of k); a request that does not speculate
+  drifts back toward it plan by plan, so one whose text turns repetitive is tried again.
+
+Rows are added best estimate first while they raise the plan's expected tokens per second,
+(T + a) / C(n + k) > T / C(n) with T tokens and n rows so far: speculation helps a batch as
+a whole or not at all.  Rows with penalties, guided decoding or typical-p never speculate
+(`spec_batch.eligible`).  The choice is fixed for the plan (no host read inside it), and a
+plan where no row speculates runs plain steps, CUDA graphs included.
+"""
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections.abc import Callable
+
+import torch
+
+from tandem_serve.gpu_worker.spec_batch import SpecBatch, build_spec_batch, eligible
+from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.proto.speculative import SpeculativeConfig
+
+# How far a non-speculating request's estimate moves back toward the prior per plan.
+DRIFT = 0.2
+# Timed forwards per measured size (the fastest counts: a busy host only slows some).
+REPEATS = 3
+
+
+class StepCost:
+    """Seconds of one decode forward over n rows, measured lazily at powers of two."""
+
+    def __init__(self, measure: Callable[[int], float]) -> None:
+        self._measure = measure
+        self._sizes: list[int] = []
+        self._seconds: list[float] = []
+
+    def _at(self, size: int) -> float:
+        i = bisect_left(self._sizes, size)
+        if i == len(self._sizes) or self._sizes[i] != size:
+            self._measure(size)  # warm-up: first-use allocations are not the step's cost
+            best = min(self._measure(size) for _ in range(REPEATS))
+            self._sizes.insert(i, size)
+            self._seconds.insert(i, best)
+        return self._seconds[i]
+
+    def __call__(self, rows: int) -> float:
+        low = 1 << (max(rows, 1).bit_length() - 1)  # the largest power of two <= rows
+        high = low if low == rows else low * 2
+        if high == low:
+            return self._at(low)
+        a, b = self._at(low), self._at(high)
+        return a + (b - a) * (rows - low) / (high - low)
+
+
+class SpecPolicy:
+    """Picks a plan's speculating rows (the module doc)."""
+
+    def __init__(self, k: int, cost: Callable[[int], float], always: bool = False) -> None:
+        self.k = k
+        self.cost = cost
+        self.prior = k / 2
+        self.always = always  # tests: every eligible row speculates, whatever it costs
+
+    def estimate(self, req: RequestState) -> float:
+        return self.prior if req.spec_rate < 0 else req.spec_rate
+
+    def choose(self, reqs: list[RequestState], eligible: list[bool]) -> list[int]:
+        """Indices of the rows that speculate in this plan, in batch order."""
+        candidates = [i for i, ok in enumerate(eligible) if ok]
+        if self.always or not candidates:
+            return candidates
+        ranked = sorted(candidates, key=lambda i: -self.estimate(reqs[i]))
+        rows, tokens = len(reqs), float(len(reqs))
+        chosen: list[int] = []
+        for i in ranked:
+            gain = self.estimate(reqs[i])
+            if gain <= 0 or (tokens + gain) * self.cost(rows) <= tokens * self.cost(rows + self.k):
+                break
+            chosen.append(i)
+            rows, tokens = rows + self.k, tokens + gain
+        return sorted(chosen)
+
+    def learn(self, reqs: list[RequestState], chosen: list[int], steps: list[int],
+              accepted: list[int]) -> None:
+        """After the plan: fold each speculating row's accepted drafts per verify step into
+        its estimate; the others drift back toward the prior."""
+        spoke = dict(zip(chosen, zip(steps, accepted, strict=True), strict=True))
+        for i, req in enumerate(reqs):
+            if i in spoke:
+                n, a = spoke[i]
+                if n:
+                    rate = a / n
+                    req.spec_rate = rate if req.spec_rate < 0 else 0.5 * (req.spec_rate + rate)
+            elif req.spec_rate >= 0:
+                req.spec_rate += DRIFT * (self.prior - req.spec_rate)
+
+
+class Speculation:
+    """The runner's speculative decoding: its settings, the rule, a plan's start and end."""
+
+    def __init__(self, config: SpeculativeConfig, measure: Callable[[int], float],
+                 always: bool = False) -> None:
+        self.config = config
+        self.policy = SpecPolicy(config.num_speculative_tokens, StepCost(measure), always)
+
+    @property
+    def stride(self) -> int:
+        return self.config.num_speculative_tokens + 1
+
+    def plan(self, reqs: list[RequestState], num_steps: int, block_size: int,
+             device: torch.device) -> SpecBatch | None:
+        """The plan's speculative state (None: no row speculates, plain steps)."""
+        chosen = self.policy.choose(reqs, [eligible(r) for r in reqs])
+        if not chosen:
+            return None
+        return build_spec_batch(self.config, reqs, chosen, num_steps, block_size, device)
+
+    def finish(self, spec: SpecBatch, reqs: list[RequestState]) -> tuple[int, int, int]:
+        """After the plan's host read: learn from it; the counters' increments (drafts,
+        draft tokens, accepted tokens)."""
+        steps, drafted, tokens, accepted = spec.counts()
+        self.policy.learn(reqs, spec.chosen, steps, accepted)
+        return sum(drafted), sum(tokens), sum(accepted)
+
+
+DecodeForward = Callable[..., torch.Tensor]
+
+
+def decode_timer(forward_decode: DecodeForward, device: torch.device, max_model_len: int,
+                 block_size: int) -> Callable[[int], float]:
+    """A `StepCost` measure: the wall time of a decode forward over n masked rows (they
+    write nothing) at a context of up to 256 positions, device work included."""
+    ctx = min(max_model_len, 256)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    @torch.inference_mode()
+    def measure(rows: int) -> float:
+        ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        positions = torch.full((rows,), ctx - 1, dtype=torch.int64, device=device)
+        active = torch.zeros(rows, dtype=torch.bool, device=device)
+        tables = torch.zeros((rows, -(-ctx // block_size)), dtype=torch.int32, device=device)
+        sync()
+        t0 = time.perf_counter()
+        forward_decode(ids, positions, active, tables, ctx, None, [ctx] * rows)
+        sync()
+        return time.perf_counter() - t0
+    return measure
