@@ -98,6 +98,13 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
+    def max_float(self, value: float) -> float:
+        """The largest `value` over the ranks (between plans: it reads the result), so
+        host decisions made from per-rank timings agree."""
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
     def install(self, model: CausalLM) -> None:
         """Join a model loaded with `shard=self.shard` to the other ranks' shards."""
         for layer in model.layers:

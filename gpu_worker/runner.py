@@ -36,7 +36,7 @@ from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec_batch import VerifyRows, verify_slots
-from tandem_serve.gpu_worker.spec_policy import Speculation, decode_timer
+from tandem_serve.gpu_worker.spec_policy import make_speculation
 from tandem_serve.gpu_worker.spec_step import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import (
@@ -141,9 +141,9 @@ class ModelRunner:
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
         # Speculative decoding (None: off); verify steps run eager, plain steps may use graphs.
-        self.speculation = (Speculation(speculative, decode_timer(
-            self.forward_decode, self.device, self.max_model_len, block_size))
-            if speculative is not None else None)
+        self.speculation = make_speculation(speculative, self.forward_decode, self.device,
+                                            self.max_model_len, block_size,
+                                            tp.max_float if tp is not None else None)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs

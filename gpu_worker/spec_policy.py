@@ -137,6 +137,24 @@ class Speculation:
 DecodeForward = Callable[..., torch.Tensor]
 
 
+def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeForward,
+                     device: torch.device, max_model_len: int, block_size: int,
+                     agree: Callable[[float], float] | None = None) -> Speculation | None:
+    """The runner's speculation (None: off).  `agree`: under tensor parallelism, the
+    largest of the ranks' timings, so every rank picks the same rows (the picks decide the
+    forward's shape, and its collectives need every rank's)."""
+    if config is None:
+        return None
+    timed = decode_timer(forward_decode, device, max_model_len, block_size)
+    if agree is None:
+        return Speculation(config, timed)
+    reduce = agree
+
+    def agreed(rows: int) -> float:
+        return reduce(timed(rows))
+    return Speculation(config, agreed)
+
+
 def decode_timer(forward_decode: DecodeForward, device: torch.device, max_model_len: int,
                  block_size: int) -> Callable[[int], float]:
     """A `StepCost` measure: the wall time of a decode forward over n masked rows (they

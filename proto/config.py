@@ -228,8 +228,6 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config)
-    if cfg.speculative_config and cfg.tensor_parallel_size > 1:
-        out.append("--speculative-config is not supported with --tensor-parallel-size > 1 yet")
     return out + _parallel_problems(cfg)
 
 

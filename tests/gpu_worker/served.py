@@ -21,6 +21,7 @@ from tandem_serve.proto.messages import (
     PlanProcessed,
     PromptDetail,
     SamplingParams,
+    StepDone,
     StepPlan,
     TokenBatch,
 )
@@ -51,6 +52,7 @@ class Served:
         self.publisher = TokenPublisher(self.messages.append, r.device)
         self.arrivals: dict[int, list[AddRequest]] = {}
         self.plans: list[StepPlan] = []
+        self.done: list[StepDone] = []
 
     def add(self, rid: int, prompt: list[int], sampling: SamplingParams,
             after_plans: int = 0, **extra: Any) -> None:
@@ -74,6 +76,7 @@ class Served:
             plan = queued.popleft()
             self.plans.append(plan)
             done = self.runner.execute(plan, self.publisher)
+            self.done.append(done)
             self.sched.on_step_done(done)
             self.sched.on_plan_processed(PlanProcessed(plan.plan_id, 0))
             ran += 1

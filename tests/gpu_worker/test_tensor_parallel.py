@@ -174,6 +174,23 @@ def test_fp8_kv_cache_equals_tp1(ranks: list[dict[str, Any]], paths: dict[str, s
         got["out"]
 
 
+def test_speculation_equals_hf_and_tp1(ranks: list[dict[str, Any]],
+                                      paths: dict[str, str]) -> None:
+    """N-gram speculation under TP=2 (copy-heavy prompts): every eligible row speculating,
+    then the measured rule (each rank times its own forwards and the ranks agree on the
+    largest, so they pick the same rows): both ranks equal, greedy equals HF, drafts were
+    accepted."""
+    for run in ("served_spec", "served_spec_rule"):
+        got = ranks[0][run]
+        assert ranks[1][run]["out"] == got["out"], run
+        for rid, prompt in enumerate(got["prompts"]):
+            if rid != 1:  # greedy
+                assert got["out"][rid] == hf_greedy(paths[RUNNER_ARCH], prompt), (run, rid)
+    assert ranks[0]["served_spec"]["accepted"] > 0
+    assert tp_job.served_outputs(paths[RUNNER_ARCH], None, speculative=tp_job.SPEC)["out"] == \
+        ranks[0]["served_spec"]["out"]
+
+
 def test_adapters_and_a_guided_row_equal_peft_and_tp1(ranks: list[dict[str, Any]],
                                                        lora_spec: dict[str, str]) -> None:
     torch.set_num_threads(1)

@@ -29,6 +29,7 @@ from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from tandem_serve.harness.processes import free_port
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
@@ -47,6 +48,7 @@ LORA_SLOTS = {"attn": 1, "all": 2}
 LORA_TOKENS = 16
 GUIDED_TOKENS = 40
 SERVED_LENGTHS = [5, 30, 90, 120]
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
 
 
 def model_outputs(path: str, tp: TensorParallel | None, device: str = "cpu"
@@ -112,22 +114,33 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
 
 
 def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
-                   kv_cache_dtype: str = "auto") -> dict[str, Any]:
+                   kv_cache_dtype: str = "auto", speculative: str = "",
+                   always: bool = True) -> dict[str, Any]:
     """The real scheduler's plans (K=8, a small per-step budget: prompts prefill in pieces
     inside the decode steps of streams already running) through every rank's runner; each
-    rank plans for itself, the same plans from the same counts."""
+    rank plans for itself, the same plans from the same counts.  `speculative`: with
+    n-gram speculation, every eligible row speculating (`always`) or the rows the measured
+    rule picks (each rank times its own forwards: the ranks must still agree)."""
+    spec = parse_speculative(speculative)
     runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
-                         num_kv_blocks=400, tp=tp, kv_cache_dtype=kv_cache_dtype)
+                         num_kv_blocks=400, tp=tp, kv_cache_dtype=kv_cache_dtype,
+                         speculative=spec)
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
-    served = Served(runner, 8, True, budget=16)
+    if runner.speculation is not None:
+        runner.speculation.policy.always = always
+    served = Served(runner, 8, True, budget=16, params=dict(
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0))
     p = random_prompts(SERVED_LENGTHS, 512, seed=6)
+    if spec is not None:  # copy-heavy: every prompt ends by repeating its own start
+        p = [x + x[:6] for x in p]
     for rid, prompt in enumerate(p):
         served.add(rid, prompt, sampled(seed=5) if rid == 1 else SamplingParams(
             max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID]), after_plans=rid)
     out = served.run()
     served.close()
-    return {"out": out, "prompts": p, "spread": served.spread()}
+    return {"out": out, "prompts": p, "spread": served.spread(),
+            "accepted": sum(done.num_accepted_tokens for done in served.done)}
 
 
 def lora_outputs(spec: dict[str, str], tp: TensorParallel | None, device: str = "cpu"
@@ -213,6 +226,9 @@ def main() -> None:
             "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
             "served": served_outputs(spec["runner"], tp, dev),
             "served_fp8": served_outputs(spec["runner"], tp, dev, "fp8"),
+            "served_spec": served_outputs(spec["runner"], tp, dev, speculative=SPEC),
+            "served_spec_rule": served_outputs(spec["runner"], tp, dev, speculative=SPEC,
+                                               always=False),
             "guard_sees_host_reads": guard_sees_host_reads(tp),
         }
         if "lora" in spec:

@@ -45,12 +45,3 @@ def test_bad_configs_exit_2_naming_the_key(capsys: pytest.CaptureFixture[str], v
     err = capsys.readouterr().err
     assert message in err and err.startswith("tandem: error: --speculative-config")
     assert err.count("\n") == 1
-
-
-def test_tensor_parallel_is_refused_until_it_is_tested(capsys: pytest.CaptureFixture[str]
-                                                       ) -> None:
-    with pytest.raises(SystemExit):
-        serve_config(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
-                      "--tensor-parallel-size", "2"])
-    assert "--speculative-config is not supported with --tensor-parallel-size > 1" in \
-        capsys.readouterr().err
