@@ -25,12 +25,12 @@ and is overwritten when real tokens reach those positions.  Stop ids, max_new_to
 max_model_len cut a run exactly at the finishing token.  Logprobs and top-n come from each
 position's own distribution, as a plain step gives them.
 
-Rows whose token at a position depends on tokens not yet known when the positions are
-sampled together do not speculate: repetition, frequency and presence penalties (they count
-the tokens before), guided decoding (its automaton state), and, not composed yet, typical-p
-(its entropy is a float sum that may round differently over the verify rows).  They never
-speculate and advance by their one sampled token, so they are served exactly as without
-speculation (`eligible`).
+Penalties and guided tables at a draft position count the drafts before it
+(`gpu_worker.spec_rows`).  Rows that cannot be sampled that way do not speculate: grammar
+rows (a host matcher, one step at a time), guided rows held by min_new_tokens, and, not
+composed yet, typical-p (its entropy is a float sum that may round differently over the
+verify rows).  They advance by their one sampled token, exactly as without speculation
+(`eligible`).
 
 Everything here is batched tensor ops with no host read, so the K-step loop stays free of
 host syncs; the per-row history the proposer searches lives on the device for the plan.
@@ -43,16 +43,19 @@ import torch
 from torch import Tensor
 
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.proto.messages import FinishReason
+from tandem_serve.proto.messages import FinishReason, GuidedKind
 from tandem_serve.proto.speculative import SpeculativeConfig
 
 
 def eligible(req: RequestState) -> bool:
-    """Whether the row's verify positions can all be sampled at once (the module doc)."""
+    """Whether the row's draft positions can be sampled as plain steps would sample them
+    (the module doc)."""
     p = req.sampling
-    return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0 and not (0 < p.typical_p < 1)
-            and not p.guided_id)
+    if p.guided_kind == GuidedKind.GRAMMAR:
+        return False  # its mask comes from a host matcher, one step at a time
+    if p.guided_kind == GuidedKind.TABLE and p.min_new_tokens > 0:
+        return False  # which stop ids it may hold back depends on each position's state
+    return not 0 < p.typical_p < 1
 
 
 def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: int

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingTensors
 from tandem_serve.gpu_worker.spec_batch import VerifyRows, accept_prefix, finish_run
+from tandem_serve.gpu_worker.spec_rows import DraftContext, advance_, draft_context
 from tandem_serve.gpu_worker.steps import PrefillInputs
 
 # (verify rows, step, the step's prefill pieces) -> logits [B + S * k, V] and prompt detail.
@@ -38,8 +40,10 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     logits, details = forward(verify, step, pre)
     # The first position exactly as a plain step samples it (every row: penalties, guided
     # masks, logprobs); the draft positions only for the rows that speculate.
+    ctx = draft_context(b, spec, drafts, length)
     out = sample(b, logits[:rows])
-    later = _sample_later(b, i, logits[rows:].view(len(spec.chosen), spec.k, -1), sampler)
+    later = _sample_later(b, i, logits[rows:].view(len(spec.chosen), spec.k, -1), sampler,
+                          ctx)
     tokens = torch.cat((out.token_ids.unsqueeze(1),
                         spec.spread(rows, later.token_ids.view(-1, spec.k), -1)), dim=1)
     all_length = spec.spread(rows, length, 0)
@@ -47,6 +51,7 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     emitted, finish, count = finish_run(tokens, accepted, b.active, b.output_count,
                                         b.max_new, b.stop_ids, b.positions, max_model_len)
     record(b, emitted[:, 0])
+    advance_(b, spec, ctx, emitted, count)
     spec.record(emitted[i], length, count[i], b.active[i])
     b.output_count += count.to(torch.int32)
     last = emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
@@ -67,26 +72,24 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
                        columns(out.top_logprobs, later.top_logprobs), details)
 
 
-def _sample_later(b: DecodeBatch, index: Tensor, logits: Tensor, sampler: Sampler
-                  ) -> SamplerOutput:
-    """Positions 1..k of the speculating rows `index`, each with the output count it would
-    have there (its seeded uniform, min_new_tokens and length penalty follow), with the
-    logprobs the batch asks for; no penalties or guided masks: rows that need them do not
-    speculate."""
+def _sample_later(b: DecodeBatch, index: Tensor, logits: Tensor, sampler: Sampler,
+                  ctx: DraftContext) -> SamplerOutput:
+    """Positions 1..k of the speculating rows `index`, each as a plain step would sample it
+    after the drafts before it: the output count it would have there (its seeded uniform,
+    min_new_tokens and length penalty follow), the penalty tables and guided state along the
+    draft path (`gpu_worker.spec_rows`), and the logprobs the batch asks for."""
     rows, k, vocab = logits.shape
     counts = (b.output_count[index].unsqueeze(1)
               + torch.arange(1, k + 1, dtype=b.output_count.dtype, device=logits.device))
-    return sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, index, k), None,
-                   counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=False,
+    return sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, index, k), ctx.seen,
+                   counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=b.any_penalty,
                    need_logprobs=b.need_logprobs, max_top_n=b.max_top_n, hints=b.hints,
-                   inplace=True)
+                   inplace=True, counts=ctx.counts,
+                   mask=partial(ctx.mask_, k=k) if ctx.paths else None)
 
 
 def _repeat(st: SamplingTensors, index: Tensor, k: int) -> SamplingTensors:
-    """The parameters of rows `index`, each k times over, without the output-count
-    penalties."""
+    """The parameters of rows `index`, each k times over."""
     fields = {f.name: getattr(st, f.name) for f in dataclasses.fields(st)}
-    repeated = {name: t[index].repeat_interleave(k, dim=0) for name, t in fields.items()
-                if t is not None}
-    repeated.update(frequency_penalty=None, presence_penalty=None)
-    return SamplingTensors(**repeated)
+    return SamplingTensors(**{name: t[index].repeat_interleave(k, dim=0)
+                              for name, t in fields.items() if t is not None})

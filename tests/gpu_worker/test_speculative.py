@@ -14,8 +14,9 @@ from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.sampler import Sampler
 from tandem_serve.gpu_worker.spec_batch import accept_prefix, finish_run, propose_ngram
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
-from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.proto.messages import FinishReason, GuidedTable, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
+from tests.gpu_worker.guided_utils import guided, hf_guided, table
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver
 from tests.gpu_worker.sampler_utils import make_rows
@@ -225,3 +226,69 @@ def test_one_hot_rejection_keeps_the_target_distribution() -> None:
     freq = torch.bincount(rejected, minlength=4).double() / len(rejected)
     bound = 4 * (residual.double() * (1 - residual.double()) / len(rejected)).sqrt()
     assert ((freq - residual.double()).abs() <= bound + 1e-12).all()
+
+
+@pytest.fixture(scope="module")
+def copier_text(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The copier with its tokenizer: regexes need text."""
+    return make_copier_checkpoint(tmp_path_factory.mktemp("copier-text"))
+
+
+NO_Q = "[^q]*"  # the copier's chain holds " quick": the guide forbids that draft
+
+
+def _chain_of(model: str) -> list[int]:
+    out, _, _ = _run(model, "", 8, True, [([7], SamplingParams(max_new_tokens=40))])
+    return [7] + out[0]
+
+
+@pytest.mark.parametrize("k, per_step", [(8, True), (1, False)])
+def test_guided_and_penalty_rows_speculate_exactly(copier_text: str, k: int,
+                                                   per_step: bool) -> None:
+    """Guided table rows and penalty rows speculate: each draft position is sampled after
+    the drafts before it (guided state along the draft path, penalty tables counting them),
+    so the output equals the plain run's, a guided greedy row equals HF generate() under the
+    regex, and drafts are accepted for them."""
+    chain = _chain_of(copier_text)
+    prompt = chain[:30] + chain[:3]
+    t = table(copier_text, NO_Q)
+    runs = {
+        "guided": [(prompt, guided(t, 30)),
+                   (chain[2:30] + chain[2:5], guided(t, 30, temperature=0.8, seed=3))],
+        "penalties": [(prompt, SamplingParams(max_new_tokens=30, repetition_penalty=1.2)),
+                      (prompt, SamplingParams(max_new_tokens=30, frequency_penalty=0.4,
+                                              presence_penalty=0.3, temperature=0.7, seed=9))],
+    }
+    for name, requests in runs.items():
+        outs = []
+        for spec in ("", SPEC):
+            runner = ModelRunner(copier_text, device="cpu", dtype="float32", num_kv_blocks=400,
+                                 block_size=4, speculative=parse_speculative(spec))
+            runner.step_guard = forbid_host_sync
+            d = Driver(runner)
+            d.send_table(t)
+            for i, (p, sampling) in enumerate(requests):
+                d.add(i, p, sampling)
+            for _ in range(80):
+                if all(x.finish for x in d.reqs.values()):
+                    break
+                d.run(k, per_step)
+            outs.append(d.outputs())
+        assert outs[1] == outs[0], name
+        assert sum(done.num_accepted_tokens for done in d.done) > 0, name
+    assert outs_guided_greedy_matches_hf(copier_text, prompt, t)
+
+
+def outs_guided_greedy_matches_hf(path: str, prompt: list[int], t: GuidedTable) -> bool:
+    runner = ModelRunner(path, device="cpu", dtype="float32", num_kv_blocks=400, block_size=4,
+                         speculative=parse_speculative(SPEC))
+    d = Driver(runner)
+    d.send_table(t)
+    d.add(0, prompt, guided(t, 30))
+    for _ in range(40):
+        if d.reqs[0].finish:
+            break
+        d.run(8)
+    got = d.outputs()[0]
+    assert got == hf_guided(path, NO_Q, prompt, len(got)), got
+    return True
