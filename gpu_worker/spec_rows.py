@@ -58,6 +58,12 @@ class DraftContext:
             logits.index_add_(0, at, bias)
 
 
+def _vocab(b: DecodeBatch) -> int:
+    table = b.seen if b.seen is not None else b.counts
+    assert table is not None, "no penalty tables"
+    return int(table.shape[1])
+
+
 def _step(t: DeviceTable, states: Tensor, tokens: Tensor) -> Tensor:
     """Each state past its token (a forbidden one ends in DONE)."""
     cls = t.token_class.index_select(0, tokens.clamp(min=0))
@@ -73,7 +79,7 @@ def draft_context(b: DecodeBatch, spec: SpecBatch, drafts: Tensor, length: Tenso
     if b.seen is not None or b.counts is not None:
         j = torch.arange(k, device=drafts.device).unsqueeze(0)
         valid = (j < length.unsqueeze(1)).to(torch.float32)
-        vocab = (b.seen if b.seen is not None else b.counts).shape[1]
+        vocab = _vocab(b)
         # Position j (1..k) has seen d1..dj: a running sum of the drafts' one-hot rows.
         hot = torch.zeros(len(spec.chosen), k, vocab, device=drafts.device)
         hot.scatter_(2, drafts.clamp(min=0).unsqueeze(2), valid.unsqueeze(2))
@@ -116,7 +122,7 @@ def advance_(b: DecodeBatch, spec: SpecBatch, ctx: DraftContext, emitted: Tensor
     kept = later >= 0
     if b.seen is None and b.counts is None:
         return
-    vocab = (b.seen if b.seen is not None else b.counts).shape[1]
+    vocab = _vocab(b)
     # One-hot sums (a token may come twice in a run; a -1 adds 0 to column 0).
     added = torch.zeros(len(spec.chosen), vocab, device=emitted.device)
     added.scatter_add_(1, cols, kept.to(added.dtype))
