@@ -35,7 +35,9 @@ host syncs; the per-row history the proposer searches lives on the device for th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -153,6 +155,9 @@ class SpecBatch:
     num_drafts: Tensor
     num_draft_tokens: Tensor
     num_accepted: Tensor
+    # Another method's proposer (`gpu_worker.spec_draft`): (decode batch, step, the step's
+    # prefill inputs) -> drafts and lengths, as `propose_ngram` gives them; None: n-gram.
+    drafter: Callable[[Any, int, Any], tuple[Tensor, Tensor]] | None = None
 
     @property
     def k(self) -> int:
@@ -163,12 +168,15 @@ class SpecBatch:
         return self.k + 1
 
     def propose(self, positions: Tensor, active: Tensor, output_count: Tensor,
-                max_new: Tensor, max_model_len: int) -> tuple[Tensor, Tensor]:
-        """Drafts [B, k] and lengths [B], capped where tokens could never be kept: past the
-        row's KV blocks, max_model_len or max_new_tokens."""
+                max_new: Tensor, max_model_len: int,
+                proposed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Drafts [B, k] and lengths [B] (`proposed`: the drafter's, else n-gram's), capped
+        where tokens could never be kept: past the row's KV blocks, max_model_len or
+        max_new_tokens."""
         cfg = self.config
-        drafts, length = propose_ngram(self.history, self.hist_len, self.k,
-                                       cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts, length = proposed or propose_ngram(self.history, self.hist_len, self.k,
+                                                   cfg.prompt_lookup_min,
+                                                   cfg.prompt_lookup_max)
         room = torch.minimum(self.capacity - 1 - positions,
                              torch.minimum(max_model_len - 2 - positions,
                                            (max_new - output_count - 1).to(torch.int64)))

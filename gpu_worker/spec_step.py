@@ -30,8 +30,9 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     """The step's tokens come back as [B, 1 + k] (-1 past each row's emitted run)."""
     spec = b.spec
     assert spec is not None, "a verify step needs the plan's speculative state"
+    proposed = spec.drafter(b, step, pre) if spec.drafter is not None else None
     drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                  max_model_len)
+                                  max_model_len, proposed)
     rows = spec.expand(b.input_ids, drafts, length, b.positions, b.active, b.block_tables,
                        b.max_seq_len(step), b.row_lens(step))
     logits, details = forward(rows, step, pre)
