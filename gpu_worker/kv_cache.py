@@ -15,7 +15,12 @@ below 2**-9, which round to 0.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from tandem_serve.gpu_worker.models.config import ModelArgs
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -43,6 +48,19 @@ def kv_cache_bytes_per_block(
     """Bytes one block costs across all layers, K and V together (`dtype`: the cache's)."""
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def blocks_for(cfg: ModelArgs, block_size: int, dtype: torch.dtype, gib: float,
+               max_num_seqs: int, max_model_len: int, extra_per_block: int = 0) -> int:
+    """How many blocks the cache gets: `gib` GiB of them, or (0) enough for every sequence
+    slot at full length, capped at 4 GiB.  `extra_per_block`: bytes a block costs besides
+    the model's own (a speculative draft model's cache mirrors every block)."""
+    per_block = extra_per_block + kv_cache_bytes_per_block(
+        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+    if gib > 0:
+        return max(1, int(gib * (1 << 30)) // per_block)
+    wanted = max_num_seqs * -(-max_model_len // block_size)
+    return max(1, min(wanted, (4 << 30) // per_block))
 
 
 def allocate_kv_cache(

@@ -26,16 +26,13 @@ from tandem_serve.gpu_worker import flex_attention, prompt_logprobs
 from tandem_serve.gpu_worker.attention import AttentionMetadata
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.guided import GuidedRegistry
-from tandem_serve.gpu_worker.kv_cache import (
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-    resolve_kv_dtype,
-)
+from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, blocks_for, resolve_kv_dtype
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec_batch import VerifyRows, verify_slots
+from tandem_serve.gpu_worker.spec_draft import load_draft
 from tandem_serve.gpu_worker.spec_policy import make_speculation
 from tandem_serve.gpu_worker.spec_step import verify_step
 from tandem_serve.gpu_worker.state import RequestState
@@ -111,12 +108,19 @@ class ModelRunner:
             if cfg.rope_type == "longrope" else 0
         self.block_size = block_size
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
-        self.num_blocks = num_kv_blocks or self._blocks_for(kv_cache_memory, max_num_seqs)
+        # Speculation's draft model (None: not that method), its KV blocks mirroring ours.
+        self.draft = load_draft(speculative, cfg.vocab_size, self.dtype, self.device, onednn,
+                                flash_attn, load_format)
+        self.num_blocks = num_kv_blocks or blocks_for(
+            cfg, block_size, self.kv_dtype, kv_cache_memory, max_num_seqs, self.max_model_len,
+            self.draft.kv_bytes_per_block(block_size, self.kv_dtype) if self.draft else 0)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
                                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                                            self.device)
+        if self.draft is not None:
+            self.draft.allocate(self.num_blocks, block_size, self.kv_dtype)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
@@ -143,7 +147,7 @@ class ModelRunner:
         # Speculative decoding (None: off); verify steps run eager, plain steps may use graphs.
         self.speculation = make_speculation(speculative, self.forward_decode, self.device,
                                             self.max_model_len, block_size,
-                                            tp.max_float if tp is not None else None)
+                                            tp.max_float if tp is not None else None, self.draft)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
@@ -153,16 +157,6 @@ class ModelRunner:
                                        self.device,
                                        self.lora.full_context if self.lora else None)
 
-    def _blocks_for(self, gib: float, max_num_seqs: int) -> int:
-        cfg = self.model.config
-        per_block = kv_cache_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                             self.block_size, self.kv_dtype)
-        if gib > 0:
-            return max(1, int(gib * (1 << 30)) // per_block)
-        # Enough for every sequence slot at full length, capped at 4 GiB.
-        wanted = max_num_seqs * -(-self.max_model_len // self.block_size)
-        return max(1, min(wanted, (4 << 30) // per_block))
-
     # ------------------------------------------------------------------ deltas
 
     def apply(self, plan: StepPlan) -> None:
@@ -171,7 +165,7 @@ class ModelRunner:
         for rid in plan.preempt:
             req = self.requests.get(rid)
             if req is not None:
-                req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
+                req.block_ids, req.num_computed, req.prefill_chunk, req.draft_len = [], 0, 0, 0
                 req.prefill_steps = []
                 self.guided.pause(req)
         # Requests dropped first: a table no request uses any more may go in the same plan.
@@ -262,7 +256,7 @@ class ModelRunner:
     def _step_inputs(self, pieces: list[Piece], b: DecodeBatch,
                      decode_slots: list[int]) -> PrefillInputs:
         """A step's prefill pieces on the device, with the step's adapter rows."""
-        inp = prefill_inputs(pieces, self.block_size, self.device, b.size,
+        inp = prefill_inputs(pieces, self.block_size, self.device, len(decode_slots),
                              b.block_tables.shape[1], self.model.uses_history_lens)
         inp.lora = self._lora_context(decode_slots + inp.token_slots)
         return inp

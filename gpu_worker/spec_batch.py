@@ -37,7 +37,9 @@ host syncs; the per-row history the proposer searches lives on the device for th
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -161,6 +163,9 @@ class SpecBatch:
     drafted: Tensor
     draft_tokens: Tensor
     accepted: Tensor
+    # Another method's proposer (`gpu_worker.spec_draft`): (decode batch, step) -> drafts
+    # [S, k] and lengths [S], as `propose_ngram` gives them; None: n-gram.
+    drafter: Callable[[Any, int], tuple[Tensor, Tensor]] | None = None
 
     @property
     def k(self) -> int:
@@ -171,13 +176,15 @@ class SpecBatch:
         return self.k + 1
 
     def propose(self, positions: Tensor, active: Tensor, output_count: Tensor,
-                max_new: Tensor, max_model_len: int) -> tuple[Tensor, Tensor]:
-        """Drafts [S, k] and lengths [S] of the speculating rows (the batch's [B] tensors
-        given), capped where tokens could never be kept: past the row's KV blocks,
-        max_model_len or max_new_tokens."""
+                max_new: Tensor, max_model_len: int,
+                proposed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        """Drafts [S, k] and lengths [S] of the speculating rows (`proposed`: the drafter's,
+        else n-gram's; the batch's [B] tensors given), capped where tokens could never be
+        kept: past the row's KV blocks, max_model_len or max_new_tokens."""
         cfg, i = self.config, self.index
-        drafts, length = propose_ngram(self.history, self.hist_len, self.k,
-                                       cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts, length = proposed or propose_ngram(self.history, self.hist_len, self.k,
+                                                   cfg.prompt_lookup_min,
+                                                   cfg.prompt_lookup_max)
         pos = positions[i]
         room = torch.minimum(self.capacity - 1 - pos,
                              torch.minimum(max_model_len - 2 - pos,

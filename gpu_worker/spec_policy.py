@@ -24,12 +24,17 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem_serve.gpu_worker.spec_batch import SpecBatch, build_spec_batch, eligible
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from tandem_serve.gpu_worker.spec_draft import DraftModel
 
 # How far a non-speculating request's estimate moves back toward the prior per plan.
 DRIFT = 0.2
@@ -66,30 +71,44 @@ class StepCost:
 class SpecPolicy:
     """Picks a plan's speculating rows (the module doc)."""
 
-    def __init__(self, k: int, cost: Callable[[int], float], always: bool = False) -> None:
+    def __init__(self, k: int, cost: Callable[[int], float],
+                 draft_cost: Callable[[int], float] | None = None, always: bool = False
+                 ) -> None:
         self.k = k
         self.cost = cost
+        # The draft model's forwards per step for S speculating rows (None: n-gram, free).
+        self.draft_cost = draft_cost
         self.prior = k / 2
         self.always = always  # tests: every eligible row speculates, whatever it costs
 
     def estimate(self, req: RequestState) -> float:
         return self.prior if req.spec_rate < 0 else req.spec_rate
 
+    def step_time(self, rows: int, speculating: int) -> float:
+        time = self.cost(rows + speculating * self.k)
+        if speculating and self.draft_cost is not None:
+            time += self.draft_cost(speculating)
+        return time
+
     def choose(self, reqs: list[RequestState], eligible: list[bool]) -> list[int]:
-        """Indices of the rows that speculate in this plan, in batch order."""
+        """Indices of the rows that speculate in this plan, in batch order: the best
+        estimates first, as many as give the most expected tokens per second (every prefix
+        is weighed: a draft model's forwards cost the first row most)."""
         candidates = [i for i, ok in enumerate(eligible) if ok]
         if self.always or not candidates:
             return candidates
         ranked = sorted(candidates, key=lambda i: -self.estimate(reqs[i]))
-        rows, tokens = len(reqs), float(len(reqs))
-        chosen: list[int] = []
-        for i in ranked:
+        rows = len(reqs)
+        tokens, best, best_rate = float(rows), 0, rows / self.step_time(rows, 0)
+        for n, i in enumerate(ranked, 1):
             gain = self.estimate(reqs[i])
-            if gain <= 0 or (tokens + gain) * self.cost(rows) <= tokens * self.cost(rows + self.k):
+            if gain <= 0:
                 break
-            chosen.append(i)
-            rows, tokens = rows + self.k, tokens + gain
-        return sorted(chosen)
+            tokens += gain
+            rate = tokens / self.step_time(rows, n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return sorted(ranked[:best])
 
     def learn(self, reqs: list[RequestState], chosen: list[int], steps: list[int],
               accepted: list[int]) -> None:
@@ -107,12 +126,21 @@ class SpecPolicy:
 
 
 class Speculation:
-    """The runner's speculative decoding: its settings, the rule, a plan's start and end."""
+    """The runner's speculative decoding: its settings, the rule, the draft model (method
+    draft_model), a plan's start and end."""
 
     def __init__(self, config: SpeculativeConfig, measure: Callable[[int], float],
-                 always: bool = False) -> None:
+                 draft: DraftModel | None = None) -> None:
         self.config = config
-        self.policy = SpecPolicy(config.num_speculative_tokens, StepCost(measure), always)
+        self.draft = draft
+        draft_cost = None
+        if draft is not None:  # a step's k draft forwards: 2 rows per request, then 1
+            k, timed = config.num_speculative_tokens, StepCost(draft.timer())
+
+            def draft_cost(rows: int) -> float:
+                return timed(2 * rows) + (k - 1) * timed(rows)
+        self.policy = SpecPolicy(config.num_speculative_tokens, StepCost(measure), draft_cost,
+                                 always=not config.adaptive)
 
     @property
     def stride(self) -> int:
@@ -124,38 +152,47 @@ class Speculation:
         chosen = self.policy.choose(reqs, [eligible(r) for r in reqs])
         if not chosen:
             return None
-        return build_spec_batch(self.config, reqs, chosen, num_steps, block_size, device)
+        spec = build_spec_batch(self.config, reqs, chosen, num_steps, block_size, device)
+        if self.draft is not None:
+            self.draft.catch_up([reqs[i] for i in chosen])
+            spec.drafter = self.draft.propose
+        return spec
 
     def finish(self, spec: SpecBatch, reqs: list[RequestState]) -> tuple[int, int, int]:
         """After the plan's host read: learn from it; the counters' increments (drafts,
         draft tokens, accepted tokens)."""
         steps, drafted, tokens, accepted = spec.counts()
         self.policy.learn(reqs, spec.chosen, steps, accepted)
+        if self.draft is not None:  # its cache holds all but the last position (spec_draft)
+            for i in spec.chosen:
+                reqs[i].draft_len = max(reqs[i].draft_len, len(reqs[i].history) - 2)
         return sum(drafted), sum(tokens), sum(accepted)
 
 
+# (ids, positions, active, block tables, context bound, row_lens=...) -> logits
 DecodeForward = Callable[..., torch.Tensor]
 
 
 def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeForward,
                      device: torch.device, max_model_len: int, block_size: int,
-                     agree: Callable[[float], float] | None = None) -> Speculation | None:
+                     agree: Callable[[float], float] | None = None,
+                     draft: DraftModel | None = None) -> Speculation | None:
     """The runner's speculation (None: off).  `agree`: under tensor parallelism, the
     largest of the ranks' timings, so every rank picks the same rows (the picks decide the
     forward's shape, and its collectives need every rank's)."""
     if config is None:
         return None
-    timed = decode_timer(forward_decode, device, max_model_len, block_size)
+    timed = decode_timer(partial(forward_decode, lora=None), device, max_model_len, block_size)
     if agree is None:
-        return Speculation(config, timed)
+        return Speculation(config, timed, draft)
     reduce = agree
 
     def agreed(rows: int) -> float:
         return reduce(timed(rows))
-    return Speculation(config, agreed)
+    return Speculation(config, agreed, draft)
 
 
-def decode_timer(forward_decode: DecodeForward, device: torch.device, max_model_len: int,
+def decode_timer(forward: DecodeForward, device: torch.device, max_model_len: int,
                  block_size: int) -> Callable[[int], float]:
     """A `StepCost` measure: the wall time of a decode forward over n masked rows (they
     write nothing) at a context of up to 256 positions, device work included."""
@@ -170,7 +207,7 @@ def decode_timer(forward_decode: DecodeForward, device: torch.device, max_model_
         tables = torch.zeros((rows, -(-ctx // block_size)), dtype=torch.int32, device=device)
         sync()
         t0 = time.perf_counter()
-        forward_decode(ids, positions, active, tables, ctx, None, [ctx] * rows)
+        forward(ids, positions, active, tables, ctx, row_lens=[ctx] * rows)
         sync()
         return time.perf_counter() - t0
     return measure

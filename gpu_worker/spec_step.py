@@ -33,8 +33,9 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     spec = b.spec
     assert spec is not None, "a verify step needs the plan's speculative state"
     rows, i = b.size, spec.index
+    proposed = spec.drafter(b, step) if spec.drafter is not None else None
     drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                  max_model_len)
+                                  max_model_len, proposed)
     verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active, b.block_tables,
                          b.max_seq_len(step), b.row_lens(step))
     logits, details = forward(verify, step, pre)

@@ -31,6 +31,8 @@ class RequestState:
     lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
     # Drafts accepted per verify step, as measured (< 0: not yet; gpu_worker.spec_policy).
     spec_rate: float = -1.0
+    # Positions [0, draft_len) whose KV the draft model's cache holds (gpu_worker.spec_draft).
+    draft_len: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -133,11 +133,13 @@ class PrefillInputs:
 
 def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
                    num_decode: int = 0, min_width: int = 0,
-                   history_lens: bool = False) -> PrefillInputs:
+                   history_lens: bool = False, score: bool = True) -> PrefillInputs:
     """The device inputs of `pieces`; `num_decode` decode rows come first in the forward
     (their query offsets lead `query_start_loc`), and the block table is at least
     `min_width` wide (the decode rows' width, so both stack).  `history_lens`: also each
-    token's request's history length (a LongRoPE model picks its factors by it)."""
+    token's request's history length (a LongRoPE model picks its factors by it).  `score`:
+    pick the rows whose prompt logprobs are asked for (and count them as sent); False for a
+    forward whose logits nobody reads (a speculative draft's)."""
     ids: list[int] = []
     slots: list[np.ndarray] = []
     token_slots: list[int] = []
@@ -160,8 +162,9 @@ def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
     def dev(values: np.ndarray | list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values)).to(dtype).to(device, non_blocking=True)
 
-    scores = prompt_logprobs.select_rows([p.req for p in pieces], [p.start for p in pieces],
-                                         offsets[:-1].tolist(), lens)
+    scores = (prompt_logprobs.select_rows([p.req for p in pieces], [p.start for p in pieces],
+                                          offsets[:-1].tolist(), lens)
+              if score else prompt_logprobs.ScoreRows())
     return PrefillInputs(
         ids=dev(ids, torch.int64), positions=dev(positions, torch.int64),
         slots=dev(np.concatenate(slots), torch.int64), block_tables=dev(table, torch.int32),

@@ -1,8 +1,10 @@
-"""End to end: with `--speculative-config` (n-gram drafts) greedy streams still equal HF
-`generate()`, K=8 async and K=1 sync, and the spec-decode counters move; on a model that
-copies (nearly a bigram model) drafts from a copy-heavy prompt are accepted."""
+"""End to end: with `--speculative-config` greedy streams still equal HF `generate()`, K=8
+async with n-gram drafts and K=1 sync with a draft model (the target itself: every draft is
+its argmax), and the spec-decode counters move; on a model that copies (nearly a bigram
+model) n-gram drafts from a copy-heavy prompt are accepted."""
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import time
@@ -37,13 +39,17 @@ def counters(port: int) -> dict[str, float]:
                                                     text, re.M)}
 
 
-@pytest.mark.parametrize("steps, mode", [(8, "--async-postproc"), (1, "--no-async-postproc")])
+@pytest.mark.parametrize("steps, mode, method", [(8, "--async-postproc", "ngram"),
+                                                 (1, "--no-async-postproc", "draft_model")])
 def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
                                                   hf_outputs: dict[str, str], steps: int,
-                                                  mode: str) -> None:
+                                                  mode: str, method: str) -> None:
     port = free_port()
+    spec = SPEC if method == "ngram" else json.dumps(
+        {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 3,
+         "adaptive": False})  # a draft as big as the target never pays: the rule would skip
     server = Server(str(tiny_model_dir), "--num-scheduler-steps", str(steps), mode,
-                    "--speculative-config", SPEC, "--metrics-port", str(port)).wait_ready()
+                    "--speculative-config", spec, "--metrics-port", str(port)).wait_ready()
     try:
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
             results = list(pool.map(lambda p: stream_text(server, *p), PROMPTS))
@@ -58,6 +64,8 @@ def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
             time.sleep(0.1)
         assert seen["num_drafts"] > 0 and seen["num_draft_tokens"] >= seen["num_drafts"]
         assert 0 <= seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
+        if method == "draft_model":  # the target as its own draft: its drafts are kept
+            assert seen["num_accepted_tokens"] >= 0.9 * seen["num_draft_tokens"]
     finally:
         assert server.stop() == 0
     assert server.leftovers() == []

@@ -48,6 +48,7 @@ class Tracked:
     paused: bool = False  # preempted and not resumed yet
     gone: bool = False  # dropped from the worker (finished or aborted)
     lora_slot: int = 0  # its adapter slot (0: the base model)
+    steps: list[int] = field(default_factory=list)  # next plan's chunk per step ([]: step 0)
 
     @property
     def history(self) -> list[int]:
@@ -108,8 +109,11 @@ class Driver:
         """Load an adapter (a folder under the runner's adapter cache) in the next plan."""
         self._loads.append(AdapterLoad(slot, adapter_id))
 
-    def prefill(self, rid: int, chunk: int) -> None:
+    def prefill(self, rid: int, chunk: int, steps: list[int] | None = None) -> None:
+        """`chunk` more prompt tokens in the next plan; `steps`: its pieces per step (the
+        request then joins the decode rows in its last piece's step)."""
         self.reqs[rid].chunk = chunk
+        self.reqs[rid].steps = list(steps or [])
 
     def preempt(self, rid: int) -> None:
         t = self.reqs[rid]
@@ -168,13 +172,13 @@ class Driver:
             plan.new.append(NewRequest(
                 rid, np.zeros(0, np.int32) if resume else np.array(t.prompt, np.int32),
                 None if resume else t.sampling, list(t.blocks), cached, t.chunk, resume,
-                t.lora_slot))
+                t.lora_slot, list(t.steps)))
         for rid, t in self.reqs.items():
             if rid in fresh or t.paused or t.gone:
                 continue
             grown = self._grow(t, k)
             if grown or t.chunk:
-                plan.cont.append(ContinueRequest(rid, grown, t.chunk))
+                plan.cont.append(ContinueRequest(rid, grown, t.chunk, list(t.steps)))
         self._new, self._drop, self._preempt, self._loads = [], [], [], []
         self._tables, self._drop_tables = [], []
         first = len(self.messages)
@@ -194,6 +198,9 @@ class Driver:
             # Verify steps publish 1 + k batches each; plans where no row speculates, one.
             assert [b.step for b in batches] in (
                 list(range(plan.num_steps * self.stride)), list(range(plan.num_steps)))
+        # A row whose chunk was spread over steps decodes from its last piece's step on.
+        joins = {rid: (len(t.steps) - 1) * self.stride for rid, t in self.reqs.items()
+                 if t.steps}
         for b in batches:
             for rid, tok, fin in zip(b.request_ids.tolist(), b.token_ids.tolist(),
                                      b.finish.tolist(), strict=True):
@@ -202,6 +209,8 @@ class Driver:
                     assert tok == -1, f"request {rid} got a token after it finished"
                     continue
                 if tok < 0 and self.stride > 1:  # a verify step's run ended before this column
+                    continue
+                if tok < 0 and b.step < joins.get(rid, 0):
                     continue
                 assert tok >= 0
                 self.reqs[rid].out.append(tok)
@@ -226,7 +235,7 @@ class Driver:
                 t.computed = len(t.history) - 1
             elif not t.paused:
                 t.computed += t.chunk
-            t.chunk = 0
+            t.chunk, t.steps = 0, []
 
     def run_until_done(self, ks: list[int]) -> None:
         i = 0
