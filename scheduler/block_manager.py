@@ -16,10 +16,12 @@ chain from a hash of the adapter's id, so its KV is never shared with another ad
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
+
+from tandem_serve.scheduler.block_index import DIGEST_SIZE, BlockLru, HashIndex
 
 BlockHash = bytes
 
@@ -27,7 +29,7 @@ BlockHash = bytes
 def hash_block(prev: BlockHash | None, tokens: np.ndarray) -> BlockHash:
     # A cryptographic digest keeps a collision (= silently wrong KV) out of reach even for
     # prompts crafted to collide, which Python's tuple hash would not.
-    digest = hashlib.blake2b(digest_size=16)
+    digest = hashlib.blake2b(digest_size=DIGEST_SIZE)
     digest.update(prev or b"")
     digest.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
     return digest.digest()
@@ -40,7 +42,8 @@ def adapter_salt(adapter_id: str) -> BlockHash | None:
     """
     if not adapter_id:
         return None
-    return hashlib.blake2b(b"lora-adapter\0" + adapter_id.encode(), digest_size=16).digest()
+    return hashlib.blake2b(b"lora-adapter\0" + adapter_id.encode(),
+                           digest_size=DIGEST_SIZE).digest()
 
 
 def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int,
@@ -64,10 +67,10 @@ class BlockManager:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self._refcount = [0] * num_blocks
-        self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._cached: dict[BlockHash, int] = {}
+        # Sized for every block at once: filling the cache allocates nothing (block_index).
+        self._evictable = BlockLru(num_blocks)  # oldest first
+        self._cached = HashIndex(num_blocks)
 
     # ------------------------------------------------------------------ queries
 
@@ -85,7 +88,7 @@ class BlockManager:
         return self._refcount[block]
 
     def is_cached(self, block: int) -> bool:
-        return self._hash_of[block] is not None
+        return self._cached.has(block)
 
     def blocks_for(self, num_positions: int) -> int:
         return -(-num_positions // self.block_size)
@@ -111,10 +114,10 @@ class BlockManager:
     def take(self, blocks: Sequence[int]) -> None:
         """Share cached blocks found by `lookup` with one more holder."""
         for block in blocks:
-            if self._hash_of[block] is None:
+            if not self._cached.has(block):
                 raise AssertionError(f"block {block} is not cached and cannot be shared")
             if self._refcount[block] == 0:
-                del self._evictable[block]
+                self._evictable.remove(block)
             self._refcount[block] += 1
 
     def allocate(self, num: int) -> list[int]:
@@ -131,29 +134,27 @@ class BlockManager:
             self._refcount[block] -= 1
             if self._refcount[block] > 0:
                 continue
-            if self._hash_of[block] is None:
-                self._free.append(block)
+            if self._cached.has(block):
+                self._evictable.add(block)
             else:
-                self._evictable[block] = None
+                self._free.append(block)
 
     def register(self, block: int, block_hash: BlockHash) -> bool:
         """Make a filled prompt block findable; False if the cache already has that content."""
-        if not self.enable_caching or block_hash in self._cached:
+        if not self.enable_caching or self._cached.get(block_hash) is not None:
             return False
-        if self._refcount[block] <= 0 or self._hash_of[block] is not None:
+        if self._refcount[block] <= 0 or self._cached.has(block):
             raise AssertionError(f"block {block} cannot be registered (refcount "
                                  f"{self._refcount[block]}, cached {self.is_cached(block)})")
-        self._cached[block_hash] = block
-        self._hash_of[block] = block_hash
+        self._cached.add(block_hash, block)
         return True
 
     def _pop_free(self) -> int:
         if self._free:
             block = self._free.popleft()
         else:
-            block, _ = self._evictable.popitem(last=False)
-            del self._cached[self._hash_of[block]]  # type: ignore[arg-type]
-            self._hash_of[block] = None
+            block = self._evictable.pop_oldest()
+            self._cached.remove(block)
         self._refcount[block] = 1
         return block
 
@@ -168,11 +169,9 @@ class BlockManager:
         assert not used & (free | evictable), "a used block sits in the free pool"
         assert len(free) + len(evictable) + len(used) == self.num_blocks, "a block got lost"
         assert all(rc >= 0 for rc in self._refcount), "negative refcount"
+        assert len(evictable) == len(self._evictable), "the LRU list is inconsistent"
         for block in free:
-            assert self._hash_of[block] is None, f"free block {block} still has a hash"
+            assert not self._cached.has(block), f"free block {block} still has a hash"
         for block in evictable:
-            assert self._hash_of[block] is not None, f"evictable block {block} has no hash"
-        for block_hash, block in self._cached.items():
-            assert self._hash_of[block] == block_hash, f"cache map of block {block} is stale"
-        num_hashed = sum(1 for h in self._hash_of if h is not None)
-        assert num_hashed == len(self._cached), "a hashed block is missing from the cache map"
+            assert self._cached.has(block), f"evictable block {block} has no hash"
+        self._cached.check_invariants()
