@@ -2,9 +2,10 @@
 
 Per run (one arm, one workload, one batch): the speculation counters' deltas over the run,
 and `bench serve`'s TPOT and output throughput.  Tokens per target forward is per request
-row: every decode step of a request is one verify row, emitting 1 + its accepted drafts, so
-rows = decode tokens - accepted, and decode tokens = output tokens - requests (each
-request's first token comes from its prompt's forward).  Ratios to the no-speculation arm
+row: each output token is emitted by a row of some forward (the prompt's last position, which
+verifies drafts too when the prompt offers some, or a decode step's verify row), and a row
+emits 1 + its accepted drafts, so rows = output tokens - accepted.  The drafts counter counts
+only the rows that had a draft, so it cannot stand for the rows.  Ratios to the no-speculation arm
 are taken within a repeat (the arms of a cell ran back to back on servers that were all up),
 then their median over repeats.
 """
@@ -35,9 +36,9 @@ def run_figures(result: dict[str, Any], before: dict[str, float],
     d = {k: after[k] - before[k] for k in COUNTERS}
     fig.update(d)
     fig["acceptance"] = d["accepted"] / d["draft_tokens"] if d["draft_tokens"] else None
-    decode = (result.get("total_output_tokens") or 0) - (result.get("completed") or 0)
-    rows = decode - d["accepted"]
-    fig["tokens_per_forward"] = decode / rows if rows > 0 else None
+    emitted = result.get("total_output_tokens") or 0
+    rows = emitted - d["accepted"]
+    fig["tokens_per_forward"] = emitted / rows if rows > 0 else None
     return fig
 
 

@@ -116,9 +116,8 @@ def test_run_figures_from_counter_deltas() -> None:
     after = {"drafts": 30.0, "draft_tokens": 120.0, "accepted": 126.0}
     fig = run_figures(result, before, after)
     assert fig["acceptance"] == pytest.approx(96 / 80)
-    # 128 decode tokens (the first of each request came from its prompt), 96 of them
-    # accepted drafts: 32 verify rows.
-    assert fig["tokens_per_forward"] == pytest.approx(128 / 32)
+    # 132 output tokens, 96 of them accepted drafts: 36 rows emitted them.
+    assert fig["tokens_per_forward"] == pytest.approx(132 / 36)
     none = run_figures(result, before, before)
     assert none["acceptance"] is None and none["tokens_per_forward"] == pytest.approx(1.0)
 
