@@ -19,13 +19,14 @@ INTRO = (
     "(not a tuned figure). *plain*: `bench serve`'s random 128-token prompts, nothing to "
     "copy (drafts appear only where the copier's own output enters a cycle). 32 greedy "
     "tokens per request, batch = concurrency, max(4, batch) requests per run. Acceptance = "
-    "accepted / draft tokens (counter deltas over the run); tokens / verify row = output "
+    "accepted / draft tokens (counter deltas over the run). Tokens / verify row = output "
     "tokens / (output tokens − accepted drafts): every output token comes from a row of some "
     "forward (a decode step's verify row, or the prompt's last position, which verifies "
-    "drafts too when the prompt offers some), and a row emits 1 + its accepted drafts. Ratios: to no speculation in the same cell, "
-    "median over repeats. On a CPU each of a verify row's 1+k positions costs what a plain row "
-    "does (docs/DESIGN.md §16), so the gain here is the forwards saved at small batches; "
-    "`scripts/gpu-check` runs the same preset on a GPU.")
+    "drafts too when the prompt offers some), and a row emits 1 + its accepted drafts. "
+    "Ratios: to no speculation in the same cell, median over repeats. On a CPU each of a "
+    "verify row's 1+k positions costs what a plain row does (docs/DESIGN.md §16), so the "
+    "gain here is the forwards saved at small batches; `scripts/gpu-check` runs the same "
+    "preset on a GPU.")
 
 
 def spec(ctx: Context) -> str:

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=0, help="prompt tokens (preset's)")
     p.add_argument("--output-len", type=int, default=0, help="output tokens (preset's)")
     p.add_argument("--repeats", type=int, default=0, help="runs per cell (preset's)")
+    p.add_argument("--requests", type=int, default=0,
+                   help="requests per run (0: the preset's, max(minimum, batch x waves))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra flag for every server (repeatable)")
@@ -134,7 +137,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     for w in kinds:
         if w not in WORKLOADS:
             raise SystemExit(f"--workloads: unknown {w!r}; choose from {', '.join(WORKLOADS)}")
-    for flag in ("input_len", "output_len", "repeats"):
+    for flag in ("input_len", "output_len", "repeats", "requests"):
         if getattr(args, flag) < 0:
             raise SystemExit(f"--{flag.replace('_', '-')}: must be >= 1 (0: the preset's)")
     return {"preset": args.preset, "modes": modes, "workloads": kinds,
@@ -142,11 +145,11 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "input_len": args.input_len or p.input_len,
             "output_len": args.output_len or p.output_len,
             "repeats": args.repeats or p.repeats, "waves": p.waves,
-            "min_prompts": p.min_prompts, "seed": args.seed}
+            "min_prompts": p.min_prompts, "requests": args.requests, "seed": args.seed}
 
 
 def num_prompts(s: dict[str, Any], batch: int) -> int:
-    return max(s["min_prompts"], batch * s["waves"])
+    return s["requests"] or max(s["min_prompts"], batch * s["waves"])
 
 
 def counters(served: Served) -> dict[str, float]:
@@ -190,18 +193,37 @@ def _warm(served: Served, model: str, works: dict[tuple[str, int], Workload]) ->
                                                        max_concurrency=b)
 
 
+def start_all(stack: contextlib.ExitStack, model: str, flags: dict[str, list[str]]
+              ) -> dict[str, Served]:
+    """A server per arm, started at once (a GPU host's starts are long and mostly waiting),
+    each stopped by `stack`; the first error once every start has ended."""
+    managers = {name: serving(model, f, http=True, quiet=True, timeout=ARM_READY_TIMEOUT_S)
+                for name, f in flags.items()}
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = {name: pool.submit(cm.__enter__) for name, cm in managers.items()}
+    servers, errors = {}, []
+    for name, future in futures.items():
+        try:
+            servers[name] = future.result()
+            stack.push(managers[name].__exit__)
+        except Exception as exc:  # the others still get stopped by the stack
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return servers
+
+
 def run_mode(mode: str, model: str, arms: dict[str, str], extra: list[str],
              works: dict[tuple[str, int], Workload], repeats: int,
              runs: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
     """Every arm's server of `mode` up at once, then every cell on each, alternating."""
     base = MODES[mode]
     with contextlib.ExitStack() as stack:
-        servers: dict[str, Served] = {}
-        for name, cfg in arms.items():
-            flags = [*base.flags, *(["--speculative-config", cfg] if cfg else []), *extra]
-            servers[name] = stack.enter_context(serving(
-                model, flags, http=True, quiet=True, timeout=ARM_READY_TIMEOUT_S))
-            _warm(servers[name], model, works)
+        servers = start_all(stack, model, {
+            name: [*base.flags, *(["--speculative-config", cfg] if cfg else []), *extra]
+            for name, cfg in arms.items()})
+        for name, served in servers.items():
+            _warm(served, model, works)
             _progress(f"{base.name}, {name}: up")
         order = list(arms)
         with beside_frontend(next(iter(servers.values())).proc.pid):

@@ -31,7 +31,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
         "features": "skipped",
         "experiment": "passed", "profile": "passed", "step": "passed", "quantized": "passed",
-        "families": "passed", "kv fp8": "passed", "spec": "passed"}
+        "families": "passed", "kv fp8": "passed", "spec": "skipped"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
     for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
@@ -52,10 +52,6 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert kv["fp8"]["num_kv_blocks"] == 4 * kv["auto"]["num_kv_blocks"] > 0
     assert kv["auto"]["mean_tpot_ms"] > 0 and kv["fp8"]["completed"] == kv["num_prompts"]
     assert 0 <= kv["agreement"]["position_agreement"] <= 1
-    spec = stages["spec"]["figures"]  # ngram (and each method the tree serves) vs none
-    assert "ngram" in spec["arms"]
-    copy = next(r for r in spec["rows"] if r["arm"] == "ngram k=4" and "copy" in r["cell"])
-    assert copy["acceptance"] > 0.5 and copy["median_tpot_ms_ratio"] > 0
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| async K=8 |" in report and "TPOT vs sync K=1" in report
     assert "async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99" in report

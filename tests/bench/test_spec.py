@@ -156,3 +156,35 @@ def test_the_gpu_check_arms_are_the_methods_the_tree_serves() -> None:
     served, missing = spec_arms()
     assert "ngram" in served and set(served) | set(missing) == set(SPEC_ARMS)
     assert ("draft_model" in served) == ("draft_model" in METHODS)
+
+
+def test_requests_per_run_can_be_set() -> None:
+    s = spec.settings(parse("--preset", "fast", "--requests", "2"))
+    assert spec.num_prompts(s, 1) == 2 and spec.num_prompts(s, 32) == 2
+
+
+def test_the_gpu_check_stage_runs_the_bench_and_reports_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's command line and report, with a stand-in for `tandem` (the real one starts
+    servers: the --cpu flow and the GPU run do that)."""
+    import subprocess
+
+    from tandem_serve.bench.gpu_check import spec as stage
+    from tandem_serve.bench.gpu_check.plans import CPU_PLAN
+    from tandem_serve.bench.gpu_check.report import Budget
+
+    seen: list[tuple[str, ...]] = []
+
+    def fake(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        seen.append(args)
+        path = args[args.index("--json") + 1]
+        Path(path).write_text(json.dumps({"rows": [{"cell": "async K=8 | copy | 1"}],
+                                          "verdicts": ["a verdict"]}))
+        return subprocess.CompletedProcess(list(args), 0, "| the table |\n\n- a verdict", "")
+
+    monkeypatch.setattr(stage, "tandem", fake)
+    fig, text = stage.stage_spec(CPU_PLAN, str(tmp_path), Budget(600))
+    args = seen[0]
+    assert args[:4] == ("bench", "spec", "--preset", "fast")
+    assert args.count("--spec-config") == len(fig["arms"]) and "--server-arg=--device=cpu" in args
+    assert fig["verdicts"] == ["a verdict"] and "| the table |" in text
