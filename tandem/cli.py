@@ -381,6 +381,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("lora", "lora.main", "TPOT and throughput with LoRA adapters vs the base model"),
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
+    ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 

@@ -10,14 +10,15 @@ weights made on the device, async K=8 / sync K=8 / sync K=1 under `bench serve` 
 of the async arm with torch.profiler → decode ms/step at batch 1/32/64 next to the
 memory-bandwidth bound and HF `generate()` → quantized weights (ms/step and GiB per format
 next to bf16) → model families → the fp8 KV cache (greedy agreement with a float32 cache;
-the seed workload's blocks and TPOT, fp8 next to auto).
+the seed workload's blocks and TPOT, fp8 next to auto) → speculative decoding (`tandem bench
+spec --preset fast` on the copier, each method the tree serves, against none).
 A stage the remaining budget cannot hold is skipped and named. `--cpu` runs the same flow on
 the CPU with the tiny models and a small workload, which is how machines without a GPU prove
 the script itself.
 
 Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py`,
-`features.py`, `quantized.py`, `families.py` and `kv_fp8.py` (the stages), `report.py` (what
-is written), `wheels.py` (what the host lacks).
+`features.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the stages),
+`report.py` (what is written), `wheels.py` (what the host lacks).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from tandem_serve.bench.gpu_check.parity import stage_parity
 from tandem_serve.bench.gpu_check.plans import CPU_PLAN, GPU_PLAN, NEEDS, QUICK_PLAN
 from tandem_serve.bench.gpu_check.quantized import stage_quantized
 from tandem_serve.bench.gpu_check.report import Budget, Report, Stage, say
+from tandem_serve.bench.gpu_check.spec import stage_spec
 from tandem_serve.bench.gpu_check.stages import (
     stage_environment,
     stage_experiment,
@@ -55,7 +57,7 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
         ("step", stage_step), ("quantized", stage_quantized), ("families", stage_families),
-        ("kv fp8", stage_kv_fp8)]
+        ("kv fp8", stage_kv_fp8), ("spec", stage_spec)]
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]

@@ -30,6 +30,8 @@ class Plan:
     skip: tuple[str, ...] = ()  # stages this plan leaves out
     # The quantized stage's formats (bench/gpu_check/quantized.py), beside the plain dtype.
     quant_formats: tuple[str, ...] = ("ct-fp8", "fp8-block", "gptq")
+    # `tandem bench spec`'s sizes (the speculation stage, bench/gpu_check/spec.py)
+    spec_args: tuple[str, ...] = ("--preset", "fast")
 
 
 GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, "1,32,64",
@@ -41,10 +43,17 @@ QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len
                      max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,
                      step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
                      kv_prompts=2, kv_tokens=16,
-                     skip=("gpu tests", "features"), quant_formats=("ct-fp8",))
+                     # spec: two more server starts (~45 s on 2 busy cores); its stage is
+                     # checked with a stand-in `tandem` (tests/bench/test_spec.py) and runs
+                     # in the --cpu flow with these sizes if taken out of `skip`.
+                     skip=("gpu tests", "features", "spec"), quant_formats=("ct-fp8",),
+                     spec_args=("--preset", "fast", "--modes", "async:8", "--workloads",
+                                "copy", "--batches", "1", "--requests", "2", "--input-len",
+                                "24", "--output-len", "8"))
 
 
 # Rough seconds each stage needs at least, GPU and CPU; below that it is skipped and named.
 NEEDS = {"environment": (5, 5), "gpu tests": (60, 30), "parity": (90, 40),
          "features": (60, 40), "experiment": (260, 75), "profile": (0, 0), "step": (60, 40),
-         "quantized": (120, 40), "families": (90, 40), "kv fp8": (150, 50)}
+         "quantized": (120, 40), "families": (90, 40), "kv fp8": (150, 50),
+         "spec": (240, 60)}

@@ -28,6 +28,7 @@ from tandem_serve.bench.report.sections import (
     tensor_parallel,
 )
 from tandem_serve.bench.report.serving import ab_default, ab_fast, mixed, pacing, profile
+from tandem_serve.bench.report.spec import spec
 from tandem_serve.harness.processes import REPO_ROOT
 
 SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
@@ -39,6 +40,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "profile": ("Where the time goes: async vs sync (`tandem profile`)", profile),
     "mixed": ("Mixed steps: decoding while long prompts arrive (`tandem bench stall`, "
               "`tandem bench ab --prefill-phase`)", mixed),
+    "spec": ("Speculative decoding (`tandem bench spec`)", spec),
     "step": ("Decode step (`tandem bench step`)", step),
     "overhead": ("What recording costs (`tandem bench step --trace`)", overhead),
     "guided": ("Guided decoding (`tandem bench step --guided`)", guided),

@@ -30,3 +30,15 @@ def test_report_rejects_an_unknown_section(tmp_path: pathlib.Path) -> None:
                            str(tmp_path), "--only", "nope"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode != 0 and "unknown section 'nope'" in proc.stderr
+
+
+def test_benchmarks_md_is_the_assembly_of_its_fragments() -> None:
+    """docs/BENCHMARKS.md is written from docs/bench/*.md only: an edit to one without the
+    other (or a fragment no section names) shows here."""
+    from tandem_serve.bench.report.commands import Context
+    from tandem_serve.bench.report.main import SECTIONS, assemble
+
+    docs = pathlib.Path(ROOT) / "docs"
+    ctx = Context(str(docs), {}, 1, 1.0)
+    assert (docs / "BENCHMARKS.md").read_text() == assemble(ctx)
+    assert {p.stem for p in (docs / "bench").glob("*.md")} <= set(SECTIONS)
