@@ -54,7 +54,11 @@ SPEC_DRAFT_TOKENS = Counter("tandem_spec_decode_num_draft_tokens",
                             "Speculative decoding: draft tokens proposed")
 SPEC_ACCEPTED = Counter("tandem_spec_decode_num_accepted_tokens",
                         "Speculative decoding: draft tokens accepted")
+SPEC_ACCEPTED_AT = Counter("tandem_spec_decode_num_accepted_tokens_per_pos",
+                           "Speculative decoding: draft tokens accepted, by draft position "
+                           "(0: the first draft)", ["position"])
 _spec_seen = [0, 0, 0]  # the totals the counters hold (EngineStats carries totals)
+_spec_seen_at: list[int] = []
 POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
                      "Steps published by the gpu worker and not yet processed, the most over "
                      "the postproc workers' latest reports")
@@ -112,6 +116,12 @@ def on_stats(s: EngineStats) -> None:
         if total > _spec_seen[i]:
             counter.inc(total - _spec_seen[i])
             _spec_seen[i] = total
+    for j, total in enumerate(s.spec_num_accepted_per_pos):
+        if j == len(_spec_seen_at):
+            _spec_seen_at.append(0)
+        if total > _spec_seen_at[j]:
+            SPEC_ACCEPTED_AT.labels(position=str(j)).inc(total - _spec_seen_at[j])
+            _spec_seen_at[j] = total
 
 
 def on_postproc_stats(s: PostprocStats) -> None:

@@ -57,6 +57,7 @@ class DecodeBatch:
     # the most positions a row advances per step (1 + k; 1 without speculation).
     spec: SpecBatch | None = None
     stride: int = 1
+    plan_id: int = -1  # for the profiler's spans inside a step
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):

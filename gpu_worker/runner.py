@@ -402,7 +402,7 @@ class ModelRunner:
             batch = build_decode_batch(layout.decoding, self.vocab_size, self.device,
                                        self.guided, layout.join_steps,
                                        spec.stride if spec else 1)
-            batch.spec = spec
+            batch.spec, batch.plan_id = spec, plan.plan_id
             slots = verify_slots(spec, [r.lora_slot for r in layout.decoding])
             batch.lora = self._lora_context(slots)
             graph = (self.graphs.for_plan(batch, plan.num_steps)
@@ -421,8 +421,8 @@ class ModelRunner:
         done.wall_time = time.monotonic() - t0
         done.decode_only = bool(layout.decoding) and not layout.num_prefill
         if batch is not None and batch.spec is not None and self.speculation is not None:
-            done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens = (
-                self.speculation.finish(batch.spec, layout.decoding))
+            (done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens,
+             done.num_accepted_per_pos) = self.speculation.finish(batch.spec, layout.decoding)
         return done
 
     def _decode_loop(self, plan: StepPlan, batch: DecodeBatch, publish: TokenPublisher,

@@ -163,6 +163,7 @@ class SpecBatch:
     drafted: Tensor
     draft_tokens: Tensor
     accepted: Tensor
+    at_position: Tensor  # [k]: drafts accepted at each draft position, over the rows
     # Another method's proposer (`gpu_worker.spec_draft`): (decode batch, step) -> drafts
     # [S, k] and lengths [S], as `propose_ngram` gives them; None: n-gram.
     drafter: Callable[[Any, int], tuple[Tensor, Tensor]] | None = None
@@ -227,14 +228,20 @@ class SpecBatch:
         self.steps += active.to(torch.int64)
         self.drafted += drafted.to(torch.int64)
         self.draft_tokens += length
-        self.accepted += torch.where(drafted, (count - 1).clamp(min=0), 0)
+        taken = torch.where(drafted, (count - 1).clamp(min=0), 0)
+        self.accepted += taken
+        j = torch.arange(self.k, device=taken.device).unsqueeze(0)
+        self.at_position += (j < taken.unsqueeze(1)).sum(dim=0)
 
-    def counts(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        """Per speculating row, read back once the plan has ended: verify steps, steps with
-        a draft, draft tokens, accepted drafts."""
-        both = torch.stack((self.steps, self.drafted, self.draft_tokens, self.accepted))
-        steps, drafted, tokens, accepted = both.tolist()
-        return steps, drafted, tokens, accepted
+    def counts(self) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """Read back once the plan has ended: per speculating row its verify steps, steps
+        with a draft, draft tokens and accepted drafts; and the drafts accepted at each draft
+        position."""
+        rows = torch.stack((self.steps, self.drafted, self.draft_tokens, self.accepted))
+        flat = torch.cat((rows.reshape(-1), self.at_position)).tolist()
+        n = len(self.chosen)
+        steps, drafted, tokens, accepted = (flat[i * n:(i + 1) * n] for i in range(4))
+        return steps, drafted, tokens, accepted, flat[4 * n:]
 
 
 def verify_slots(spec: SpecBatch | None, slots: list[int]) -> list[int]:
@@ -263,4 +270,6 @@ def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], chosen
     return SpecBatch(config, col(chosen), list(chosen), history.to(device, non_blocking=True),
                      col([len(r.history) for r in rows]),
                      col([len(r.block_ids) * block_size for r in rows]),
-                     zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone())
+                     zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(),
+                     torch.zeros(config.num_speculative_tokens, dtype=torch.int64,
+                                 device=device))

@@ -6,8 +6,9 @@ a GPU a decode forward is memory-bound, so a few more rows are nearly free at sm
 sizes and cost their full share at large ones; on a CPU every row costs its matmuls.  So
 the rule weighs the two with figures measured on this device, per plan:
 
-* `StepCost`: the seconds of one decode forward over n rows, measured the first time a size
-  is needed (at powers of two, a few forwards each, between plans) and interpolated;
+* `StepCost`: the seconds of one decode forward over n rows, measured when the worker starts
+  at powers of two up to a device's cap (a few forwards each), interpolated between and
+  extended linearly past the cap;
 * each request's acceptance estimate: drafts accepted per verify step, averaged over its
   plans that speculated (steps whose lookup found nothing count as 0: their rows cost the
   same).  A new request starts from `prior` (half of k); a request that does not speculate
@@ -40,15 +41,28 @@ if TYPE_CHECKING:
 DRIFT = 0.2
 # Timed forwards per measured size (the fastest counts: a busy host only slows some).
 REPEATS = 3
+# The most rows measured, by device: a CPU forward is compute-bound from a few rows on; a
+# GPU's stays memory-bound up to a few hundred rows for a 7-8B model.
+MEASURED_ROWS = {"cpu": 64, "cuda": 512}
 
 
 class StepCost:
-    """Seconds of one decode forward over n rows, measured lazily at powers of two."""
+    """Seconds of one decode forward over n rows, measured at powers of two up to `cap`
+    (`prime`: all of them at start, so serving never waits for a measurement) and
+    extended past it along the last two sizes' slope (rows cost linearly once a forward is
+    compute-bound; `cap` lies past a device's memory-bound knee)."""
 
-    def __init__(self, measure: Callable[[int], float]) -> None:
+    def __init__(self, measure: Callable[[int], float], cap: int = 1 << 20) -> None:
         self._measure = measure
+        self.cap = cap
         self._sizes: list[int] = []
         self._seconds: list[float] = []
+
+    def prime(self) -> None:
+        size = 1
+        while size <= self.cap:
+            self._at(size)
+            size *= 2
 
     def _at(self, size: int) -> float:
         i = bisect_left(self._sizes, size)
@@ -60,6 +74,10 @@ class StepCost:
         return self._seconds[i]
 
     def __call__(self, rows: int) -> float:
+        top = 1 << (self.cap.bit_length() - 1)
+        if rows > top and top > 1:
+            a, b = self._at(top // 2), self._at(top)
+            return b + (b - a) * (rows - top) / (top // 2)
         low = 1 << (max(rows, 1).bit_length() - 1)  # the largest power of two <= rows
         high = low if low == rows else low * 2
         if high == low:
@@ -130,16 +148,21 @@ class Speculation:
     draft_model), a plan's start and end."""
 
     def __init__(self, config: SpeculativeConfig, measure: Callable[[int], float],
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, cap: int = MEASURED_ROWS["cpu"]) -> None:
         self.config = config
         self.draft = draft
         draft_cost = None
+        target = StepCost(measure, cap)
+        if config.adaptive:  # measured now: serving never waits for it
+            target.prime()
         if draft is not None:  # a step's k draft forwards: 2 rows per request, then 1
-            k, timed = config.num_speculative_tokens, StepCost(draft.timer())
+            k, timed = config.num_speculative_tokens, StepCost(draft.timer(), cap)
+            if config.adaptive:
+                timed.prime()
 
             def draft_cost(rows: int) -> float:
                 return timed(2 * rows) + (k - 1) * timed(rows)
-        self.policy = SpecPolicy(config.num_speculative_tokens, StepCost(measure), draft_cost,
+        self.policy = SpecPolicy(config.num_speculative_tokens, target, draft_cost,
                                  always=not config.adaptive)
 
     @property
@@ -158,15 +181,16 @@ class Speculation:
             spec.drafter = self.draft.propose
         return spec
 
-    def finish(self, spec: SpecBatch, reqs: list[RequestState]) -> tuple[int, int, int]:
+    def finish(self, spec: SpecBatch, reqs: list[RequestState]
+               ) -> tuple[int, int, int, list[int]]:
         """After the plan's host read: learn from it; the counters' increments (drafts,
-        draft tokens, accepted tokens)."""
-        steps, drafted, tokens, accepted = spec.counts()
+        draft tokens, accepted tokens, accepted tokens per draft position)."""
+        steps, drafted, tokens, accepted, at_position = spec.counts()
         self.policy.learn(reqs, spec.chosen, steps, accepted)
         if self.draft is not None:  # its cache holds all but the last position (spec_draft)
             for i in spec.chosen:
                 reqs[i].draft_len = max(reqs[i].draft_len, len(reqs[i].history) - 2)
-        return sum(drafted), sum(tokens), sum(accepted)
+        return sum(drafted), sum(tokens), sum(accepted), at_position
 
 
 # (ids, positions, active, block tables, context bound, row_lens=...) -> logits
@@ -183,13 +207,14 @@ def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeFor
     if config is None:
         return None
     timed = decode_timer(partial(forward_decode, lora=None), device, max_model_len, block_size)
+    cap = MEASURED_ROWS.get(device.type, MEASURED_ROWS["cpu"])
     if agree is None:
-        return Speculation(config, timed, draft)
+        return Speculation(config, timed, draft, cap)
     reduce = agree
 
     def agreed(rows: int) -> float:
         return reduce(timed(rows))
-    return Speculation(config, agreed, draft)
+    return Speculation(config, agreed, draft, cap)
 
 
 def decode_timer(forward: DecodeForward, device: torch.device, max_model_len: int,

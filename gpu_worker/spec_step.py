@@ -18,6 +18,7 @@ from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingTens
 from tandem_serve.gpu_worker.spec_batch import VerifyRows, accept_prefix, finish_run
 from tandem_serve.gpu_worker.spec_rows import DraftContext, advance_, draft_context
 from tandem_serve.gpu_worker.steps import PrefillInputs
+from tandem_serve.ipc.tracing import TRACER
 
 # (verify rows, step, the step's prefill pieces) -> logits [B + S * k, V] and prompt detail.
 Forward = Callable[[VerifyRows, int, PrefillInputs | None], tuple[Tensor, Any]]
@@ -33,12 +34,15 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     spec = b.spec
     assert spec is not None, "a verify step needs the plan's speculative state"
     rows, i = b.size, spec.index
-    proposed = spec.drafter(b, step) if spec.drafter is not None else None
-    drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                  max_model_len, proposed)
-    verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active, b.block_tables,
-                         b.max_seq_len(step), b.row_lens(step))
-    logits, details = forward(verify, step, pre)
+    # Spans inside the step's "forward" (on CUDA, launch time: kernels run async).
+    with TRACER.span("draft", b.plan_id, step):
+        proposed = spec.drafter(b, step) if spec.drafter is not None else None
+        drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
+                                      max_model_len, proposed)
+    with TRACER.span("verify", b.plan_id, step):
+        verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
+                             b.block_tables, b.max_seq_len(step), b.row_lens(step))
+        logits, details = forward(verify, step, pre)
     # The first position exactly as a plain step samples it (every row: penalties, guided
     # masks, logprobs); the draft positions only for the rows that speculate.
     ctx = draft_context(b, spec, drafts, length)

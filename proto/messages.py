@@ -329,6 +329,7 @@ class StepDone:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_accepted_per_pos: list[int] = field(default_factory=list)  # by draft position
 
 
 @dataclass

@@ -50,6 +50,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_accepted_per_pos: list[int] = field(default_factory=list)  # by draft position
 
 
 @dataclass

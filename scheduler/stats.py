@@ -28,6 +28,7 @@ class Timings:
     steady_busy_s: float = 0.0
     steady_idle_s: float = 0.0
     spec: tuple[int, int, int] = (0, 0, 0)  # drafts, draft tokens, accepted tokens
+    spec_per_pos: list[int] = field(default_factory=list)  # accepted by draft position
 
     def on(self, msg: object, num_postproc: int) -> None:
         if isinstance(msg, StepDone):
@@ -37,6 +38,10 @@ class Timings:
             drafts, tokens, accepted = self.spec
             self.spec = (drafts + msg.num_drafts, tokens + msg.num_draft_tokens,
                          accepted + msg.num_accepted_tokens)
+            for j, n in enumerate(msg.num_accepted_per_pos):
+                if j == len(self.spec_per_pos):
+                    self.spec_per_pos.append(0)
+                self.spec_per_pos[j] += n
             # The wait before a plan with prefill is usually for new requests, not for us.
             if msg.decode_only:
                 self.steady_busy_s += msg.wall_time
@@ -93,6 +98,6 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
                         times.steady_idle_s, sched.take_queue_times(),
                         list(s.loaded_adapters), s.adapter_loads, list(s.running_adapters),
-                        list(s.waiting_adapters), *times.spec)
+                        list(s.waiting_adapters), *times.spec, list(times.spec_per_pos))
     to_frontend.put(stats)
     return now, stats

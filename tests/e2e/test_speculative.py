@@ -64,6 +64,11 @@ def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
             time.sleep(0.1)
         assert seen["num_drafts"] > 0 and seen["num_draft_tokens"] >= seen["num_drafts"]
         assert 0 <= seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        at = [float(v) for v in re.findall(
+            r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$',
+            text, re.M)]
+        assert sum(at) == seen["num_accepted_tokens"], at
         if method == "draft_model":  # the target as its own draft: its drafts are kept
             assert seen["num_accepted_tokens"] >= 0.9 * seen["num_draft_tokens"]
     finally:

@@ -48,6 +48,20 @@ def test_step_cost_measures_each_power_of_two_once_and_interpolates() -> None:
     assert len(calls) == 3 * (1 + REPEATS)  # a warm-up and the timed runs, never again
 
 
+def test_step_cost_primes_up_to_its_cap_and_extends_the_last_slope() -> None:
+    calls: list[int] = []
+
+    def measure(rows: int) -> float:
+        calls.append(rows)
+        return 1.0 + 0.5 * rows
+
+    cost = StepCost(measure, cap=64)
+    cost.prime()
+    assert sorted(set(calls)) == [1, 2, 4, 8, 16, 32, 64]
+    assert cost(200) == pytest.approx(101.0) and cost(48) == pytest.approx(25.0)
+    assert sorted(set(calls)) == [1, 2, 4, 8, 16, 32, 64]  # nothing measured while serving
+
+
 @pytest.mark.parametrize("cost, batch, want", [
     (linear(1.0, 0.3), 1, 1),  # a CPU at batch 1: k rows cost less than 2 tokens earn
     (linear(1.0, 0.3), 32, 0),  # ... at batch 32 they cost more
@@ -113,3 +127,19 @@ def test_a_plan_whose_rule_picks_no_row_runs_plain_steps(copier: str) -> None:
     got, d = _outputs(copier, SPEC, flat_until(64))  # free rows: everyone speculates
     assert got == want
     assert sum(done.num_drafts for done in d.done) > 0
+
+
+def test_a_verify_step_shows_its_draft_and_verify_spans(copier: str) -> None:
+    from tandem_serve.ipc.tracing import TRACER
+
+    TRACER.start()
+    try:
+        _, d = _outputs(copier, SPEC, flat_until(64))
+    finally:
+        data = TRACER.stop()
+    spans = [(s[0], s[3], s[4]) for s in data["spans"]]
+    verify_steps = {(plan, step) for name, plan, step in spans if name == "verify"}
+    assert verify_steps and all(p >= 0 and s >= 0 for p, s in verify_steps)
+    # Each inside a step's forward, after its drafts.
+    assert verify_steps <= {(plan, step) for name, plan, step in spans if name == "forward"}
+    assert verify_steps == {(plan, step) for name, plan, step in spans if name == "draft"}

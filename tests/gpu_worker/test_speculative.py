@@ -161,6 +161,11 @@ def test_greedy_output_equals_output_without_speculation(copier: str, chain: lis
     accepted = sum(done.num_accepted_tokens for done in d.done)
     drafted = sum(done.num_draft_tokens for done in d.done)
     assert 0 < accepted <= drafted and sum(done.num_drafts for done in d.done) > 0
+    # Per draft position: they add up, and a later draft is only kept after the earlier.
+    at = np.sum([done.num_accepted_per_pos for done in d.done if done.num_accepted_per_pos],
+                axis=0)
+    assert len(at) == 4 and at.sum() == accepted and at[0] > 0
+    assert all(at[j] >= at[j + 1] for j in range(3))
     # Fewer verify steps than tokens: rows advanced several tokens in some steps.
     steps = sum(1 for done in d.done for _ in range(k))
     assert sum(len(v) for v in got.values()) > steps
