@@ -148,15 +148,17 @@ class Speculation:
     draft_model), a plan's start and end."""
 
     def __init__(self, config: SpeculativeConfig, measure: Callable[[int], float],
-                 draft: DraftModel | None = None, cap: int = MEASURED_ROWS["cpu"]) -> None:
+                 draft: DraftModel | None = None, cap: int = MEASURED_ROWS["cpu"],
+                 agree: Callable[[float], float] | None = None) -> None:
         self.config = config
         self.draft = draft
         draft_cost = None
-        target = StepCost(measure, cap)
+        target = StepCost(_agreed(measure, agree), cap)
         if config.adaptive:  # measured now: serving never waits for it
             target.prime()
         if draft is not None:  # a step's k draft forwards: 2 rows per request, then 1
-            k, timed = config.num_speculative_tokens, StepCost(draft.timer(), cap)
+            k, timed = config.num_speculative_tokens, StepCost(_agreed(draft.timer(), agree),
+                                                               cap)
             if config.adaptive:
                 timed.prime()
 
@@ -207,14 +209,19 @@ def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeFor
     if config is None:
         return None
     timed = decode_timer(partial(forward_decode, lora=None), device, max_model_len, block_size)
-    cap = MEASURED_ROWS.get(device.type, MEASURED_ROWS["cpu"])
+    return Speculation(config, timed, draft, MEASURED_ROWS.get(device.type, MEASURED_ROWS["cpu"]),
+                       agree)
+
+
+def _agreed(measure: Callable[[int], float], agree: Callable[[float], float] | None
+            ) -> Callable[[int], float]:
     if agree is None:
-        return Speculation(config, timed, draft, cap)
+        return measure
     reduce = agree
 
     def agreed(rows: int) -> float:
-        return reduce(timed(rows))
-    return Speculation(config, agreed, draft, cap)
+        return reduce(measure(rows))
+    return agreed
 
 
 def decode_timer(forward: DecodeForward, device: torch.device, max_model_len: int,

@@ -228,10 +228,6 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
-    if '"draft_model"' in cfg.speculative_config.replace(" ", "") \
-            and cfg.tensor_parallel_size > 1:
-        out.append("--speculative-config: method draft_model is not supported with "
-                   "--tensor-parallel-size > 1 yet (ngram is)")
     return out + _parallel_problems(cfg)
 
 

@@ -187,6 +187,10 @@ def test_speculation_equals_hf_and_tp1(ranks: list[dict[str, Any]],
             if rid != 1:  # greedy
                 assert got["out"][rid] == hf_greedy(paths[RUNNER_ARCH], prompt), (run, rid)
     assert ranks[0]["served_spec"]["accepted"] > 0
+    # draft_model: the draft is whole on every rank (no collectives), each rank drafts alike.
+    got = ranks[0]["served_draft"]
+    assert ranks[1]["served_draft"]["out"] == got["out"] == ranks[0]["served_spec"]["out"]
+    assert got["accepted"] > 0
     assert tp_job.served_outputs(paths[RUNNER_ARCH], None, speculative=tp_job.SPEC)["out"] == \
         ranks[0]["served_spec"]["out"]
 

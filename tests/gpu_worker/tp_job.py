@@ -113,6 +113,10 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
             "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
 
 
+def draft_spec(path: str) -> str:
+    return json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+
+
 def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
                    kv_cache_dtype: str = "auto", speculative: str = "",
                    always: bool = True) -> dict[str, Any]:
@@ -229,6 +233,9 @@ def main() -> None:
             "served_spec": served_outputs(spec["runner"], tp, dev, speculative=SPEC),
             "served_spec_rule": served_outputs(spec["runner"], tp, dev, speculative=SPEC,
                                                always=False),
+            # The target (whole, on every rank) as its own draft: every rank drafts alike.
+            "served_draft": served_outputs(spec["runner"], tp, dev,
+                                           speculative=draft_spec(spec["runner"])),
             "guard_sees_host_reads": guard_sees_host_reads(tp),
         }
         if "lora" in spec:

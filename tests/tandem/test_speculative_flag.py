@@ -60,17 +60,6 @@ def test_bad_configs_exit_2_naming_the_key(capsys: pytest.CaptureFixture[str], v
     assert err.count("\n") == 1
 
 
-def test_a_draft_model_is_refused_with_tensor_parallelism(
-        tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
-    target, draft = write_config(tmp_path / "t", 512), write_config(tmp_path / "d", 512)
-    text = json.dumps({"method": "draft_model", "model": draft, "num_speculative_tokens": 2})
-    with pytest.raises(SystemExit):
-        serve_config(["--model", target, "--speculative-config", text,
-                      "--tensor-parallel-size", "2"])
-    assert "method draft_model is not supported with --tensor-parallel-size > 1" in \
-        capsys.readouterr().err
-
-
 def write_config(folder: pathlib.Path, vocab_size: int) -> str:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
