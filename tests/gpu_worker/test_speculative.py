@@ -3,6 +3,7 @@ Python reference, acceptance and cutting units, and the runner's output with spe
 equal to its output without, token for token, with drafts accepted."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -247,15 +248,18 @@ def _chain_of(model: str) -> list[int]:
     return [7] + out[0]
 
 
-@pytest.mark.parametrize("k, per_step", [(8, True), (1, False)])
+@pytest.mark.parametrize("k, per_step, method", [(8, True, "ngram"), (1, False, "ngram"),
+                                                 (8, True, "draft_model")])
 def test_guided_and_penalty_rows_speculate_exactly(copier_text: str, k: int,
-                                                   per_step: bool) -> None:
+                                                   per_step: bool, method: str) -> None:
     """Guided table rows and penalty rows speculate: each draft position is sampled after
     the drafts before it (guided state along the draft path, penalty tables counting them),
     so the output equals the plain run's, a guided greedy row equals HF generate() under the
     regex, and drafts are accepted for them."""
     chain = _chain_of(copier_text)
     prompt = chain[:30] + chain[:3]
+    spec_text = SPEC if method == "ngram" else json.dumps(  # the model as its own draft
+        {"method": "draft_model", "model": copier_text, "num_speculative_tokens": 4})
     t = table(copier_text, NO_Q)
     runs = {
         "guided": [(prompt, guided(t, 30)),
@@ -266,7 +270,7 @@ def test_guided_and_penalty_rows_speculate_exactly(copier_text: str, k: int,
     }
     for name, requests in runs.items():
         outs = []
-        for spec in ("", SPEC):
+        for spec in ("", spec_text):
             runner = ModelRunner(copier_text, device="cpu", dtype="float32", num_kv_blocks=400,
                                  block_size=4, speculative=parse_speculative(spec))
             runner.step_guard = forbid_host_sync
