@@ -249,14 +249,21 @@ def test_seeded_sampling_and_logprobs_under_an_adapter_ignore_the_batch(model: s
     assert rows and all(rank == 1 and lp <= 0 for rank, lp in rows)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculative_verify_rows_apply_their_adapters(model: str, cache: Path,
-                                                      expected: dict[int, list[int]]) -> None:
+                                                      expected: dict[int, list[int]],
+                                                      method: str) -> None:
     # Each request's 1 + k verify rows run under its adapter (drafts from 1-grams: some
-    # are proposed on these random prompts, and verified under the adapter).
+    # are proposed on these random prompts, and verified under the adapter; or from the
+    # base model as the draft, which proposes without the adapters).
+    import json
+
     from tandem_serve.proto.speculative import parse_speculative
 
-    spec = parse_speculative('{"method": "ngram", "num_speculative_tokens": 3, '
-                             '"prompt_lookup_min": 1, "prompt_lookup_max": 2}')
+    spec = parse_speculative(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 2}' if method == "ngram" else
+        json.dumps({"method": "draft_model", "model": model, "num_speculative_tokens": 3}))
     runner = lora_runner(model, cache, speculative=spec)
     runner.step_guard = forbid_host_sync
     d = Driver(runner, seed=6)
