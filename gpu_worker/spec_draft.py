@@ -44,6 +44,7 @@ from tandem_serve.gpu_worker.kv_cache import (
 )
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.gpu_worker.step_timer import decode_timer
 from tandem_serve.gpu_worker.steps import Piece, prefill_inputs, prefill_metadata
 from tandem_serve.proto.speculative import SpeculativeConfig
 
@@ -102,8 +103,6 @@ class DraftModel:
 
     def timer(self) -> Callable[[int], float]:
         """The wall time of one draft decode forward over n masked rows (`spec_policy`)."""
-        from tandem_serve.gpu_worker.spec_policy import decode_timer
-
         return decode_timer(self.logits, self.device, 256, self.block_size)
 
     def logits(self, ids: Tensor, positions: Tensor, active: Tensor, tables: Tensor,

@@ -22,7 +22,6 @@ plan where no row speculates runs plain steps, CUDA graphs included.
 """
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
@@ -32,6 +31,7 @@ import torch
 
 from tandem_serve.gpu_worker.spec_batch import SpecBatch, build_spec_batch, eligible
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.gpu_worker.step_timer import DecodeForward, decode_timer
 from tandem_serve.proto.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -195,10 +195,6 @@ class Speculation:
         return sum(drafted), sum(tokens), sum(accepted), at_position
 
 
-# (ids, positions, active, block tables, context bound, row_lens=...) -> logits
-DecodeForward = Callable[..., torch.Tensor]
-
-
 def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeForward,
                      device: torch.device, max_model_len: int, block_size: int,
                      agree: Callable[[float], float] | None = None,
@@ -222,24 +218,3 @@ def _agreed(measure: Callable[[int], float], agree: Callable[[float], float] | N
     def agreed(rows: int) -> float:
         return reduce(measure(rows))
     return agreed
-
-
-def decode_timer(forward: DecodeForward, device: torch.device, max_model_len: int,
-                 block_size: int) -> Callable[[int], float]:
-    """A `StepCost` measure: the wall time of a decode forward over n masked rows (they
-    write nothing) at a context of up to 256 positions, device work included."""
-    ctx = min(max_model_len, 256)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    @torch.inference_mode()
-    def measure(rows: int) -> float:
-        ids = torch.zeros(rows, dtype=torch.int64, device=device)
-        positions = torch.full((rows,), ctx - 1, dtype=torch.int64, device=device)
-        active = torch.zeros(rows, dtype=torch.bool, device=device)
-        tables = torch.zeros((rows, -(-ctx // block_size)), dtype=torch.int32, device=device)
-        sync()
-        t0 = time.perf_counter()
-        forward(ids, positions, active, tables, ctx, row_lens=[ctx] * rows)
-        sync()
-        return time.perf_counter() - t0
-    return measure

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -89,6 +90,9 @@ def test_the_inbox_source_drains_what_waits_behind_the_first(cfg: ServerConfig) 
     try:
         for i in range(3):
             tx.put(StopHit(i, 1))
+        # A drain takes what has arrived: let ZeroMQ's I/O threads deliver all three (on a
+        # loaded machine the first can arrive well before the others).
+        time.sleep(1.0)
         assert [m.request_id for m in Inbox(rx, 5.0, drain=True).receive()] == [0, 1, 2]
         tx.put(StopHit(3, 1))
         tx.put(StopHit(4, 1))
