@@ -23,7 +23,7 @@ def test_hash_index_matches_a_dict_through_adds_and_removes() -> None:
     index, model = HashIndex(n), {}
     # Few distinct home slots: long probe runs that wrap around, so removal must shift.
     homes = [rng.randbytes(8) for _ in range(6)]
-    for _ in range(5000):
+    for step in range(5000):
         free = [b for b in range(n) if b not in model.values()]
         if free and (not model or rng.random() < 0.55):
             block, key = rng.choice(free), rng.choice(homes) + rng.randbytes(8)
@@ -36,8 +36,9 @@ def test_hash_index_matches_a_dict_through_adds_and_removes() -> None:
             index.remove(model.pop(key))
             assert index.get(key) is None
         assert len(index) == len(model)
-        for k, b in model.items():
-            assert index.get(k) == b and index.digest(b) == k
+        if step % 8 == 0:  # every entry still found (a whole sweep each step is slow)
+            for k, b in model.items():
+                assert index.get(k) == b and index.digest(b) == k
     index.check_invariants()
     assert dict(index.items()) == model
 
