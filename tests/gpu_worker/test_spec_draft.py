@@ -14,10 +14,11 @@ import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
-from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.proto.messages import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint, make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import Driver, run_busy_batch
+from tests.gpu_worker.test_speculative import token_details
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +92,6 @@ def chain(copier: str) -> list[int]:
     return [7] + d.outputs()[0]
 
 
-def details(d: Driver, rid: int) -> list[tuple[float, int, list[int]]]:
-    """Each emitted token's logprob, rank and top-n ids, in order."""
-    out = []
-    for m in d.messages:
-        if isinstance(m, TokenBatch) and rid in m.request_ids.tolist():
-            i = m.request_ids.tolist().index(rid)
-            if m.token_ids[i] >= 0:
-                assert m.logprobs is not None and m.ranks is not None and m.top_ids is not None
-                out.append((float(m.logprobs[i]), int(m.ranks[i]), m.top_ids[i].tolist()))
-    return out
-
-
 def counts(d: Driver) -> tuple[int, int, int]:
     return (sum(x.num_drafts for x in d.done), sum(x.num_draft_tokens for x in d.done),
             sum(x.num_accepted_tokens for x in d.done))
@@ -119,7 +108,7 @@ def test_output_equals_output_without_speculation(copier: str, small_draft: str,
     assert got == want
     assert got_finish == want_finish
     assert want_finish[2] == FinishReason.EOS_TOKEN and len(want[1]) == 13
-    for (lp, rank, top), (lp2, rank2, top2) in zip(details(plain, 3), details(d, 3),
+    for (lp, rank, top), (lp2, rank2, top2) in zip(token_details(plain, 3), token_details(d, 3),
                                                    strict=True):
         assert abs(lp - lp2) < 1e-4 and rank == rank2 and top == top2
     drafts, tokens, accepted = counts(d)

@@ -81,13 +81,16 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 
 
 def _run(model: str, spec: str, k: int, per_step: bool,
-         requests: list[tuple[list[int], SamplingParams]], guard: bool = False
+         requests: list[tuple[list[int], SamplingParams]], guard: bool = False,
+         tables: tuple[GuidedTable, ...] = ()
          ) -> tuple[dict[int, list[int]], dict[int, FinishReason], Driver]:
     runner = ModelRunner(model, device="cpu", dtype="float32", num_kv_blocks=400, block_size=4,
                          speculative=parse_speculative(spec))
     if guard:
         runner.step_guard = forbid_host_sync
     d = Driver(runner)
+    for t in tables:
+        d.send_table(t)
     for i, (prompt, sampling) in enumerate(requests):
         d.add(i, prompt, sampling)
     for _ in range(120):
@@ -97,11 +100,15 @@ def _run(model: str, spec: str, k: int, per_step: bool,
     return d.outputs(), {rid: t.finish for rid, t in d.reqs.items()}, d
 
 
+def _chain_of(model: str) -> list[int]:
+    """Greedy output from one token: the chain the copy-heavy prompts repeat."""
+    out, _, _ = _run(model, "", 8, True, [([7], SamplingParams(max_new_tokens=40))])
+    return [7] + out[0]
+
+
 @pytest.fixture(scope="module")
 def chain(copier: str) -> list[int]:
-    """Greedy output from one token: the chain the copy-heavy prompts repeat."""
-    out, _, _ = _run(copier, "", 8, True, [([7], SamplingParams(max_new_tokens=40))])
-    return [7] + out[0]
+    return _chain_of(copier)
 
 
 def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
@@ -123,7 +130,7 @@ def _requests(chain: list[int]) -> list[tuple[list[int], SamplingParams]]:
     ]
 
 
-def _details(d: Driver, rid: int) -> list[tuple[float, int, list[int]]]:
+def token_details(d: Driver, rid: int) -> list[tuple[float, int, list[int]]]:
     """Each emitted token's logprob, rank and top-n ids, in order."""
     out = []
     for m in d.messages:
@@ -147,7 +154,7 @@ def test_greedy_output_equals_output_without_speculation(copier: str, chain: lis
     want, want_finish, plain = _run(copier, "", k, per_step, requests)
     got, got_finish, d = _run(copier, SPEC, k, per_step, requests, guard=True)
     assert got == want
-    for (lp, ranks, top), (lp2, ranks2, top2) in zip(_details(plain, 7), _details(d, 7),
+    for (lp, ranks, top), (lp2, ranks2, top2) in zip(token_details(plain, 7), token_details(d, 7),
                                                      strict=True):
         assert abs(lp - lp2) < 1e-4 and ranks == ranks2 and top == top2
     assert got_finish == want_finish
@@ -243,11 +250,6 @@ def copier_text(tmp_path_factory: pytest.TempPathFactory) -> str:
 NO_Q = "[^q]*"  # the copier's chain holds " quick": the guide forbids that draft
 
 
-def _chain_of(model: str) -> list[int]:
-    out, _, _ = _run(model, "", 8, True, [([7], SamplingParams(max_new_tokens=40))])
-    return [7] + out[0]
-
-
 @pytest.mark.parametrize("k, per_step, method", [(8, True, "ngram"), (1, False, "ngram"),
                                                  (8, True, "draft_model")])
 def test_guided_and_penalty_rows_speculate_exactly(copier_text: str, k: int,
@@ -269,35 +271,9 @@ def test_guided_and_penalty_rows_speculate_exactly(copier_text: str, k: int,
                                               presence_penalty=0.3, temperature=0.7, seed=9))],
     }
     for name, requests in runs.items():
-        outs = []
-        for spec in ("", spec_text):
-            runner = ModelRunner(copier_text, device="cpu", dtype="float32", num_kv_blocks=400,
-                                 block_size=4, speculative=parse_speculative(spec))
-            runner.step_guard = forbid_host_sync
-            d = Driver(runner)
-            d.send_table(t)
-            for i, (p, sampling) in enumerate(requests):
-                d.add(i, p, sampling)
-            for _ in range(80):
-                if all(x.finish for x in d.reqs.values()):
-                    break
-                d.run(k, per_step)
-            outs.append(d.outputs())
-        assert outs[1] == outs[0], name
+        want, _, _ = _run(copier_text, "", k, per_step, requests, True, (t,))
+        got, _, d = _run(copier_text, spec_text, k, per_step, requests, True, (t,))
+        assert got == want, name
         assert sum(done.num_accepted_tokens for done in d.done) > 0, name
-    assert outs_guided_greedy_matches_hf(copier_text, prompt, t)
-
-
-def outs_guided_greedy_matches_hf(path: str, prompt: list[int], t: GuidedTable) -> bool:
-    runner = ModelRunner(path, device="cpu", dtype="float32", num_kv_blocks=400, block_size=4,
-                         speculative=parse_speculative(SPEC))
-    d = Driver(runner)
-    d.send_table(t)
-    d.add(0, prompt, guided(t, 30))
-    for _ in range(40):
-        if d.reqs[0].finish:
-            break
-        d.run(8)
-    got = d.outputs()[0]
-    assert got == hf_guided(path, NO_Q, prompt, len(got)), got
-    return True
+        if name == "guided":
+            assert got[0] == hf_guided(copier_text, NO_Q, prompt, len(got[0])), got[0]
