@@ -109,16 +109,25 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+# Above this many rows a packed linear runs through F.linear (MKL's sgemm) instead; see
+# `onednn_rows`.
+ONEDNN_MAX_ROWS = 256
+
+
 def onednn_rows(m: int) -> int:
-    """How many rows a packed linear runs with when it is given ``m``: ``m`` rounded up to one
-    of 8 sizes per octave (exact up to 16, then steps of 2 to 32, 4 to 64, ...).
+    """How many rows a packed linear runs with when it is given ``m`` (at most
+    ONEDNN_MAX_ROWS): ``m`` rounded up to one of 8 sizes per octave (exact up to 16, then steps
+    of 2 to 32, 4 to 64, ...).
 
     oneDNN builds (JIT-compiles) a primitive per input shape and keeps it in two caches (its
-    own and ideep's, 1024 entries each), about half a MB per shape and weight. Prefill token
-    counts and decode batch sizes take hundreds of values, so unpadded the gpu worker's RSS
-    grew for as long as new row counts kept turning up, by hundreds of MB. Rounding bounds the
-    shapes to ~8 per octave (72 up to 2048 rows) for at most 12.5% padded rows; batch sizes up
-    to 16 and the powers of two run unpadded.
+    own and ideep's, 1024 entries each), about half a MB per shape and weight, more for large
+    row counts (2,048 rows: ~7 MB over the tiny model's weights). Prefill token counts and
+    batch sizes take hundreds of values, so unpadded the gpu worker's RSS grew for as long as
+    new row counts kept turning up, by hundreds of MB; rounding bounds them to 48 sizes up to
+    256 rows, for at most 12.5% padded rows.  Above 256 rows MKL's sgemm on the plain weight is
+    as fast as the packed primitive (measured on the tiny model's and a 1024-wide model's
+    shapes, 256 to 2,048 rows: 0.88-1.12x) and keeps no per-shape state, so large prefill
+    forwards, rare and each a new shape, no longer add primitives late in a server's life.
     """
     if m <= 16:
         return m
@@ -129,9 +138,10 @@ def onednn_rows(m: int) -> int:
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None
 ) -> torch.Tensor:
-    """x [M, in] -> [M, out], through oneDNN with ``packed`` (see pack_linear), else F.linear."""
-    if packed is not None:
-        m = x.shape[0]
+    """x [M, in] -> [M, out], through oneDNN with ``packed`` (see pack_linear) up to
+    ONEDNN_MAX_ROWS rows, else F.linear."""
+    m = x.shape[0]
+    if packed is not None and m <= ONEDNN_MAX_ROWS:
         rows = onednn_rows(m)
         if rows != m:  # zero rows, dropped again below (a view: no copy)
             x = F.pad(x, (0, 0, 0, rows - m))

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem_serve.gpu_worker.models.layers import (
+    ONEDNN_MAX_ROWS,
     linear,
     onednn_fp32_usable,
     onednn_rows,
@@ -50,20 +51,25 @@ def test_packed_linear_pads_rows_and_matches_f_linear(monkeypatch: pytest.Monkey
     b = torch.randn(48, generator=g)
     packed = pack_linear(w)
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    for m in (1, 16, 17, 33, 100, 300):
+    for m in (1, 16, 17, 33, 100, ONEDNN_MAX_ROWS, ONEDNN_MAX_ROWS + 1, 300):
+        calls = len(seen)
         x = torch.randn(m, 32, generator=g)
         out = linear(x, w, b, packed)
         assert out.shape == (m, 48)
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-4, atol=1e-4)
-        assert seen[-1] == onednn_rows(m)
+        if m <= ONEDNN_MAX_ROWS:
+            assert seen[calls:] == [onednn_rows(m)]
+        else:  # MKL: no oneDNN primitive for a new large shape
+            assert len(seen) == calls
 
 
 @needs_onednn
 def test_model_forwards_use_bucketed_shapes_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Prefills of every length 1..200 and decode batches of 1..40 rows: the packed op only
-    ever sees bucket sizes, far fewer than the distinct row counts."""
+    """Prefills of every length 1..200 (and two longer) and decode batches of 1..40 rows: the
+    packed op only ever sees bucket sizes up to ONEDNN_MAX_ROWS, far fewer than the distinct
+    row counts."""
     path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
     model = load_model(path, torch.float32, torch.device("cpu"))
     seen: set[int] = set()
@@ -75,14 +81,14 @@ def test_model_forwards_use_bucketed_shapes_only(
         return out
 
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", spy)
-    lengths = list(range(1, 201))
+    lengths = [*range(1, 201), 300, 517]
     driver = PagedDriver(model, num_blocks=2000, block_size=16)
     seqs = [driver.new_seq(p) for p in random_prompts(lengths, model.config.vocab_size, seed=1)]
     for s, n in zip(seqs, lengths, strict=True):
         driver.append_greedy([s], driver.prefill([(s, n)]), 1000)
     for batch in range(1, 41):
         driver.append_greedy(seqs[:batch], driver.decode(seqs[:batch]), 1000)
-    buckets = {onednn_rows(m) for m in range(1, 201)}
+    buckets = {onednn_rows(m) for m in range(1, ONEDNN_MAX_ROWS + 1)}
     assert seen <= buckets
     assert len(seen) < len(lengths) // 3
 
