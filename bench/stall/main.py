@@ -6,7 +6,9 @@ run: both servers start once, then every round runs the scenario (`scenario.py`)
 back to back, with the same prompts.  Per arm and round: the streams' median, p99 and worst
 inter-token gap inside the arrival window, the long prompts' time to first token and the
 tokens per second of the window; then the medians over rounds of the within-round ratios
-(`report.py`).
+(`report.py`).  `--budgets` runs one mixed arm per per-step token budget instead, and a last
+table sets each budget's worst gap against its long-prompt TTFT: the trade the default
+budget (`scheduler.budget.default_tokens`) picks a point of.
 """
 from __future__ import annotations
 
@@ -17,12 +19,42 @@ import os
 import sys
 from typing import Any
 
-from tandem_serve.bench.stall.report import Figures, arm_table, as_json, figures, ratio_table
+from tandem_serve.bench.stall.report import (
+    Figures,
+    arm_table,
+    as_json,
+    figures,
+    frontier_table,
+    ratio_table,
+)
 from tandem_serve.bench.stall.scenario import Workload, run
 from tandem_serve.harness.server import serving
 
-# arm -> its server flags besides the shared ones
-ARMS = {"mixed": [], "prefill-phase": ["--prefill-phase"]}
+ARMS = ("mixed", "prefill-phase")
+
+
+def arm_budget(arm: str, default: int) -> tuple[bool, int]:
+    """(prefill phase, tokens per step; 0: the server's default) of an arm: "mixed",
+    "mixed 128" (a `--budgets` arm) or "prefill-phase"."""
+    if arm == "prefill-phase":
+        return True, 0
+    _, _, tokens = arm.partition(" ")
+    return False, int(tokens) if tokens else default
+
+
+def arm_names(args: argparse.Namespace) -> list[str]:
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"tandem bench stall: error: --arms: unknown {unknown}; "
+                         f"choose from {list(ARMS)}")
+    budgets = [b for b in args.budgets.split(",") if b]
+    if not budgets or "mixed" not in arms:
+        return arms
+    if not all(b.isdigit() and int(b) > 0 for b in budgets):
+        raise SystemExit(f"tandem bench stall: error: --budgets: {args.budgets!r} is not a "
+                         "comma-separated list of positive token counts")
+    return [f"mixed {b}" for b in budgets] + [a for a in arms if a != "mixed"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="scenario runs per arm, alternating")
     p.add_argument("--max-num-batched-tokens", type=int, default=0,
                    help="the mixed arm's tokens per step (0: the server's default)")
+    p.add_argument("--budgets", default="",
+                   help="comma-separated tokens per step: one mixed arm each (a sweep)")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {list(ARMS)}")
     p.add_argument("--server-arg", action="append", default=[],
                    help="one more flag for every server (repeat, e.g. "
@@ -64,10 +98,10 @@ def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload
     with contextlib.ExitStack() as stack:
         targets = {}
         for arm in arms:
-            flags = [*shared, *ARMS[arm]]
-            if arm == "mixed" and args.max_num_batched_tokens:
-                flags += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-            flags += ["--max-new-tokens", "4096"]
+            phase, budget = arm_budget(arm, args.max_num_batched_tokens)
+            flags = [*shared, "--max-new-tokens", "4096"]
+            flags += ["--prefill-phase"] if phase else []
+            flags += ["--max-num-batched-tokens", str(budget)] if budget else []
             targets[arm] = stack.enter_context(serving(model, flags, quiet=True)).target
             # Warm-up: first shapes of every kind (oneDNN builds a primitive per shape).
             run(targets[arm], tokenizer, Workload(work.streams, 2, work.prompt_len, 0.5), 999)
@@ -87,11 +121,10 @@ def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: Work
     warm = Workload(work.streams, 2, work.prompt_len, 0.5)
     for arm in arms:  # oneDNN's primitives per shape are built once per process
         inproc.run(model, tokenizer, warm, 999, args.num_scheduler_steps,
-                   arm == "prefill-phase", args.max_num_batched_tokens)
+                   *arm_budget(arm, args.max_num_batched_tokens))
     for r in range(args.rounds):
         for arm in arms:
-            phase = arm == "prefill-phase"
-            budget = 0 if phase else args.max_num_batched_tokens
+            phase, budget = arm_budget(arm, args.max_num_batched_tokens)
             stamps = inproc.run(model, tokenizer, work, r, args.num_scheduler_steps, phase,
                                 budget)
             results[arm].append(figures(stamps))
@@ -107,13 +140,18 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(model)
     work = Workload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
                     interval=args.interval)
-    arms = [a for a in args.arms.split(",") if a]
+    arms = arm_names(args)
     results = (_in_process(args, model, tokenizer, work, arms) if args.in_process
                else _served(args, model, tokenizer, work, arms))
     print(arm_table(results))
-    if {"mixed", "prefill-phase"} <= set(arms):
-        print()
-        print(ratio_table(results, "mixed", "prefill-phase"))
+    mixed = [a for a in arms if not arm_budget(a, 0)[0]]
+    if "prefill-phase" in arms:
+        for arm in mixed:
+            print()
+            print(ratio_table(results, arm, "prefill-phase"))
+        if len(mixed) > 1:
+            print()
+            print(frontier_table(results, mixed, "prefill-phase"))
     if args.json:
         settings = {**vars(args), "cpu_count": os.cpu_count()}
         settings.pop("func", None)

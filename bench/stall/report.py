@@ -85,6 +85,27 @@ def ratio_table(results: dict[str, list[Figures]], arm: str, baseline: str) -> s
     return "\n".join(lines)
 
 
+def frontier_table(results: dict[str, list[Figures]], arms: list[str], baseline: str) -> str:
+    """Per mixed arm (a budget each): its worst gap over the median against its long-prompt
+    TTFT over `baseline`'s, medians of within-round ratios, beside the TTFT ratio such a worst
+    gap allows at best.  A step costing g decode steps carries (g - 1) decode steps' worth of
+    prefill, so a prompt of W prefill-seconds takes W / (g - 1) decode steps more than one
+    forward of its own would: TTFT >= (1 + 1 / (g - 1)) W, queueing aside (both arms wait for a
+    plan to start)."""
+    lines = ["| arm | worst gap / median | p99 gap / median | long-prompt TTFT vs "
+             f"{baseline} | TTFT bound at that worst gap | tokens/s vs {baseline} |",
+             "|---|---|---|---|---|---|"]
+    for arm in arms:
+        pairs = list(zip(results[arm], results[baseline], strict=True))
+        worst = median(a.worst_ratio for a, _ in pairs)
+        bound = 1 + 1 / (worst - 1) if worst > 1 else float("inf")
+        lines.append(
+            f"| {arm} | {worst:.2f}x | {median(a.p99_ratio for a, _ in pairs):.2f}x | "
+            f"{median(a.ttft_ms / b.ttft_ms for a, b in pairs):.2f}x | {bound:.2f}x | "
+            f"{median(a.tokens_per_s / b.tokens_per_s for a, b in pairs):.2f}x |")
+    return "\n".join(lines)
+
+
 def as_json(results: dict[str, list[Figures]], settings: dict[str, Any]) -> dict[str, Any]:
     return {"settings": settings,
             "arms": {arm: [asdict(f) for f in rounds] for arm, rounds in results.items()}}

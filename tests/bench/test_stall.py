@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tandem_serve.bench.stall import main as stall
-from tandem_serve.bench.stall.report import figures, ratio_table
+from tandem_serve.bench.stall.report import Figures, figures, frontier_table, ratio_table
 from tandem_serve.bench.stall.scenario import Stamps
 
 
@@ -25,6 +25,30 @@ def test_figures_count_gaps_inside_the_window_only() -> None:
     assert f.tokens_per_s == pytest.approx(6 / 0.285)  # 4 stream tokens and 2 of the prompt
     table = ratio_table({"mixed": [f], "prefill-phase": [f]}, "mixed", "prefill-phase")
     assert "| long-prompt TTFT, mixed / prefill-phase | 1.00 | 1.00 |" in table
+
+
+def test_budget_sweep_arms_and_their_frontier_table() -> None:
+    parser = argparse.ArgumentParser()
+    stall.add_arguments(parser)
+    names = stall.arm_names(parser.parse_args(["--budgets", "96,160"]))
+    assert names == ["mixed 96", "mixed 160", "prefill-phase"]
+    assert [stall.arm_budget(a, 0) for a in names] == [(False, 96), (False, 160), (True, 0)]
+    assert stall.arm_budget("mixed", 200) == (False, 200)
+    with pytest.raises(SystemExit, match="--budgets"):
+        stall.arm_names(parser.parse_args(["--budgets", "96,x"]))
+    with pytest.raises(SystemExit, match="--arms"):
+        stall.arm_names(parser.parse_args(["--arms", "mixed,phase"]))
+
+    def f(worst: float, ttft: float) -> Figures:
+        return Figures(10.0, 20.0, worst, ttft, ttft, 100.0, 50)
+
+    results = {"mixed 96": [f(25.0, 180.0), f(25.0, 200.0), f(30.0, 190.0)],
+               "mixed 160": [f(40.0, 140.0)] * 3,
+               "prefill-phase": [f(200.0, 100.0)] * 3}
+    table = frontier_table(results, ["mixed 96", "mixed 160"], "prefill-phase")
+    # worst 2.5x the median: a step carries 1.5 decode steps of prefill, TTFT >= 1.67x.
+    assert "| mixed 96 | 2.50x | 2.00x | 1.90x | 1.67x | 1.00x |" in table
+    assert "| mixed 160 | 4.00x | 2.00x | 1.40x | 1.33x | 1.00x |" in table
 
 
 def test_in_process_run_of_both_arms(tmp_path: Path, capsys: pytest.CaptureFixture[str]
