@@ -1,24 +1,26 @@
 """`scripts/gpu-check`: one prepared run that proves the CUDA path and repeats the seed's
 experiment, in the short window a GPU host is lent for.
 
-Stages, in order, each written to the report as it finishes (`report.py`):
-environment → the `gpu`-marked tests → greedy parity (float32 with CUDA graphs and eager,
-bfloat16 agreement) → the seed's experiment (a Llama-3-8B-shaped model with random bfloat16
-weights made on the device, async K=8 / sync K=8 / sync K=1 under `bench serve` at 10 req/s,
-1,024-token prompts with a 512-token shared prefix, 512 output tokens, and async K=8 with
-`--prefill-phase` for mixed steps' ratios to a separate prefill forward) → a `tandem profile`
-of the async arm with torch.profiler → decode ms/step at batch 1/32/64 next to the
-memory-bandwidth bound and HF `generate()` → quantized weights (ms/step and GiB per format
-next to bf16) → model families → the fp8 KV cache (greedy agreement with a float32 cache;
-the seed workload's blocks and TPOT, fp8 next to auto) → speculative decoding (`tandem bench
-spec --preset fast` on the copier, each method the tree serves, against none).
+Stages, in order, each written to the report as it finishes (`report.py`): environment → the
+`gpu`-marked tests → greedy parity (float32 with CUDA graphs and eager, bfloat16 agreement)
+→ the seed's experiment (a Llama-3-8B-shaped model with random bfloat16 weights made on the
+device, async K=8 / sync K=8 / sync K=1 under `bench serve` at 10 req/s, 1,024-token prompts
+with a 512-token shared prefix, 512 output tokens, and async K=8 with `--prefill-phase` for
+mixed steps' ratios to a separate prefill forward) → a `tandem profile` of the async arm
+with torch.profiler → the stall scenario (`tandem bench stall`: streams' worst inter-token
+gap and long prompts' TTFT at two per-step budgets and `--prefill-phase`) → decode ms/step
+at batch 1/32/64 next to the memory-bandwidth bound and HF `generate()` → quantized weights
+(ms/step and GiB per format next to bf16) → model families → the fp8 KV cache (greedy
+agreement with a float32 cache; the seed workload's blocks and TPOT, fp8 next to auto) →
+speculative decoding (`tandem bench spec --preset fast` on the copier, each method the tree
+serves, against none).
 A stage the remaining budget cannot hold is skipped and named. `--cpu` runs the same flow on
 the CPU with the tiny models and a small workload, which is how machines without a GPU prove
 the script itself.
 
 Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py`,
-`features.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the stages),
-`report.py` (what is written), `wheels.py` (what the host lacks).
+`features.py`, `stall.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the
+stages), `report.py` (what is written), `wheels.py` (what the host lacks).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from tandem_serve.bench.gpu_check.stages import (
     stage_gpu_tests,
     stage_step,
 )
+from tandem_serve.bench.gpu_check.stall import stage_stall
 
 
 def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
@@ -56,7 +59,8 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
-        ("step", stage_step), ("quantized", stage_quantized), ("families", stage_families),
+        ("stall", stage_stall), ("step", stage_step), ("quantized", stage_quantized),
+        ("families", stage_families),
         ("kv fp8", stage_kv_fp8), ("spec", stage_spec)]
     failed = 0
     for name, fn in stages:

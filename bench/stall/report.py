@@ -85,25 +85,40 @@ def ratio_table(results: dict[str, list[Figures]], arm: str, baseline: str) -> s
     return "\n".join(lines)
 
 
-def frontier_table(results: dict[str, list[Figures]], arms: list[str], baseline: str) -> str:
+def frontier(results: dict[str, list[Figures]], arms: list[str], baseline: str
+             ) -> list[dict[str, float | str]]:
     """Per mixed arm (a budget each): its worst gap over the median against its long-prompt
     TTFT over `baseline`'s, medians of within-round ratios, beside the TTFT ratio such a worst
     gap allows at best.  A step costing g decode steps carries (g - 1) decode steps' worth of
     prefill, so a prompt of W prefill-seconds takes W / (g - 1) decode steps more than one
     forward of its own would: TTFT >= (1 + 1 / (g - 1)) W, queueing aside (both arms wait for a
     plan to start)."""
-    lines = ["| arm | worst gap / median | p99 gap / median | long-prompt TTFT vs "
-             f"{baseline} | TTFT bound at that worst gap | tokens/s vs {baseline} |",
-             "|---|---|---|---|---|---|"]
+    rows: list[dict[str, float | str]] = []
     for arm in arms:
         pairs = list(zip(results[arm], results[baseline], strict=True))
         worst = median(a.worst_ratio for a, _ in pairs)
-        bound = 1 + 1 / (worst - 1) if worst > 1 else float("inf")
-        lines.append(
-            f"| {arm} | {worst:.2f}x | {median(a.p99_ratio for a, _ in pairs):.2f}x | "
-            f"{median(a.ttft_ms / b.ttft_ms for a, b in pairs):.2f}x | {bound:.2f}x | "
-            f"{median(a.tokens_per_s / b.tokens_per_s for a, b in pairs):.2f}x |")
+        rows.append({
+            "arm": arm, "worst_ratio": worst, "p99_ratio": median(a.p99_ratio for a, _ in pairs),
+            "ttft_ratio": median(a.ttft_ms / b.ttft_ms for a, b in pairs),
+            "ttft_bound": 1 + 1 / (worst - 1) if worst > 1 else float("inf"),
+            "tokens_per_s_ratio": median(a.tokens_per_s / b.tokens_per_s for a, b in pairs)})
+    return rows
+
+
+def frontier_table(results: dict[str, list[Figures]], arms: list[str], baseline: str) -> str:
+    lines = ["| arm | worst gap / median | p99 gap / median | long-prompt TTFT vs "
+             f"{baseline} | TTFT bound at that worst gap | tokens/s vs {baseline} |",
+             "|---|---|---|---|---|---|"]
+    for r in frontier(results, arms, baseline):
+        lines.append(f"| {r['arm']} | {r['worst_ratio']:.2f}x | {r['p99_ratio']:.2f}x | "
+                     f"{r['ttft_ratio']:.2f}x | {r['ttft_bound']:.2f}x | "
+                     f"{r['tokens_per_s_ratio']:.2f}x |")
     return "\n".join(lines)
+
+
+def from_json(data: dict[str, Any]) -> dict[str, list[Figures]]:
+    """`as_json`'s arms back as Figures."""
+    return {arm: [Figures(**f) for f in rounds] for arm, rounds in data["arms"].items()}
 
 
 def as_json(results: dict[str, list[Figures]], settings: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
         "features": "skipped",
         "experiment": "passed", "profile": "passed", "step": "passed", "quantized": "passed",
-        "families": "passed", "kv fp8": "passed", "spec": "skipped"}
+        "families": "passed", "kv fp8": "passed", "spec": "skipped", "stall": "skipped"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
     for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
@@ -62,7 +62,7 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
     assert rc == 0
     skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
     assert {"gpu tests", "parity", "features", "experiment", "step", "quantized",
-            "families", "kv fp8", "spec"} <= set(skipped)
+            "families", "kv fp8", "spec", "stall"} <= set(skipped)
     assert all("budget" in why for n, why in skipped.items() if n != "profile")
 
 

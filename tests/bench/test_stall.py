@@ -67,3 +67,42 @@ def test_in_process_run_of_both_arms(tmp_path: Path, capsys: pytest.CaptureFixtu
     # A 300-token prompt's prefill is one forward in the baseline: the streams wait for it.
     assert phase["worst_gap_ms"] > mixed["worst_gap_ms"]
     assert mixed["num_gaps"] > 0 and phase["num_gaps"] > 0
+
+
+def test_the_gpu_check_stage_runs_the_sweep_and_reports_its_frontier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stage's command line (the experiment's model and flags, a small KV cache per server)
+    and its figures, with a stand-in for `tandem` (the real one runs the scenario: the --cpu
+    flow and the GPU run do that)."""
+    import subprocess
+    from dataclasses import asdict
+
+    from tandem_serve.bench.gpu_check import stall as stage
+    from tandem_serve.bench.gpu_check.plans import GPU_PLAN
+    from tandem_serve.bench.gpu_check.report import Budget
+
+    seen: list[tuple[str, ...]] = []
+    monkeypatch.setattr(stage, "experiment_model",
+                        lambda plan, out: ("/m/llama3-8b-shaped", ["--load-format", "dummy"]))
+
+    def fake(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+        seen.append(args)
+        f = asdict(Figures(10.0, 20.0, 25.0, 120.0, 130.0, 100.0, 50))
+        phase = {**f, "worst_gap_ms": 190.0, "ttft_ms": 100.0}
+        Path(args[args.index("--json") + 1]).write_text(json.dumps(
+            {"arms": {"mixed 512": [f, f], "mixed 2048": [f, f],
+                      "prefill-phase": [phase, phase]}}))
+        return subprocess.CompletedProcess(list(args), 0, "| the tables |", "")
+
+    monkeypatch.setattr(stage, "tandem", fake)
+    fig, text = stage.stage_stall(GPU_PLAN, str(tmp_path), Budget(600))
+    args = seen[0]
+    assert args[:4] == ("bench", "stall", "--model", "/m/llama3-8b-shaped")
+    assert args[4:8] == ("--budgets", "512,2048", "--rounds", "2")
+    server = [a.removeprefix("--server-arg=") for a in args if a.startswith("--server-arg=")]
+    assert server == ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
+                      "--kv-cache-memory", "4"]
+    assert [r["arm"] for r in fig["frontier"]] == ["mixed 512", "mixed 2048"]
+    row = fig["frontier"][0]
+    assert row["worst_ratio"] == pytest.approx(2.5) and row["ttft_ratio"] == pytest.approx(1.2)
+    assert "| the tables |" in text
