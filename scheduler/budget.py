@@ -41,10 +41,13 @@ def default_tokens(device_type: str, prefill_phase: bool) -> int:
     steps its prefill is cut into, each paying the decode rows' own work again: the budget
     trades the one against the other.  CPU, measured with `tandem bench stall --in-process`
     (tiny default model, K=8, 4 streams, 1,000-token prompts 1.2 s apart): a decode step
-    there costs about what 80 prefill tokens do, so 160 units put a step near 2.5x a decode
-    step (worst gap 3.2x the median in the same run, TTFT 1.4x --prefill-phase's; 128: 3.3x
-    and 1.5x; 224: 4x and 1.3x).  CUDA, not measured here: a step of a 7-8B model is
-    memory-bound up to a few hundred tokens, so 512 costs its decode rows little."""
+    there costs about what 80 prefill tokens do, so 160 units put a step near 3x a decode
+    step (`--budgets 96,128,160,224 --rounds 3`, worst gap over the median and TTFT over
+    --prefill-phase's, medians: 96: 3.3x and 2.0x; 128: 3.8x and 1.7x; 160: 3.7x and 1.7x;
+    224: 4.8x and 1.6x; a worst gap swings by a round's one slow step).  No budget meets 3x
+    and 1.5x together there (docs/DESIGN.md, section 14).  CUDA, not measured here: a step
+    of a 7-8B model is memory-bound up to a few hundred tokens, so 512 costs its decode rows
+    little."""
     if prefill_phase:
         return PLAN_TOKENS
     return STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])

@@ -42,7 +42,7 @@ GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, 
                 512, 32, 20, 4, ("--kv-cache-memory", "40", "--max-num-seqs", "128"))
 CPU_PLAN = Plan("cpu", "float32", "default", 128, 64, 32, 8.0, 48, 8, "1,8,32", 128, 16, 10, 4,
                 kv_prompts=8, kv_tokens=32,
-                stall_args=("--in-process", "--budgets", "96,160,256", "--rounds", "3"))
+                stall_args=("--in-process", "--budgets", "96,128,160,224", "--rounds", "3"))
 QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len=16,
                      output_len=8, request_rate=50.0,
                      max_prompts=4, min_prompts=4, step_batches="1", step_prompt_len=16,

@@ -174,28 +174,25 @@ def mixed(ctx: Context) -> str:
     """Mixed steps against `--prefill-phase`: decoding streams while long prompts arrive
     (`bench stall`, on the worker's CPU clock), then Poisson arrivals of long prompts."""
     stall = ["bench", "stall", "--model", ctx.models["default"], "--in-process",
-             "--rounds", "5"]
+             "--budgets", "96,128,160,224", "--rounds", "3"]
     arrivals = ["bench", "ab", "--model", ctx.models["default"], "--steps", "8",
                 "--input-len", "1024", "--output-len", "128", "--num-prompts", "24",
                 "--request-rate", "0.75", "--max-concurrency", "64", "--prefill-phase",
                 "--repeats", str(ctx.repeats)]
-    sweep = ["bench", "stall", "--model", ctx.models["default"], "--in-process",
-             "--budgets", "96,128,160,224", "--rounds", "3"]
-    stall_text = tandem(*stall).strip()
-    frontier = tandem(*sweep).strip().split("\n\n")[-1]  # its last table
+    tables = tandem(*stall).strip().split("\n\n")
+    stall_text = tables[0]  # every arm and round; the per-budget ratio tables are left out
     ab_text, _ = run_ab(arrivals)
     intro = ("Prefill chunks inside the K decode steps (the default) against `--prefill-phase` "
              "(each plan's chunks in a forward of their own before its steps), same server "
              "otherwise. First the stall scenario: 4 streams decode while 6 prompts of ~1,000 "
              "tokens arrive 1.2 s apart, K=8; the scheduler and runner run in one process on "
              "a clock of the worker thread's CPU time, so a neighbour's job on a shared host "
-             "does not count as a stall.")
-    budgets = ("Where the per-step budget sits: one mixed arm per budget against "
-               "`--prefill-phase`, medians of within-round ratios, and the TTFT ratio each "
-               "worst gap allows at best (docs/DESIGN.md, section 14).")
+             "does not count as a stall. One mixed arm per per-step budget (160 is the CPU "
+             "default).")
+    budgets = ("Each budget against `--prefill-phase`, medians of within-round ratios, and the "
+               "TTFT ratio its worst gap allows at best (docs/DESIGN.md, section 14):")
     second = ("Then arrivals: Poisson, 0.75 requests/s of 1,024-token prompts with 128 output "
               "tokens, every arm on a fresh server, arms interleaved; the last lines are each "
               "arm's figures over its `--prefill-phase` twin's.")
-    return "\n\n".join([intro, code(shown(stall, ctx)), f"```\n{stall_text}\n```", budgets,
-                        code(shown(sweep, ctx)), frontier, second, code(shown(arrivals, ctx)),
-                        ab_text.strip()])
+    return "\n\n".join([intro, code(shown(stall, ctx)), stall_text, budgets, tables[-1],
+                        second, code(shown(arrivals, ctx)), ab_text.strip()])
