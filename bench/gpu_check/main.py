@@ -60,8 +60,7 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
         ("stall", stage_stall), ("step", stage_step), ("quantized", stage_quantized),
-        ("families", stage_families),
-        ("kv fp8", stage_kv_fp8), ("spec", stage_spec)]
+        ("families", stage_families), ("kv fp8", stage_kv_fp8), ("spec", stage_spec)]
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]

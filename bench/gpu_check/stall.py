@@ -17,23 +17,24 @@ from tandem_serve.bench.gpu_check.stages import tandem
 BASELINE = "prefill-phase"
 
 
-def stall_command(plan: Plan, out: str) -> list[str]:
+def stall_command(plan: Plan, out: str, path: str) -> list[str]:
     model, flags = experiment_model(plan, out)
     server = [*flags, "--device", plan.device, "--dtype", plan.dtype,
               "--kv-cache-memory", plan.stall_kv_cache_memory]
-    return ["bench", "stall", "--model", model, *plan.stall_args,
-            "--json", os.path.join(out, "stall.json"), *(f"--server-arg={a}" for a in server)]
+    return ["bench", "stall", "--model", model, *plan.stall_args, "--json", path,
+            *(f"--server-arg={a}" for a in server)]
 
 
 def stage_stall(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
     from tandem_serve.bench.stall.report import from_json, frontier
 
-    args = stall_command(plan, out)
-    say(f"stall: tandem {' '.join(args[:2 + len(plan.stall_args) + 2])} ...")
+    path = os.path.join(out, "stall.json")
+    args = stall_command(plan, out, path)
+    say(f"stall: tandem bench stall {' '.join(plan.stall_args)} ...")
     proc = tandem(*args, timeout=budget.left - 10)
     if proc.returncode:
         raise RuntimeError(f"bench stall failed: {proc.stderr[-800:]}")
-    with open(args[args.index("--json") + 1]) as f:
+    with open(path) as f:
         results = from_json(json.load(f))
     mixed = [a for a in results if a != BASELINE]
     fig = {"frontier": frontier(results, mixed, BASELINE), "rounds": len(results[BASELINE])}

@@ -144,7 +144,7 @@ def main(args: argparse.Namespace) -> int:
     results = (_in_process(args, model, tokenizer, work, arms) if args.in_process
                else _served(args, model, tokenizer, work, arms))
     print(arm_table(results))
-    mixed = [a for a in arms if not arm_budget(a, 0)[0]]
+    mixed = [a for a in arms if a != "prefill-phase"]
     if "prefill-phase" in arms:
         for arm in mixed:
             print()
