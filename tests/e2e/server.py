@@ -10,7 +10,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -102,6 +103,17 @@ class Server:
             self.proc.wait()
             raise
         return int(self.proc.returncode)
+
+    def wait_stats(self, ok: Callable[[Any], bool], timeout: float = 10.0) -> Any:
+        """The admin stats once `ok(stats)` holds: the scheduler reports them every 0.2 s, so
+        a read right after a request ends can predate its last admissions and loads."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.client.stats()
+            if ok(stats):
+                return stats
+            assert time.monotonic() < deadline, f"stats never settled: {stats}"
+            time.sleep(0.05)
 
     def role_pids(self) -> dict[str, int]:
         """Child pids by role ("scheduler", "gpu-worker", "postproc 0", ...), from titles."""

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from tandem_serve.proto import admin_pb2
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.rpc.client import GenerateOptions, TandemClient
 from tests.e2e.server import Server, running
@@ -24,25 +23,13 @@ def server(tiny_model_dir: pathlib.Path) -> Iterator[Server]:
     yield from running(str(tiny_model_dir))
 
 
-def wait_stats(client: TandemClient, ok: object, timeout: float = 10.0) -> admin_pb2.StatsResponse:
-    """Poll the admin stats until `ok(stats)` holds (they lag the scheduler by <= 0.2 s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = client.stats()
-        if ok(stats):  # type: ignore[operator]
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"stats never settled: {stats}")
-        time.sleep(0.05)
-
-
 def idle(total: int) -> object:
     return lambda s: (s.num_free_blocks, s.num_running, s.num_waiting) == (total, 0, 0)
 
 
 @pytest.fixture(scope="module")
 def total_blocks(server: Server) -> int:
-    stats = wait_stats(server.client, lambda s: s.num_total_blocks > 0)
+    stats = server.wait_stats(lambda s: s.num_total_blocks > 0)
     assert stats.num_free_blocks == stats.num_total_blocks  # nothing runs yet
     return int(stats.num_total_blocks)
 
@@ -58,7 +45,7 @@ def test_cancelled_and_disconnected_streams_give_their_blocks_back(server: Serve
         next(it)  # the head
         next(it)  # a first token: the request is running
         calls.append((call, own))
-    running = wait_stats(server.client, lambda s: s.num_running == 8)
+    running = server.wait_stats(lambda s: s.num_running == 8)
     assert running.num_free_blocks < total_blocks
     before = running.tokens_delivered
     t0 = time.monotonic()
@@ -67,7 +54,7 @@ def test_cancelled_and_disconnected_streams_give_their_blocks_back(server: Serve
             call.cancel()
         else:
             own.close()
-    wait_stats(server.client, idle(total_blocks))
+    server.wait_stats(idle(total_blocks))
     took = time.monotonic() - t0
     for call, own in calls:
         if own is None:
@@ -90,14 +77,14 @@ def test_cancelled_batch_and_expired_deadline_give_their_blocks_back(
         requests=[pb.GenerationRequest(text=f"Batch prompt {i}") for i in range(3)],
         params=LONG.to_proto())
     future = server.client.stub.Generate.future(req)
-    wait_stats(server.client, lambda s: s.num_running == 3)
+    server.wait_stats(lambda s: s.num_running == 3)
     future.cancel()
-    wait_stats(server.client, idle(total_blocks))
+    server.wait_stats(idle(total_blocks))
     # A client deadline that passes is a disconnect too.
     with pytest.raises(grpc.RpcError) as err:
         list(server.client.stream("Deadline prompt", LONG, timeout=1.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_stats(server.client, idle(total_blocks))
+    server.wait_stats(idle(total_blocks))
 
 
 def test_time_limit_ends_with_the_text_so_far(server: Server, total_blocks: int) -> None:
@@ -118,4 +105,4 @@ def test_time_limit_ends_with_the_text_so_far(server: Server, total_blocks: int)
     assert msgs[-1].generated_token_count < 1000
     so_far = "".join(m.text for m in msgs[1:])
     assert so_far.startswith(ref[0].text) or ref[0].text.startswith(so_far)
-    wait_stats(server.client, idle(total_blocks))
+    server.wait_stats(idle(total_blocks))

@@ -247,19 +247,8 @@ def test_32_concurrent_async_streams(server: Server, hf: HF) -> None:
         assert got == wants[text]
 
 
-def wait_stats(server: Server, ok: Any, timeout: float = 10.0) -> Any:
-    """The admin stats once `ok(stats)` holds (they lag the scheduler by <= 0.2 s)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = server.client.stats()
-        if ok(s):
-            return s
-        assert time.monotonic() < deadline, f"stats never settled: {s}"
-        time.sleep(0.05)
-
-
 def wait_idle(server: Server) -> Any:
-    return wait_stats(server, lambda s: (s.num_running, s.num_waiting, s.num_free_blocks)
+    return server.wait_stats(lambda s: (s.num_running, s.num_waiting, s.num_free_blocks)
                       == (0, 0, s.num_total_blocks))
 
 
@@ -270,7 +259,7 @@ def test_a_client_that_disconnects_frees_its_blocks(client: openai.OpenAI,
                for i in range(3)]
     for s in streams:
         next(iter(s))
-    busy = wait_stats(server, lambda s: s.num_running == 3)
+    busy = server.wait_stats(lambda s: s.num_running == 3)
     assert busy.num_free_blocks < busy.num_total_blocks
     for s in streams:
         s.close()

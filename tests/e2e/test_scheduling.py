@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pathlib
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -44,17 +43,6 @@ def test_preemption_under_kv_pressure_keeps_outputs(fast_model_dir: pathlib.Path
     assert got == want
 
 
-def settled_stats(server: Server, delivered: int, timeout: float = 10.0):  # type: ignore[no-untyped-def]
-    """Admin stats once the scheduler has counted `delivered` tokens: its reports are
-    periodic, so a read right after the last stream can predate its last admissions."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = server.client.stats()
-        if stats.tokens_delivered >= delivered or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.1)
-
-
 def test_shared_prefix_hits_the_cache_and_keeps_outputs(fast_model_dir: pathlib.Path) -> None:
     rng = random.Random(3)
     prefix = " ".join(rng.choice(WORDS) for _ in range(200))
@@ -64,7 +52,8 @@ def test_shared_prefix_hits_the_cache_and_keeps_outputs(fast_model_dir: pathlib.
     try:
         first = run_all(server, jobs[:1])  # fills the cache with the prefix
         rest = run_all(server, jobs[1:])
-        stats = settled_stats(server, sum(n for _, n in jobs))
+        delivered = sum(n for _, n in jobs)
+        stats = server.wait_stats(lambda s: s.tokens_delivered >= delivered)
     finally:
         assert server.stop() == 0
     assert stats.prefix_hit_tokens >= 15 * 16 * (200 // 16 - 1)
