@@ -8,18 +8,21 @@ device, async K=8 / sync K=8 / sync K=1 under `bench serve` at 10 req/s, 1,024-t
 with a 512-token shared prefix, 512 output tokens, and async K=8 with `--prefill-phase` for
 mixed steps' ratios to a separate prefill forward) → a `tandem profile` of the async arm
 with torch.profiler → the stall scenario (`tandem bench stall`: streams' worst inter-token
-gap and long prompts' TTFT at two per-step budgets and `--prefill-phase`) → decode ms/step
+gap and long prompts' TTFT at two per-step budgets and `--prefill-phase`) → arrivals
+(Poisson 1,024-token prompts, 128 out: mixed steps' ITL/TPOT p99 against
+`--prefill-phase`) → decode ms/step
 at batch 1/32/64 next to the memory-bandwidth bound and HF `generate()` → quantized weights
 (ms/step and GiB per format next to bf16) → model families → the fp8 KV cache (greedy
 agreement with a float32 cache; the seed workload's blocks and TPOT, fp8 next to auto) →
 speculative decoding (`tandem bench spec --preset fast` on the copier, each method the tree
 serves, against none).
-A stage the remaining budget cannot hold is skipped and named. `--cpu` runs the same flow on
+A stage the remaining budget cannot hold is skipped and named; `--stages` runs only the named
+ones (a short window spent on what it is for). `--cpu` runs the same flow on
 the CPU with the tiny models and a small workload, which is how machines without a GPU prove
 the script itself.
 
 Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py`,
-`features.py`, `stall.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the
+`features.py`, `stall.py`, `arrivals.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the
 stages), `report.py` (what is written), `wheels.py` (what the host lacks).
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tandem_serve.bench.gpu_check.arrivals import stage_arrivals
 from tandem_serve.bench.gpu_check.families import stage_families
 from tandem_serve.bench.gpu_check.features import stage_features
 from tandem_serve.bench.gpu_check.kv_fp8 import stage_kv_fp8
@@ -45,9 +49,14 @@ from tandem_serve.bench.gpu_check.stages import (
 )
 from tandem_serve.bench.gpu_check.stall import stage_stall
 
+STAGES = ("environment", "gpu tests", "parity", "features", "experiment", "stall", "arrivals",
+          "step", "quantized", "families", "kv fp8", "spec")
 
-def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
-    """Every stage in order; 0 when none failed (skipped ones are named, not failures)."""
+
+def run(out: str, budget_s: float, cpu: bool, quick: bool = False,
+        only: tuple[str, ...] = ()) -> int:
+    """Every stage in order (`only`: just those, in that order); 0 when none failed (skipped
+    ones are named, not failures)."""
     plan = QUICK_PLAN if quick else CPU_PLAN if cpu else GPU_PLAN
     budget = Budget(budget_s)
     report = Report(out, "Tandem GPU check" + (" (--cpu)" if cpu else ""),
@@ -59,13 +68,17 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False) -> int:
         ("environment", stage_environment), ("gpu tests", stage_gpu_tests),
         ("parity", stage_parity), ("features", stage_features),
         ("experiment", lambda p, o, b: stage_experiment(p, o, b, profile)),
-        ("stall", stage_stall), ("step", stage_step), ("quantized", stage_quantized),
-        ("families", stage_families), ("kv fp8", stage_kv_fp8), ("spec", stage_spec)]
+        ("stall", stage_stall), ("arrivals", stage_arrivals), ("step", stage_step),
+        ("quantized", stage_quantized), ("families", stage_families), ("kv fp8", stage_kv_fp8),
+        ("spec", stage_spec)]
+    if only:  # the named stages first, in the order named; the others are reported skipped
+        stages.sort(key=lambda s: only.index(s[0]) if s[0] in only else len(only))
     failed = 0
     for name, fn in stages:
         need = NEEDS[name][1 if cpu or quick else 0]
-        if name in plan.skip:
-            report.add(Stage(name, "skipped", error="not part of this flow"))
+        if name in plan.skip or (only and name not in only):
+            report.add(Stage(name, "skipped", error="not part of this flow" if name in plan.skip
+                             else "not among --stages"))
             continue
         if not budget.allows(need):
             report.add(Stage(name, "skipped", error=f"budget: {budget.left:.0f} s left, needs "
