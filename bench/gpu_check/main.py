@@ -22,8 +22,8 @@ the CPU with the tiny models and a small workload, which is how machines without
 the script itself.
 
 Modules: `plans.py` (the sizes), `models.py` (the checkpoints), `stages.py`, `parity.py`,
-`features.py`, `stall.py`, `arrivals.py`, `quantized.py`, `families.py`, `kv_fp8.py` and `spec.py` (the
-stages), `report.py` (what is written), `wheels.py` (what the host lacks).
+`features.py`, `stall.py`, `arrivals.py`, `quantized.py`, `families.py`, `kv_fp8.py` and
+`spec.py` (the stages), `report.py` (what is written), `wheels.py` (what the host lacks).
 """
 from __future__ import annotations
 
