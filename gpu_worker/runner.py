@@ -29,6 +29,7 @@ from tandem_serve.gpu_worker.guided import GuidedRegistry
 from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, blocks_for, resolve_kv_dtype
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
+from tandem_serve.gpu_worker.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec_batch import VerifyRows, verify_slots
@@ -156,6 +157,10 @@ class ModelRunner:
                                        -(-self.max_model_len // block_size), block_size,
                                        self.device,
                                        self.lora.full_context if self.lora else None)
+        # Mixed steps: every part of the forward but attention from graphs (one rank only).
+        self.mixed_graphs = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + max_num_seqs, True)
+                             if self.graphs is not None and (tp is None or tp.shard.size == 1)
+                             else None)
 
     # ------------------------------------------------------------------ deltas
 
@@ -286,8 +291,8 @@ class ModelRunner:
     def forward_mixed(self, b: DecodeBatch | VerifyRows, step: int, pre: PrefillInputs
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the decode rows and a step's prefill pieces: the decode rows'
-        logits [B, V] and the pieces' hidden states (eager: CUDA graphs cover pure decode
-        steps only)."""
+        logits [B, V] and the pieces' hidden states (on CUDA all but attention replayed
+        from piecewise graphs, `gpu_worker.piecewise`)."""
         slots = self._decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
         meta.decode_lens = b.row_lens(step)
@@ -296,7 +301,8 @@ class ModelRunner:
         if pre.history_lens is not None:  # a decode row's history ends at its position
             history = torch.cat((b.positions + 1, pre.history_lens))
         try:
-            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora, history)
+            hidden = mixed_forward(self.mixed_graphs, self.model, ids, positions,
+                                   self.kv_caches, meta, pre.lora, history)
         except Exception as exc:
             if not flex_attention.usable(self.device):
                 raise

@@ -132,8 +132,40 @@ class DecoderLayer(nn.Module):
         plan: AttentionPlan,
         lora: LoraContext | None = None,
     ) -> torch.Tensor:
-        h = self.norm(x, self.input_norm, self.eps)
-        a = self._attention(h, cos_sin, kv_cache, meta, plan, lora)
+        q, k, v = self.project_qkv(self.norm(x, self.input_norm, self.eps), cos_sin, lora)
+        attn = self.attend(q, k, v, kv_cache, meta, plan)
+        return self.after_attention(x, attn.reshape(x.shape[0], -1), lora)
+
+    # A layer in three parts: what runs before attention, attention itself, and the rest.
+    # Piecewise CUDA graphs (`gpu_worker.piecewise`) capture the first and last, and run
+    # attention between them eagerly.
+
+    def project_qkv(self, h: torch.Tensor, cos_sin: CosSin, lora: LoraContext | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The normed input h [T, hidden] -> q [T, Hq, D], k and v [T, Hkv, D], RoPE'd."""
+        t = h.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self._linear("qkv_weight", h, self.qkv_bias)
+        if lora is not None:  # each row's own adapter delta (see gpu_worker.lora)
+            qkv = lora.add(self.layer_idx, "qkv", h, qkv)
+        qkv = qkv.view(t, hq + 2 * hkv, d)
+        qk = qkv[:, : hq + hkv]
+        if self.qk_norm_weight is not None:
+            qk = self.norm(qk, self.qk_norm_weight, self.eps)
+        qk = apply_rope(qk, *cos_sin)
+        return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx, plan=plan,
+                               sliding_window=self.sliding_window)
+
+    def after_attention(self, x: torch.Tensor, a: torch.Tensor,
+                        lora: LoraContext | None) -> torch.Tensor:
+        """The residual x and attention's output a [T, Hq * D] -> the layer's output."""
+        o = self._linear("o_weight", a, self.o_bias)
+        # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
+        a = self.reduce(o if lora is None else lora.add(self.layer_idx, "o", a, o))
         if self.pre_ff_norm is not None:  # Gemma: norm the attention output, then the input
             x = x + self.norm(a, self.post_norm, self.eps)
             h = self.norm(x, self.pre_ff_norm, self.eps)
@@ -144,37 +176,6 @@ class DecoderLayer(nn.Module):
         if self.post_ff_norm is not None:
             m = self.norm(m, self.post_ff_norm, self.eps)
         return x + m
-
-    def _attention(self, h: torch.Tensor, cos_sin: CosSin, kv_cache: KVCache,
-                   meta: AttentionMetadata, plan: AttentionPlan,
-                   lora: LoraContext | None) -> torch.Tensor:
-        """The attention block's output, summed over the ranks."""
-        t = h.shape[0]
-        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        n = self.layer_idx
-        qkv = self._linear("qkv_weight", h, self.qkv_bias)
-        if lora is not None:  # each row's own adapter delta (see gpu_worker.lora)
-            qkv = lora.add(n, "qkv", h, qkv)
-        qkv = qkv.view(t, hq + 2 * hkv, d)
-        qk = qkv[:, : hq + hkv]
-        if self.qk_norm_weight is not None:
-            qk = self.norm(qk, self.qk_norm_weight, self.eps)
-        qk = apply_rope(qk, *cos_sin)
-        attn = paged_attention(
-            qk[:, :hq],
-            qk[:, hq:],
-            qkv[:, hq + hkv :],
-            kv_cache,
-            meta,
-            self.scale,
-            self.layer_idx,
-            plan=plan,
-            sliding_window=self.sliding_window,
-        )
-        a = attn.reshape(t, hq * d)
-        o = self._linear("o_weight", a, self.o_bias)
-        # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
-        return self.reduce(o if lora is None else lora.add(n, "o", a, o))
 
     def _mlp(self, h: torch.Tensor, lora: LoraContext | None) -> torch.Tensor:
         n = self.layer_idx
