@@ -34,7 +34,7 @@ class Plan:
     spec_args: tuple[str, ...] = ("--preset", "fast")
     # `tandem bench stall`'s sweep (the stall stage, bench/gpu_check/stall.py): budgets per
     # step for the mixed arms (the CUDA default is 512), and each server's KV cache in GiB
-    stall_args: tuple[str, ...] = ("--budgets", "512,2048", "--rounds", "3")
+    stall_args: tuple[str, ...] = ("--budgets", "256,512", "--rounds", "3")
     stall_kv_cache_memory: str = "4"
     # The arrivals stage (bench/gpu_check/arrivals.py): Poisson rate, prompts, runs per arm
     arrival_rate: float = 10.0

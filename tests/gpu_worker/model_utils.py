@@ -298,6 +298,7 @@ class PagedDriver:
             query_lens=q_lens,
             max_seq_len=max(seq_lens) + self.slack,
             is_decode=False,
+            prefill_seq_lens=seq_lens,  # host-known, as the runner passes them: no sync
         )
         history_lens = None
         if self.model.uses_history_lens:  # LongRoPE: each token's request's history length

@@ -114,6 +114,6 @@ def test_captured_pieces_equal_the_eager_forward_on_cuda(llama: str) -> None:
     for _ in range(2):
         restore(runner, before)
         got, got_hidden = runner.forward_mixed(batch, 0, pre)
-        assert pieces.enabled and list(pieces.graphs) == [64]
+        assert pieces.enabled and set(pieces.graphs) == set(pieces.buckets)  # at start-up
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=0)
