@@ -45,9 +45,11 @@ def default_tokens(device_type: str, prefill_phase: bool) -> int:
     step (`--budgets 96,128,160,224 --rounds 3`, worst gap over the median and TTFT over
     --prefill-phase's, medians: 96: 3.3x and 2.0x; 128: 3.8x and 1.7x; 160: 3.7x and 1.7x;
     224: 4.8x and 1.6x; a worst gap swings by a round's one slow step).  No budget meets 3x
-    and 1.5x together there (docs/DESIGN.md, section 14).  CUDA, not measured here: a step
-    of a 7-8B model is memory-bound up to a few hundred tokens, so 512 costs its decode rows
-    little."""
+    and 1.5x together there (docs/DESIGN.md, section 14).  CUDA, measured on an H200 with
+    the Llama-3-8B shape (bfloat16, piecewise graphs, the same scenario, 3 rounds): 512 gave
+    a worst gap of 4.1x with TTFT 1.08x; a budget taking a whole prompt per step, 6.4x and
+    1.00x; --prefill-phase 7.0x.  A mixed step there costs ~8 ms + ~0.027 ms per prefill
+    token, so 256 should be near 3x: not yet measured."""
     if prefill_phase:
         return PLAN_TOKENS
     return STEP_TOKENS.get(device_type, STEP_TOKENS["cpu"])
