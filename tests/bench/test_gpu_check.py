@@ -31,7 +31,8 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
         "environment": "passed", "gpu tests": "skipped", "parity": "passed",
         "features": "skipped",
         "experiment": "passed", "profile": "passed", "step": "passed", "quantized": "passed",
-        "families": "passed", "kv fp8": "passed", "spec": "skipped", "stall": "skipped"}
+        "families": "passed", "kv fp8": "passed", "spec": "skipped", "stall": "skipped",
+        "arrivals": "skipped"}
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
     for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
@@ -62,7 +63,7 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
     assert rc == 0
     skipped = {n: s["error"] for n, s in results["stages"].items() if s["status"] == "skipped"}
     assert {"gpu tests", "parity", "features", "experiment", "step", "quantized",
-            "families", "kv fp8", "spec", "stall"} <= set(skipped)
+            "families", "kv fp8", "spec", "stall", "arrivals"} <= set(skipped)
     assert all("budget" in why for n, why in skipped.items() if n != "profile")
 
 
@@ -88,3 +89,49 @@ def test_the_gpu_plan_s_quantized_folders_are_served_formats(tmp_path: pathlib.P
         assert args.quant.group_size in (0, 128)
         kinds.add(args.quant.kind)
     assert kinds == {"ct-fp8", "fp8-block", "gptq"}
+
+
+def test_stages_runs_only_the_named_ones_and_refuses_unknown_names(tmp_path: pathlib.Path
+                                                                   ) -> None:
+    rc, results = gpu_check(tmp_path / "out", "--cpu", "--budget-s", "60", "--stages",
+                            "environment")
+    assert rc == 0
+    status = {n: (s["status"], s.get("error", "")) for n, s in results["stages"].items()}
+    assert status.pop("environment")[0] == "passed"
+    assert all(s == ("skipped", "not among --stages") for n, s in status.items()
+               if n != "profile"), status
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--stages", "environment,stal"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 2 and "--stages: unknown ['stal']" in proc.stderr
+
+
+def test_the_arrivals_stage_sets_mixed_steps_against_the_baseline(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its arms, servers and workload, and the ratios it reports, with a stand-in arm runner
+    (the --cpu flow and the GPU run serve it for real)."""
+    import types
+
+    from tandem_serve.bench.gpu_check import arrivals as stage
+    from tandem_serve.bench.gpu_check.plans import GPU_PLAN
+    from tandem_serve.bench.gpu_check.report import Budget
+
+    monkeypatch.setattr(stage, "experiment_model",
+                        lambda plan, out: ("/m/llama3-8b-shaped", ["--load-format", "dummy"]))
+    monkeypatch.setattr(stage, "Workload", types.SimpleNamespace(build=lambda bench: bench))
+    calls = []
+
+    def fake_run_arm(model: str, arm: object, work: object, flags: list[str]) -> dict:
+        calls.append((arm, work, flags))
+        phase = arm.prefill_phase  # type: ignore[attr-defined]
+        return {k: (200.0 if phase else 100.0) for k in stage.KEYS}
+
+    monkeypatch.setattr(stage, "run_arm", fake_run_arm)
+    fig, text = stage.stage_arrivals(GPU_PLAN, str(tmp_path), Budget(600))
+    assert [a.name for a, _, _ in calls] == ["async K=8", "async K=8 prefill-phase"]
+    work, flags = calls[0][1], calls[0][2]
+    assert (work.input_len, work.output_len, work.request_rate,  # type: ignore[attr-defined]
+            work.num_prompts) == (1024, 128, 10.0, 150)  # type: ignore[attr-defined]
+    assert flags[:6] == ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16"]
+    assert fig["async K=8"]["p99_itl_ms"] == 100.0 and fig["num_prompts"] == 150
+    assert "async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99 0.50×" in text
