@@ -13,6 +13,7 @@ import torch
 
 from tandem_serve.gpu_worker import flex_attention
 from tandem_serve.gpu_worker.batch import build_decode_batch
+from tandem_serve.gpu_worker.piecewise import MixedGraphs
 from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
 from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan, TokenBatch
@@ -95,13 +96,18 @@ def _workload(served: Served) -> dict[int, list[int]]:
     return served.run()
 
 
-@pytest.mark.parametrize("k, async_mode, flex", [(8, True, False), (1, False, False),
-                                                 (4, True, False), (8, True, True)])
+@pytest.mark.parametrize("k, async_mode, flex, pieces", [
+    (8, True, False, False), (1, False, False, False), (4, True, False, False),
+    (8, True, True, False), (8, True, True, True), (1, False, False, True)])
 def test_prompts_prefill_inside_the_steps_and_equal_hf(
-        llama: str, k: int, async_mode: bool, flex: bool,
+        llama: str, k: int, async_mode: bool, flex: bool, pieces: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.piecewise`), run as
+    plain calls here, as CUDA runs them from graphs."""
     monkeypatch.setattr(flex_attention, "ENABLED", flex)
     runner = make_runner(llama)
+    if pieces:
+        runner.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
     runner.step_guard = forbid_host_sync
     served = Served(runner, k, async_mode, budget=24)
     out = _workload(served)
@@ -111,6 +117,8 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
     if k > 1:  # the long prompts were cut into pieces over several steps
         spread = served.spread()
         assert spread and max(len(s) for s in spread) >= 4
+    if pieces:
+        assert runner.mixed_graphs is not None and runner.mixed_graphs.graphs
     served.close()
 
 
