@@ -188,6 +188,26 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
                      kernel_options=options)
 
 
+def warm_up(kv_cache: tuple[torch.Tensor, torch.Tensor], windows: list[int | None],
+            num_heads: int, scale: float, dtype: torch.dtype) -> None:
+    """Compile the kernel now, over a dummy decode row and a 16-token prefill row, rather
+    than in the first mixed step, where every decoding stream would wait seconds for it
+    (the compile is shape-dynamic: one serves every step)."""
+    k_cache = kv_cache[0]
+    dev = k_cache.device
+    if not usable(dev):
+        return
+    rows = Rows(torch.zeros(2, 1, dtype=torch.int32, device=dev),
+                torch.tensor([1, 16], dtype=torch.int32, device=dev), 1, 1, [1, 16], [16])
+    q = torch.zeros(17, num_heads, k_cache.shape[3], dtype=dtype, device=dev)
+    try:
+        plan = prepare_flex(rows, k_cache.shape[1], k_cache.shape[0] - 1, windows, dev)
+        for w in windows:
+            flex_mixed(q, kv_cache, scale, plan, w)
+    except Exception as exc:  # noqa: BLE001 - as at run time: the split path from now on
+        disable(exc)
+
+
 def disable(exc: BaseException) -> None:
     """A compile or kernel failure: the split path from now on."""
     global _broken

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from tandem_serve.gpu_worker import flex_attention
 from tandem_serve.gpu_worker.attention import AttentionMetadata, prepare_attention
 from tandem_serve.gpu_worker.kv_cache import KVCache
 
@@ -69,7 +70,10 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class MixedGraphs:
-    def __init__(self, model: CausalLM, max_tokens: int, capture: bool) -> None:
+    def __init__(self, model: CausalLM, max_tokens: int, capture: bool,
+                 kv_cache: KVCache | None = None) -> None:
+        """`capture`: CUDA graphs of every bucket now (else plain calls); `kv_cache`: a
+        layer's cache, to compile the mixed steps' attention kernel now too."""
         self.model = model
         self.layers = [cast("DecoderLayer", m) for m in model.layers]
         self.capture = capture
@@ -90,6 +94,10 @@ class MixedGraphs:
         self._pool: Any = None
         if capture:
             self.capture_all()
+        if kv_cache is not None:
+            layer = self.layers[0]
+            flex_attention.warm_up(kv_cache, list(model._windows), a.num_heads, layer.scale,
+                                   dt)
 
     @torch.inference_mode()
     def capture_all(self) -> None:

@@ -158,7 +158,8 @@ class ModelRunner:
                                        self.device,
                                        self.lora.full_context if self.lora else None)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
-        self.mixed_graphs = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + max_num_seqs, True)
+        self.mixed_graphs = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + max_num_seqs, True,
+                                         self.kv_caches[0])
                              if self.graphs is not None and (tp is None or tp.shard.size == 1)
                              else None)
 

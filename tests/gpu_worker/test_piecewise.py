@@ -7,6 +7,7 @@ test_runner_graphs.py`, `scripts/gpu-check`)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -98,6 +99,36 @@ def test_a_step_above_the_largest_bucket_runs_eagerly(llama: str) -> None:
     got, _ = runner.forward_mixed(batch, 0, pre)
     assert not runner.mixed_graphs.graphs  # never built: 63 tokens > 48
     torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@torch.inference_mode()
+def test_the_attention_kernel_is_compiled_at_start_up(llama: str, ckpt_root: Path, family: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call per distinct window over a dummy decode and prefill row (the CPU runs the
+    operator eagerly), reading the cache and writing nothing."""
+    monkeypatch.setattr(flex_attention, "ENABLED", True)
+    monkeypatch.setattr(flex_attention, "_broken", False)
+    path = llama if family == "llama" else family_checkpoint(ckpt_root, family)
+    runner = make_runner(path)
+    before = snapshot(runner)
+    windows: list[int | None] = []
+    real = flex_attention.flex_mixed
+
+    def counted(q: torch.Tensor, kv: Any, scale: float, plan: Any, w: int | None
+                ) -> torch.Tensor:
+        windows.append(w)
+        out = real(q, kv, scale, plan, w)
+        assert out.shape == q.shape and torch.isfinite(out).all()
+        return out
+
+    monkeypatch.setattr(flex_attention, "flex_mixed", counted)
+    MixedGraphs(runner.model, 64, False, runner.kv_caches[0])
+    assert not flex_attention._broken
+    assert windows == list(runner.model._windows) and len(windows) == (2 if family == "gemma3"
+                                                                         else 1)
+    for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
 @pytest.mark.gpu
