@@ -54,10 +54,11 @@ QUICK_PLAN = replace(CPU_PLAN, experiment_model="fast", input_len=32, prefix_len
                      step_steps=8, profile_plans=3, parity_prompts=1, parity_model="fast",
                      kv_prompts=2, kv_tokens=16,
                      # spec: two more server starts (~45 s on 2 busy cores), stall: a
-                     # minute of scenarios, arrivals: two servers for ~35 s each; spec
-                     # and stall are checked with a stand-in `tandem` (tests/bench/
-                     # test_spec.py, test_stall.py); all three run in the --cpu flow.
-                     skip=("gpu tests", "features", "spec", "stall", "arrivals"),
+                     # minute of scenarios, arrivals and kv fp8: two and four servers
+                     # (~35 s, ~26 s); each is checked with stand-ins (tests/bench/
+                     # test_spec.py, test_stall.py, test_gpu_check.py) and runs in the
+                     # --cpu flow.
+                     skip=("gpu tests", "features", "spec", "stall", "arrivals", "kv fp8"),
                      quant_formats=("ct-fp8",),
                      spec_args=("--preset", "fast", "--modes", "async:8", "--workloads",
                                 "copy", "--batches", "1", "--requests", "2", "--input-len",
