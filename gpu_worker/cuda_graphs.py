@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from tandem_serve.gpu_worker.lora import LoraContext
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # (input_ids, positions, active, block_tables, max_seq_len, lora) -> logits [B, V]
 ForwardFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int,
@@ -148,14 +150,21 @@ class DecodeGraphs:
         """Capture `run` into a graph; its output tensor is rewritten by every replay."""
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # Warm up on a side stream first (lazy library init must not be captured).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the publisher thread may wait on copy events meanwhile.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = run()
-        return graph, out
+        return record(run, self._pool)
+
+
+def record(run: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Capture `run` into a graph on the memory pool `pool`, with what it returned while
+    captured (replays rewrite it).  Shared by the decode graphs and the mixed steps' pieces
+    (`gpu_worker.piecewise`)."""
+    # Warm up on a side stream first (lazy library init must not be captured).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: the publisher thread may wait on copy events meanwhile.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out

@@ -198,15 +198,8 @@ class MixedGraphs:
         return cos[:n], sin[:n]
 
     def _record(self, fn: Callable[[], None]) -> Any:
-        """Capture `fn` (warmed up on a side stream first: lazy init must not be captured)."""
+        from tandem_serve.gpu_worker.cuda_graphs import record  # CUDA only: imported here
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            fn()
-        return graph
+        return record(fn, self._pool)[0]

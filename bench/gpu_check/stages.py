@@ -62,9 +62,9 @@ def stage_environment(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, A
 def stage_gpu_tests(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
     # tests/deploy needs kubernetes-validate, which a GPU host lacks, and has no GPU test.
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                           "no:cacheprovider", "tests", "--ignore=tests/deploy"], cwd=REPO_ROOT,
-                          text=True,
-                          capture_output=True, timeout=max(budget.left - 60, 30))
+                           "no:cacheprovider", "tests", "--ignore=tests/deploy"],
+                          cwd=REPO_ROOT, text=True, capture_output=True,
+                          timeout=max(budget.left - 60, 30))
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     with open(os.path.join(out, "gpu_tests.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
