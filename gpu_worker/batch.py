@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem_serve.gpu_worker.sampler import SamplerHints, SamplingTensors
+from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import PromptDetail
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.guided import GuidedBatch, GuidedRegistry
+    from tandem_serve.gpu_worker.constrain.tables import GuidedBatch, GuidedRegistry
     from tandem_serve.gpu_worker.lora import LoraContext
-    from tandem_serve.gpu_worker.spec_batch import SpecBatch
+    from tandem_serve.gpu_worker.spec.batch import SpecBatch
 
 
 @dataclass

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.sharding import Shard, vocab_range
 from tandem_serve.ipc.fanout import Fanout
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, START_GRACE

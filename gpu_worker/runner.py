@@ -22,20 +22,25 @@ import numpy as np
 import torch
 
 from tandem_serve.adapters.peft import AdapterError, ModelShapes
-from tandem_serve.gpu_worker import flex_attention, prompt_logprobs
-from tandem_serve.gpu_worker.attention import AttentionMetadata
+from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.kv_cache import (
+    allocate_kv_cache,
+    blocks_for,
+    resolve_kv_dtype,
+)
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
-from tandem_serve.gpu_worker.guided import GuidedRegistry
-from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache, blocks_for, resolve_kv_dtype
+from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
+from tandem_serve.gpu_worker.graphs.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
-from tandem_serve.gpu_worker.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.publisher import publish_step
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
-from tandem_serve.gpu_worker.spec_batch import VerifyRows, verify_slots
-from tandem_serve.gpu_worker.spec_draft import load_draft
-from tandem_serve.gpu_worker.spec_policy import make_speculation
-from tandem_serve.gpu_worker.spec_step import verify_step
+from tandem_serve.gpu_worker.sampling import prompt_logprobs
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
+from tandem_serve.gpu_worker.spec.batch import VerifyRows, verify_slots
+from tandem_serve.gpu_worker.spec.draft_model import load_draft
+from tandem_serve.gpu_worker.spec.policy import make_speculation
+from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import (
     Piece,
@@ -58,7 +63,7 @@ from tandem_serve.proto.messages import (
 from tandem_serve.proto.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs, GraphStep
+    from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, GraphStep
     from tandem_serve.gpu_worker.parallel import TensorParallel
     from tandem_serve.gpu_worker.publisher import TokenPublisher
 
@@ -151,7 +156,7 @@ class ModelRunner:
                                             tp.max_float if tp is not None else None, self.draft)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
-            from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
+            from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
                                        -(-self.max_model_len // block_size), block_size,
@@ -293,7 +298,7 @@ class ModelRunner:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over the decode rows and a step's prefill pieces: the decode rows'
         logits [B, V] and the pieces' hidden states (on CUDA all but attention replayed
-        from piecewise graphs, `gpu_worker.piecewise`)."""
+        from piecewise graphs, `gpu_worker.graphs.piecewise`)."""
         slots = self._decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
         meta.decode_lens = b.row_lens(step)
@@ -316,7 +321,7 @@ class ModelRunner:
                     last: bool = False, pre: PrefillInputs | None = None) -> StepTensors:
         """One forward + sample for every row, with the step's prefill pieces `pre` in the
         same forward; no host reads (grammar rows aside: their mask waits for the host's
-        matchers, see `gpu_worker.grammar`)."""
+        matchers, see `gpu_worker.constrain.grammar`)."""
         joining = b.joins.get(step)
         if joining is not None:  # their last prefill piece runs in this step
             b.active = b.active | joining

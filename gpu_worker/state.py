@@ -29,9 +29,9 @@ class RequestState:
     guided_state: int = -1
     matcher: Any = None
     lora_slot: int = 0  # the adapter slot of its rows (0: the base model)
-    # Drafts accepted per verify step, as measured (< 0: not yet; gpu_worker.spec_policy).
+    # Drafts accepted per verify step, as measured (< 0: not yet; gpu_worker.spec.policy).
     spec_rate: float = -1.0
-    # Positions [0, draft_len) whose KV the draft model's cache holds (gpu_worker.spec_draft).
+    # Positions [0, draft_len) whose KV the draft model's cache holds (gpu_worker.spec.draft_model).
     draft_len: int = 0
 
     @property

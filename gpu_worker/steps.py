@@ -24,10 +24,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker import prompt_logprobs
-from tandem_serve.gpu_worker.attention import AttentionMetadata
-from tandem_serve.gpu_worker.guided import batch_order
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
+from tandem_serve.gpu_worker.constrain.tables import batch_order
 from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.ipc.tracing import TRACER
 

@@ -6,7 +6,7 @@ names tokens by their text as it reads inside a text (" Hello", not "▁Hello"),
 `TokenPieces` computes once per id with the tokenizer's own decoder.
 
 Logprobs are the engine's: after penalties and temperature, before top-k / top-p
-truncation (see `gpu_worker.sampler`); a greedy request's are the model's log-softmax.
+truncation (see `gpu_worker.sampling.sampler`); a greedy request's are the model's log-softmax.
 """
 from __future__ import annotations
 

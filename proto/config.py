@@ -74,7 +74,7 @@ class ServerConfig:
     num_kv_blocks: int = 0  # 0: derived from kv_cache_memory
     kv_cache_memory: float = 0.0  # GiB; 0: a default that fits max_num_seqs full sequences
     # The paged cache's element type: "auto" (the model dtype) or fp8 (e4m3; twice the blocks
-    # of bf16 in the same memory; `gpu_worker.kv_cache`).  vLLM's spellings.
+    # of bf16 in the same memory; `gpu_worker.attention.kv_cache`).  vLLM's spellings.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
@@ -231,7 +231,8 @@ def config_problems(cfg: ServerConfig) -> list[str]:
     return out + _parallel_problems(cfg)
 
 
-# --kv-cache-dtype's values (`gpu_worker.kv_cache` maps them; a test keeps the lists equal).
+# --kv-cache-dtype's values (`gpu_worker.attention.kv_cache` maps them; a test keeps the
+# lists equal).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # The parsers openai_api/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS; a test

@@ -94,7 +94,8 @@ class OutputOptions:
 @dataclass
 class GuidedTable:
     """A regular constraint (regex, choice, JSON schema, any JSON object) compiled to a token
-    automaton, which the gpu worker steps on the device (`guided/`, `gpu_worker/guided.py`).
+    automaton, which the gpu worker steps on the device (`guided/`,
+    `gpu_worker/constrain/tables.py`).
 
     States 0..S-1 are the automaton's; row S of `next_state` is DONE. Tokens that behave the
     same in every state share a class. The EOS ids' class is allowed only in final states and

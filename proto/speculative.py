@@ -18,7 +18,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 32
 # Each method's keys: another method's key is a mistake, not something to ignore.
 # `adaptive` is Tandem's own: each plan speculates only on the rows where it pays on this
-# device (measured, `gpu_worker.spec_policy`); false speculates on every eligible row, as
+# device (measured, `gpu_worker.spec.policy`); false speculates on every eligible row, as
 # vLLM does.
 _KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",

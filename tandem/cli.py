@@ -258,7 +258,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit(2) from None
     if cfg.model:
         return cfg
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.harness.tiny_model import ensure_default_model
 
     return cfg.replace(model=str(ensure_default_model(in_subprocess=True)))
 
@@ -346,7 +346,7 @@ def _run_child(args: argparse.Namespace, cfg: ServerConfig, role: str, rank: int
 
 
 def cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from tandem_serve.gpu_worker import tiny_model
+    from tandem_serve.harness import tiny_model
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     return tiny_model.main(args)
@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run_role)
 
     p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
-    from tandem_serve.gpu_worker.tiny_model import add_arguments
+    from tandem_serve.harness.tiny_model import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_make_tiny_model)

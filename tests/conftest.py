@@ -22,14 +22,14 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from tandem_serve.gpu_worker.tiny_model import build_tiny_model
+    from tandem_serve.harness.tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-default")), "default")
 
 
 @pytest.fixture(scope="session")
 def fast_model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
-    from tandem_serve.gpu_worker.tiny_model import build_tiny_model
+    from tandem_serve.harness.tiny_model import build_tiny_model
 
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny-fast")), "fast")
 

@@ -15,7 +15,7 @@ LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers
 
 def tiny_model(out: str, preset: str) -> str:
     """The tiny model of `preset`, from the model cache (built there once)."""
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.harness.tiny_model import ensure_default_model
 
     return str(ensure_default_model(preset, in_subprocess=True))
 

@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
                          f"{', '.join(guided_load.KINDS)}")
     model = args.model
     if not model:
-        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.harness.tiny_model import ensure_default_model
 
         model = str(ensure_default_model("fast"))
     arms: dict[str, dict[str, Any]] = {BASE: {"guided": ""}}

@@ -53,7 +53,7 @@ def step_main(args: argparse.Namespace, model: str) -> int:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     if not model:
-        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.harness.tiny_model import ensure_default_model
 
         model = str(ensure_default_model())
     if args.step:

@@ -94,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     model = args.model
     if not model:
-        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.harness.tiny_model import ensure_default_model
 
         model = str(ensure_default_model())
     tok = Tokenizer.from_dir(model)

@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tandem_serve.gpu_worker.tiny_model import build_tiny_model
+    from tandem_serve.harness.tiny_model import build_tiny_model
 
     sections = [s for s in args.only.split(",") if s] or DEFAULT_SECTIONS
     for s in sections:

@@ -121,7 +121,7 @@ def run_restart(args: argparse.Namespace) -> dict[str, Any]:
 
     model = args.model
     if not model:
-        from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+        from tandem_serve.harness.tiny_model import ensure_default_model
 
         model = str(ensure_default_model(in_subprocess=True))
     roles = RoleSet(model, tempfile.mkdtemp(prefix="tandem-roles-"))

@@ -103,7 +103,7 @@ def _resolve_model(config: BenchConfig) -> BenchConfig:
     needs_model = config.dataset != "file" or config.backend == "hf-generate"
     if not needs_model:
         return config
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.harness.tiny_model import ensure_default_model
 
     return dataclasses.replace(config, model=str(ensure_default_model()))
 

@@ -50,7 +50,7 @@ def word_ids(tokenizer: Any) -> list[int]:
 
 
 def copier_dir() -> Path:
-    from tandem_serve.gpu_worker.tiny_model import default_model_dir
+    from tandem_serve.harness.tiny_model import default_model_dir
 
     return default_model_dir("copier")
 
@@ -61,7 +61,7 @@ def ensure_copier() -> Path:
     marker = path / MARKER
     if marker.exists() and json.loads(marker.read_text()).get("recipe") == RECIPE:
         return path
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.harness.tiny_model import ensure_default_model
 
     source = ensure_default_model(in_subprocess=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")

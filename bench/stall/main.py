@@ -133,7 +133,7 @@ def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: Work
 
 
 def main(args: argparse.Namespace) -> int:
-    from tandem_serve.gpu_worker.tiny_model import ensure_default_model
+    from tandem_serve.harness.tiny_model import ensure_default_model
     from tandem_serve.tokenization.tokenizer import Tokenizer
 
     model = args.model or str(ensure_default_model(in_subprocess=True))

@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     tmp = None
     model = args.model
     if not model:
-        from tandem_serve.gpu_worker.tiny_model import build_tiny_model
+        from tandem_serve.harness.tiny_model import build_tiny_model
 
         tmp = tempfile.mkdtemp(prefix="tandem-bench-step-")
         progress(f"building the tiny '{args.preset}' model in {tmp}")

@@ -18,7 +18,7 @@ from torch import nn
 
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
-from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.moe import grouped_usable
 from tandem_serve.gpu_worker.models.quant.linear import QuantLinear
 

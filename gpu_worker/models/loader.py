@@ -11,13 +11,13 @@ import torch
 
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.fill import load_weights
-from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.quant import load as quant_load
 from tandem_serve.gpu_worker.models.quant.dummy import DummyQuantLinears
 from tandem_serve.gpu_worker.models.quant.split import problems as quant_problems
 from tandem_serve.gpu_worker.models.sharding import Part, Shard, checkpoint_part, local_args
-from tandem_serve.gpu_worker.weights import SafetensorsCheckpoint, read_json
+from tandem_serve.gpu_worker.models.weights import SafetensorsCheckpoint, read_json
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.models.llama import CausalLM
+    from tandem_serve.gpu_worker.models.decoder import CausalLM
 
 ARCH_ALIASES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -224,7 +224,7 @@ class PagedDriver:
         seed: int = 0,
         max_seq_len_slack: int = 0,
     ) -> None:
-        from tandem_serve.gpu_worker.kv_cache import allocate_kv_cache
+        from tandem_serve.gpu_worker.attention.kv_cache import allocate_kv_cache
 
         cfg = model.config
         self.model = model
@@ -268,7 +268,7 @@ class PagedDriver:
     def prefill(self, items: list[tuple[PagedSeq, int]]) -> torch.Tensor:
         """One forward over the next ``n`` uncached tokens of each sequence (flattened, no
         padding). Returns float32 logits of each sequence's last token in this forward."""
-        from tandem_serve.gpu_worker.attention import AttentionMetadata
+        from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 
         ids: list[int] = []
         pos: list[int] = []
@@ -319,7 +319,7 @@ class PagedDriver:
     def decode(self, seqs: Sequence[PagedSeq | None]) -> torch.Tensor:
         """One decode step: feeds each sequence's last token (its K/V not cached yet). ``None``
         entries and finished sequences are masked rows (slot -1). Returns logits [S, V]."""
-        from tandem_serve.gpu_worker.attention import AttentionMetadata
+        from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 
         ids, pos, slots, seq_lens = [], [], [], []
         table_rows: list[PagedSeq | None] = []

@@ -20,8 +20,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-import tandem_serve.gpu_worker.sampler as sampler_mod
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints, SamplingTensors
+import tandem_serve.gpu_worker.sampling.sampler as sampler_mod
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, SamplingTensors
 
 DEFAULTS: dict[str, Any] = dict(
     temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0, repetition_penalty=1.0,

@@ -10,16 +10,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.attention import (
-    AttentionMetadata,
-    paged_attention,
-    prepare_attention,
-)
-from tandem_serve.gpu_worker.kv_cache import (
+from tandem_serve.gpu_worker.attention.kv_cache import (
     FP8,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
     resolve_kv_dtype,
+)
+from tandem_serve.gpu_worker.attention.paged import (
+    AttentionMetadata,
+    paged_attention,
+    prepare_attention,
 )
 
 ATOL = 1e-5
@@ -252,7 +252,7 @@ def test_plan_shared_across_layers_and_windows() -> None:
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_decode_does_not_sync_host(kv_dtype: torch.dtype) -> None:
-    guard = pytest.importorskip("tandem_serve.gpu_worker.sync_guard")
+    guard = pytest.importorskip("tests.gpu_worker.sync_guard")
     sc = Scenario(4, 2, 16, 8, seed=5, dtype=kv_dtype)
     seqs = [sc.add(n, 1) for n in (5, 30)]
     meta = AttentionMetadata(
@@ -285,7 +285,7 @@ def test_allocate_and_bytes_per_block() -> None:
 def test_fp8_cache_bytes_and_dtype_names() -> None:
     """fp8 costs half of bfloat16 per block and a quarter of float32; `auto` is the model's
     dtype; the names are the ones --kv-cache-dtype accepts."""
-    from tandem_serve.gpu_worker.kv_cache import CACHE_DTYPES
+    from tandem_serve.gpu_worker.attention.kv_cache import CACHE_DTYPES
     from tandem_serve.proto.config import KV_CACHE_DTYPES
 
     fp8 = kv_cache_bytes_per_block(4, 2, 64, 16, FP8)

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tandem_serve.gpu_worker import flex_attention
-from tandem_serve.gpu_worker.attention import AttentionMetadata, paged_attention
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, paged_attention
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_attention import (
     ATOL,
     KV_DTYPES,
@@ -85,7 +85,7 @@ def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
 def test_decode_rows_far_apart_in_length_gather_in_two_groups(window: int | None) -> None:
     """A long row among short ones: with host bounds per row the short rows gather to their
     own width (two groups), and every row still matches the dense reference."""
-    from tandem_serve.gpu_worker.attention import length_groups, prepare_attention
+    from tandem_serve.gpu_worker.attention.paged import length_groups, prepare_attention
 
     hq, hkv, d, bs = 4, 2, 16, 8
     sc = Scenario(hq, hkv, d, bs, num_blocks=96, seed=11)

@@ -16,11 +16,10 @@ import jsonschema
 import pytest
 import torch
 
-from tandem_serve.gpu_worker import guided as device_guided
-from tandem_serve.gpu_worker.guided import GuidedBatch
+from tandem_serve.gpu_worker.constrain import tables as device_guided
+from tandem_serve.gpu_worker.constrain.tables import GuidedBatch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
@@ -35,6 +34,7 @@ from tests.gpu_worker.guided_utils import (
 )
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, sampled
+from tests.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 CHOICE = choice_regex(["yes", "no", "maybe", "the quick fox"])
@@ -293,7 +293,7 @@ def _graph_run(path: str, runner: Any) -> dict[int, list[int]]:
 
 def test_guided_rows_on_the_graph_plumbing_on_cpu(path: str) -> None:
     """Replayed 'graphs' (eager on CPU) hand the guided mask the static logits buffer."""
-    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
+    from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
     from tests.gpu_worker.test_runner_graphs import EagerReplay
 
     class CpuGraphs(DecodeGraphs):

@@ -14,7 +14,6 @@ import jsonschema
 import llguidance
 import pytest
 
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, GuidedGrammar
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.guided_utils import (
@@ -27,6 +26,7 @@ from tests.gpu_worker.guided_utils import (
 )
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"
 # Brackets nested at least twice, matched by kind around one to three letters.
@@ -148,7 +148,7 @@ def test_min_new_tokens_lets_a_complete_grammar_end(path: str) -> None:
 
 def test_grammar_plans_run_under_the_sync_guard(path: str) -> None:
     """The loop itself reads nothing: step k's tokens reach the matchers through the helper
-    thread (the one host wait of a grammar plan, documented in gpu_worker/grammar.py)."""
+    thread (the one host wait of a grammar plan, documented in gpu_worker/constrain/grammar.py)."""
     g, t = grammar(LISTS), table(path, NUM)
     d = _driver(path, 9, [g, t])
     d.runner.step_guard = forbid_host_sync

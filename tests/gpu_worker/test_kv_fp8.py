@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from tandem_serve.gpu_worker import flex_attention
-from tandem_serve.gpu_worker.kv_cache import FP8
+from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.kv_cache import FP8
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import make_runner
 from tests.gpu_worker.served import Served
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 NEW = 40
 

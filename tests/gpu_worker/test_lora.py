@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import FinishReason
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.lora_utils import ADAPTERS, make_adapters, peft_greedy
 
 NEW = 16
@@ -141,7 +141,7 @@ def test_a_failed_load_fails_its_requests_and_nobody_else(model: str, cache: Pat
 def test_graph_path_applies_every_slot(model: str, cache: Path,
                                        expected: dict[int, list[int]]) -> None:
     """The CUDA-graph plumbing (static slot buffer, all slots and modules), replayed on CPU."""
-    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs
+    from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
 
     class CpuGraphs(DecodeGraphs):
         def _record(self, run: Any) -> tuple[Any, torch.Tensor]:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.harness.guided_tables import choice_regex
 from tandem_serve.proto.messages import FinishReason, SamplingParams
 from tests.gpu_worker.guided_utils import guided, guided_checkpoint, hf_guided, table, text
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, make_runner
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.lora_utils import make_adapters, peft_greedy
 
 NUM = "[0-9]{1,4}-[a-z]{2,5}"

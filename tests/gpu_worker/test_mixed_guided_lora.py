@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.guided_utils import guided, guided_checkpoint, table, text
 from tests.gpu_worker.model_utils import EOS_ID
 from tests.gpu_worker.runner_driver import make_runner
 from tests.gpu_worker.served import Served
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_lora_guided import NEW, PROMPTS, REGEXES, ROWS, SLOTS, expected
 from tests.lora_utils import make_adapters
 

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker import flex_attention
+from tandem_serve.gpu_worker.attention import flex as flex_attention
 from tandem_serve.gpu_worker.batch import build_decode_batch
-from tandem_serve.gpu_worker.piecewise import MixedGraphs
+from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs
 from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan, TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
 from tests.gpu_worker.served import Served
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 ATOL = 1e-5
 
@@ -102,7 +102,7 @@ def _workload(served: Served) -> dict[int, list[int]]:
 def test_prompts_prefill_inside_the_steps_and_equal_hf(
         llama: str, k: int, async_mode: bool, flex: bool, pieces: bool,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.piecewise`), run as
+    """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.graphs.piecewise`), run as
     plain calls here, as CUDA runs them from graphs."""
     monkeypatch.setattr(flex_attention, "ENABLED", flex)
     runner = make_runner(llama)

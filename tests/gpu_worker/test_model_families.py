@@ -17,7 +17,6 @@ import torch
 
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.loader import load_model
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.family_utils import FAMILIES, PHI3_ORIGINAL, checkpoint
 from tests.gpu_worker.model_utils import PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import (
@@ -27,6 +26,7 @@ from tests.gpu_worker.runner_driver import (
     make_runner,
     run_busy_batch,
 )
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 CPU = torch.device("cpu")
 # Phi-3's prompts either stay within its original context for their whole output (short

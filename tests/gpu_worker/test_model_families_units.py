@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention import AttentionMetadata, paged_attention
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, paged_attention
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.moe import experts_forward, grouped_usable, route
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.family_utils import checkpoint
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_attention import ATOL, Scenario, dense_reference
 
 # ---------------------------------------------------------------------------------- MoE

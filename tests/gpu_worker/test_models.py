@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
+from tandem_serve.gpu_worker.models.decoder import CausalLM
 from tandem_serve.gpu_worker.models.layers import rope_inv_freq
-from tandem_serve.gpu_worker.models.llama import CausalLM
 from tandem_serve.gpu_worker.models.loader import load_model
 from tests.gpu_worker.model_utils import (
     HFReference,
@@ -167,7 +167,7 @@ def test_prefix_reuse(ckpt_root: Path) -> None:
 
 
 def test_decode_has_no_host_sync(ckpt_root: Path) -> None:
-    guard = pytest.importorskip("tandem_serve.gpu_worker.sync_guard")
+    guard = pytest.importorskip("tests.gpu_worker.sync_guard")
     path = checkpoint(ckpt_root, "mistral-sliding")
     model = load_model(path, torch.float32, CPU)
     driver = PagedDriver(model, num_blocks=64, block_size=16, seed=1)
@@ -360,7 +360,7 @@ def test_checkpoint_helper_tokenizer(ckpt_root: Path) -> None:
 
 @pytest.mark.gpu
 def test_cuda_greedy_parity_and_no_sync(ckpt_root: Path) -> None:
-    guard = pytest.importorskip("tandem_serve.gpu_worker.sync_guard")
+    guard = pytest.importorskip("tests.gpu_worker.sync_guard")
     path = checkpoint(ckpt_root, "llama-mqa-tied-llama3")
     model = load_model(path, torch.float32, torch.device("cuda"))
     assert model.device.type == "cuda"

@@ -1,4 +1,4 @@
-"""Piecewise graphs' cut of a mixed forward (`gpu_worker.piecewise`), run as plain calls on
+"""Piecewise graphs' cut of a mixed forward (`gpu_worker.graphs.piecewise`), run as plain calls on
 the CPU: the pieces between attention calls, over a token count padded to a bucket, give the
 logits and KV cache of the model's own forward, for the families whose layers differ most
 (Gemma 3: sliding windows, two RoPEs, scaled embeddings, capped logits; Qwen3-MoE: q/k norms
@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker import flex_attention
+from tandem_serve.gpu_worker.attention import flex as flex_attention
 from tandem_serve.gpu_worker.batch import DecodeBatch, build_decode_batch
-from tandem_serve.gpu_worker.piecewise import MixedGraphs, token_buckets
+from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, token_buckets
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.steps import PrefillInputs, lay_out
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
 from tests.gpu_worker.family_utils import family_checkpoint
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, make_runner
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.prompt_logprobs import ROWS_PER_SLICE
+from tandem_serve.gpu_worker.sampling.prompt_logprobs import ROWS_PER_SLICE
 from tandem_serve.ipc.channels import Receiver
 from tandem_serve.ipc.token_channel import TokenReader, TokenWriter, detail_for
 from tandem_serve.proto.config import Addresses

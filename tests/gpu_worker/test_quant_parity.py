@@ -17,10 +17,10 @@ import torch
 
 from tandem_serve.gpu_worker.models import loader
 from tandem_serve.gpu_worker.models.loader import load_model, weight_bytes
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import PagedDriver, make_tiny_checkpoint, random_prompts
 from tests.gpu_worker.quant_utils import FORMATS, quantize
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner, run_busy_batch
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 CPU = torch.device("cpu")
 # fp8-block: blocks that do not divide the rows (ragged last blocks, and fused q|k|v and

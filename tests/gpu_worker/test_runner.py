@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 import tandem_serve.gpu_worker.runner as runner_module
-from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import (
@@ -26,6 +25,7 @@ from tests.gpu_worker.runner_driver import (
     make_runner,
     sampled,
 )
+from tests.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 
 # ---------------------------------------------------------------------------- greedy parity
 

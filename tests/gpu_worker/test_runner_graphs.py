@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_kv_fp8 import hf_fp8_greedy
 
 
@@ -29,7 +29,7 @@ class EagerReplay:
 
 def test_graph_plumbing_padding_and_buckets_on_cpu(llama: str) -> None:
     """Static buffers, padded rows and bucket choice of DecodeGraphs, replayed eagerly."""
-    from tandem_serve.gpu_worker.cuda_graphs import DecodeGraphs, batch_buckets, width_buckets
+    from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, batch_buckets, width_buckets
 
     assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
     assert batch_buckets(5) == [1, 2, 4, 5] and width_buckets(40) == [1, 2, 4, 8, 16, 32, 40]

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import Tensor
 
-import tandem_serve.gpu_worker.sampler as sampler_mod
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints
+import tandem_serve.gpu_worker.sampling.sampler as sampler_mod
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints
 from tests.gpu_worker.sampler_utils import (
     DEFAULTS,
     MIXED_ROWS,

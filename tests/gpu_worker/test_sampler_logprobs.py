@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from tests.gpu_worker.sampler_utils import (
     DEFAULTS,
     MIXED_ROWS,
@@ -20,6 +19,7 @@ from tests.gpu_worker.sampler_utils import (
     seen_mask,
     threshold_strategy,  # noqa: F401  (a fixture; tests name it in usefixtures)
 )
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 # ---------------------------------------------------------------- logprobs
 

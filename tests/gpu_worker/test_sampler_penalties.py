@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints, apply_penalties
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, apply_penalties
 from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerHints, row_keys, row_uniform
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, row_keys, row_uniform
 from tests.gpu_worker.sampler_utils import (
     MIXED_ROWS,
     NO_IDS,
@@ -20,6 +19,7 @@ from tests.gpu_worker.sampler_utils import (
     seen_mask,
     threshold_strategy,  # noqa: F401  (a fixture; tests name it in usefixtures)
 )
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 # ---------------------------------------------------------------- seeding
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.models.config import ModelArgs
-from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.models.sharding import (
     WHOLE,

@@ -1,4 +1,4 @@
-"""Speculative decoding with a draft model (`gpu_worker.spec_draft`): the runner's output
+"""Speculative decoding with a draft model (`gpu_worker.spec.draft_model`): the runner's output
 with draft_model speculation equals its output without, token for token (greedy, seeded,
 stop ids, max tokens, logprobs, preemption, prompts chunked over plans and spread over a
 plan's steps), with no host read inside a plan; a copy of the target as draft gets nearly
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
 from tandem_serve.proto.messages import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint, make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import Driver, run_busy_batch
+from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_speculative import token_details
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.spec_policy import REPEATS, SpecPolicy, StepCost
+from tandem_serve.gpu_worker.spec.policy import REPEATS, SpecPolicy, StepCost
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sampler import Sampler
-from tandem_serve.gpu_worker.spec_batch import accept_prefix, finish_run, propose_ngram
-from tandem_serve.gpu_worker.sync_guard import forbid_host_sync
+from tandem_serve.gpu_worker.sampling.sampler import Sampler
+from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run, propose_ngram
 from tandem_serve.proto.messages import FinishReason, GuidedTable, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.guided_utils import guided, hf_guided, table
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver
 from tests.gpu_worker.sampler_utils import make_rows
+from tests.gpu_worker.sync_guard import forbid_host_sync
 
 
 def reference_ngram(history: list[int], k: int, n_min: int, n_max: int) -> list[int]:

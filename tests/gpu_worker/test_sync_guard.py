@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync, why_forbidden
+from tests.gpu_worker.sync_guard import HostSyncError, forbid_host_sync, why_forbidden
 
 aten = torch.ops.aten
 

@@ -25,7 +25,6 @@ from tandem_serve.gpu_worker import parallel
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.parallel import TensorParallel
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 from tandem_serve.harness.processes import free_port
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
@@ -34,6 +33,7 @@ from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled
 from tests.gpu_worker.served import Served
+from tests.gpu_worker.sync_guard import HostSyncError, forbid_host_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFILL_LENGTHS = [5, 40, 17, 1]

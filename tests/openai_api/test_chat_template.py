@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tandem_serve.gpu_worker.tiny_model import CHAT_TEMPLATE
+from tandem_serve.harness.tiny_model import CHAT_TEMPLATE
 from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError, find_template
 from tandem_serve.openai_api.logprobs import TokenPieces
 from tandem_serve.tokenization.tokenizer import Tokenizer

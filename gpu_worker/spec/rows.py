@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from tandem_serve.gpu_worker.batch import DecodeBatch
-from tandem_serve.gpu_worker.guided import DeviceTable
-from tandem_serve.gpu_worker.spec_batch import SpecBatch
+from tandem_serve.gpu_worker.constrain.tables import DeviceTable
+from tandem_serve.gpu_worker.spec.batch import SpecBatch
 
 
 @dataclass

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.kv_cache import read_blocks
+from tandem_serve.gpu_worker.attention.kv_cache import read_blocks
 
 log = logging.getLogger(__name__)
 

@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tandem_serve.gpu_worker.spec_batch import SpecBatch, build_spec_batch, eligible
+from tandem_serve.gpu_worker.spec.batch import SpecBatch, build_spec_batch, eligible
+from tandem_serve.gpu_worker.spec.step_cost import DecodeForward, decode_timer
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.gpu_worker.step_timer import DecodeForward, decode_timer
 from tandem_serve.proto.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.spec_draft import DraftModel
+    from tandem_serve.gpu_worker.spec.draft_model import DraftModel
 
 # How far a non-speculating request's estimate moves back toward the prior per plan.
 DRIFT = 0.2

@@ -4,7 +4,7 @@ Each step's sampled ids feed the next step on the device, so nothing here reads 
 back to the host: per-row parameters are tensors, every row is processed by the same vectorised
 ops, and only host facts known before the plan (``all_greedy``, ``max_top_n``, the
 :class:`SamplerHints` flags) steer Python control flow. ``forbid_host_sync()`` in
-``gpu_worker.sync_guard`` enforces this in the tests.
+``tests.gpu_worker.sync_guard`` enforces this in the tests.
 
 Processing follows Hugging Face ``generate()`` (its LogitsProcessors are the reference):
 
@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.seeding import row_keys, row_uniform
+from tandem_serve.gpu_worker.sampling.seeding import row_keys, row_uniform
 
 __all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingTensors",
            "row_keys", "row_uniform"]

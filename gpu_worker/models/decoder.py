@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem_serve.gpu_worker.attention import (
+from tandem_serve.gpu_worker.attention.kv_cache import KVCache
+from tandem_serve.gpu_worker.attention.paged import (
     AttentionMetadata,
     AttentionPlan,
     paged_attention,
     prepare_attention,
 )
-from tandem_serve.gpu_worker.kv_cache import KVCache
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.layers import (
@@ -137,7 +137,7 @@ class DecoderLayer(nn.Module):
         return self.after_attention(x, attn.reshape(x.shape[0], -1), lora)
 
     # A layer in three parts: what runs before attention, attention itself, and the rest.
-    # Piecewise CUDA graphs (`gpu_worker.piecewise`) capture the first and last, and run
+    # Piecewise CUDA graphs (`gpu_worker.graphs.piecewise`) capture the first and last, and run
     # attention between them eagerly.
 
     def project_qkv(self, h: torch.Tensor, cos_sin: CosSin, lora: LoraContext | None

@@ -6,8 +6,8 @@ once.  What is captured is `ModelRunner.forward_decode` (slot mapping, attention
 the whole model and the LM head) over static input buffers; the sampler, the finish checks
 and the state advance run eagerly after each replay on the graph's logits, so every
 sampling option works on the graph path too.  So do guided rows: their masks and automaton
-advances (`gpu_worker.guided`) run after the replay on per-plan buffers of fixed shape, and
-a plan with grammar rows waits for the host's bitmask only after the replay is launched.
+advances (`gpu_worker.constrain.tables`) run after the replay on per-plan buffers of fixed
+shape, and a plan with grammar rows waits for the host's bitmask only after the replay is launched.
 
 Graphs are keyed by (batch bucket, gather width bucket, LoRA rows or not):
 
@@ -156,7 +156,7 @@ class DecodeGraphs:
 def record(run: Callable[[], T], pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
     """Capture `run` into a graph on the memory pool `pool`, with what it returned while
     captured (replays rewrite it).  Shared by the decode graphs and the mixed steps' pieces
-    (`gpu_worker.piecewise`)."""
+    (`gpu_worker.graphs.piecewise`)."""
     # Warm up on a side stream first (lazy library init must not be captured).
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

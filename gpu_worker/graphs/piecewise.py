@@ -2,7 +2,7 @@
 
 A mixed step (decode rows plus a step's prefill pieces, `ModelRunner.forward_mixed`) has a
 token count and attention layout that change every step, so it cannot be one graph the way
-a decode step is (`gpu_worker.cuda_graphs`).  Eager, a 7-8B model's 32 layers launch about
+a decode step is (`gpu_worker.graphs.decode`).  Eager, a 7-8B model's 32 layers launch about
 a thousand kernels, which costs the host tens of milliseconds: on an H200 with the
 Llama-3-8B shape, the arrival workload's steps that carried prefill pieces took ~31 ms (ITL
 p50) where decode graph replays took ~10, and the stall scenario's p99 gap at a 512-token
@@ -36,13 +36,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from tandem_serve.gpu_worker import flex_attention
-from tandem_serve.gpu_worker.attention import AttentionMetadata, prepare_attention
-from tandem_serve.gpu_worker.kv_cache import KVCache
+from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.kv_cache import KVCache
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, prepare_attention
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.lora import LoraContext
-    from tandem_serve.gpu_worker.models.llama import CausalLM, DecoderLayer
+    from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class MixedGraphs:
         return cos[:n], sin[:n]
 
     def _record(self, fn: Callable[[], None]) -> Any:
-        from tandem_serve.gpu_worker.cuda_graphs import record  # CUDA only: imported here
+        from tandem_serve.gpu_worker.graphs.decode import record  # CUDA only: imported here
 
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

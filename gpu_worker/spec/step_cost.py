@@ -1,5 +1,5 @@
 """The wall time of one decode forward over n rows, as speculation's step costs need it
-(`gpu_worker.spec_policy` times the target, `gpu_worker.spec_draft` the draft model)."""
+(`gpu_worker.spec.policy` times the target, `gpu_worker.spec.draft_model` the draft model)."""
 from __future__ import annotations
 
 import time

@@ -26,7 +26,7 @@ import torch
 from tandem_serve.proto.messages import PromptDetail
 
 if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.models.llama import CausalLM
+    from tandem_serve.gpu_worker.models.decoder import CausalLM
     from tandem_serve.gpu_worker.state import RequestState
 
 log = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """Speculative decoding inside the K-step loop, its device state and tensor ops: n-gram
 (prompt lookup) drafts proposed on the device, verified by the step's one target forward
-(`gpu_worker.spec_step`), accepted on the device.
+(`gpu_worker.spec.verify`), accepted on the device.
 
-A verify step gives each row that speculates in the plan (`gpu_worker.spec_policy` picks
+A verify step gives each row that speculates in the plan (`gpu_worker.spec.policy` picks
 them) 1 + k query tokens: its input token and up to k draft tokens at the following
 positions.  The plan's rows come first, as a plain step has them, then k draft rows per
 speculating row (same block table, its own position and context length), so the forward,
@@ -26,7 +26,7 @@ max_model_len cut a run exactly at the finishing token.  Logprobs and top-n come
 position's own distribution, as a plain step gives them.
 
 Penalties and guided tables at a draft position count the drafts before it
-(`gpu_worker.spec_rows`).  Rows that cannot be sampled that way do not speculate: grammar
+(`gpu_worker.spec.rows`).  Rows that cannot be sampled that way do not speculate: grammar
 rows (a host matcher, one step at a time), guided rows held by min_new_tokens, and, not
 composed yet, typical-p (its entropy is a float sum that may round differently over the
 verify rows).  They advance by their one sampled token, exactly as without speculation
@@ -149,7 +149,7 @@ class VerifyRows:
 @dataclass
 class SpecBatch:
     """A plan's speculative state on the device, next to its `DecodeBatch`: for the S rows
-    that speculate in this plan (`index`, chosen by `gpu_worker.spec_policy`)."""
+    that speculate in this plan (`index`, chosen by `gpu_worker.spec.policy`)."""
 
     config: SpeculativeConfig
     index: Tensor  # [S] int64: the batch rows that speculate
@@ -164,7 +164,7 @@ class SpecBatch:
     draft_tokens: Tensor
     accepted: Tensor
     at_position: Tensor  # [k]: drafts accepted at each draft position, over the rows
-    # Another method's proposer (`gpu_worker.spec_draft`): (decode batch, step) -> drafts
+    # Another method's proposer (`gpu_worker.spec.draft_model`): (decode batch, step) -> drafts
     # [S, k] and lengths [S], as `propose_ngram` gives them; None: n-gram.
     drafter: Callable[[Any, int], tuple[Tensor, Tensor]] | None = None
 

@@ -1,4 +1,4 @@
-"""One verify step of the K-step loop (speculative decoding, `gpu_worker.spec_batch`):
+"""One verify step of the K-step loop (speculative decoding, `gpu_worker.spec.batch`):
 propose, one forward over the batch's rows and the speculating rows' drafts, sample every
 position as a plain step would sample that token, accept each row's matching prefix of
 drafts, cut runs at finishing tokens, advance on the device.
@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
-from tandem_serve.gpu_worker.sampler import Sampler, SamplerOutput, SamplingTensors
-from tandem_serve.gpu_worker.spec_batch import VerifyRows, accept_prefix, finish_run
-from tandem_serve.gpu_worker.spec_rows import DraftContext, advance_, draft_context
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput, SamplingTensors
+from tandem_serve.gpu_worker.spec.batch import VerifyRows, accept_prefix, finish_run
+from tandem_serve.gpu_worker.spec.rows import DraftContext, advance_, draft_context
 from tandem_serve.gpu_worker.steps import PrefillInputs
 from tandem_serve.ipc.tracing import TRACER
 
@@ -82,7 +82,7 @@ def _sample_later(b: DecodeBatch, index: Tensor, logits: Tensor, sampler: Sample
     """Positions 1..k of the speculating rows `index`, each as a plain step would sample it
     after the drafts before it: the output count it would have there (its seeded uniform,
     min_new_tokens and length penalty follow), the penalty tables and guided state along the
-    draft path (`gpu_worker.spec_rows`), and the logprobs the batch asks for."""
+    draft path (`gpu_worker.spec.rows`), and the logprobs the batch asks for."""
     rows, k, vocab = logits.shape
     counts = (b.output_count[index].unsqueeze(1)
               + torch.arange(1, k + 1, dtype=b.output_count.dtype, device=logits.device))

@@ -17,7 +17,7 @@ get a fixed -inf row added (one broadcast add) and only the *live* tokens are ga
 added (`index_add_` over L ≤ V/3 columns), a third of the cost at L in the hundreds.  Unguided
 rows are not touched at all.  Between plans the state lives on the host: `_collect` reads the state
 vector back with the plan's tokens, and a resumed (preempted) request replays its kept output
-through the table on the host.  Grammar rows (`gpu_worker/grammar.py`) follow as one more
+through the table on the host.  Grammar rows (`gpu_worker/constrain/grammar.py`) follow as one more
 slice; their mask comes from llguidance on the host, one step behind.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.grammar import GrammarRegistry, GrammarRows
+from tandem_serve.gpu_worker.constrain.grammar import GrammarRegistry, GrammarRows
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable
 

@@ -1,6 +1,6 @@
 """Speculative decoding's `draft_model` method: a smaller checkpoint with the target's
 tokenizer proposes each verify step's k drafts with k decode forwards of its own, on the
-device, inside the plan (`gpu_worker.spec_step` verifies them as it verifies n-gram drafts).
+device, inside the plan (`gpu_worker.spec.verify` verifies them as it verifies n-gram drafts).
 
 The draft is loaded by the target's loader, on its device and in its dtype, and has a paged
 KV cache of its own that mirrors the target's block layout: the same block ids and block
@@ -22,7 +22,7 @@ holds only moves the acceptance rate, never the output: every draft is verified.
 
 Every row's drafts are the draft's argmax, sampled rows' too: a verify position is sampled
 exactly as a plain step samples it and a draft is kept iff it equals that sample (the
-one-hot rule of `gpu_worker.spec_batch`), which keeps the target's distribution whatever the
+one-hot rule of `gpu_worker.spec.batch`), which keeps the target's distribution whatever the
 draft proposes; the argmax is the draft's best guess of that sample.  No host reads: the
 forwards take host bounds the plan already knows (`DecodeBatch.max_seq_len`, `row_lens`).
 """
@@ -36,15 +36,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.attention import AttentionMetadata
-from tandem_serve.gpu_worker.kv_cache import (
+from tandem_serve.gpu_worker.attention.kv_cache import (
     KVCache,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
+from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.spec.step_cost import decode_timer
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.gpu_worker.step_timer import decode_timer
 from tandem_serve.gpu_worker.steps import Piece, prefill_inputs, prefill_metadata
 from tandem_serve.proto.speculative import SpeculativeConfig
 

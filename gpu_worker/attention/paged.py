@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache (`gpu_worker.kv_cache` has its layout).
+"""Attention over the paged KV cache (`gpu_worker.attention.kv_cache` has its layout).
 
 Two code paths:
 
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker import flex_attention
-from tandem_serve.gpu_worker.kv_cache import (
+from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.kv_cache import (
     KVCache,
     as_stored,
     is_fp8,
@@ -137,7 +137,7 @@ class AttentionPlan:
     max_query_len: int = 0
     # mixed forward on the SDPA path: its decode rows' plan and its prefill rows' plan
     parts: tuple[AttentionPlan, AttentionPlan] | None = None
-    # mixed forward in one FlexAttention call (gpu_worker.flex_attention)
+    # mixed forward in one FlexAttention call (gpu_worker.attention.flex)
     flex: flex_attention.FlexPlan | None = None
     # decode rows in length groups (SDPA path): each group's rows and plan
     groups: list[tuple[torch.Tensor, AttentionPlan]] = field(default_factory=list)
