@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingTensors
+from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingBatch, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import PromptDetail
 
@@ -33,16 +33,9 @@ class DecodeBatch:
     output_count: torch.Tensor  # [B] int32
     max_new: torch.Tensor  # [B] int32
     stop_ids: torch.Tensor  # [B, S] int64, -1 padded
-    sampling: SamplingTensors
-    hints: SamplerHints  # host-known facts that let the sampler skip whole passes
-    seen: torch.Tensor | None  # [B, V] bool when some row has a repetition penalty
-    # [B, V] f32 output-token counts when some row has a frequency or presence penalty.
-    counts: torch.Tensor | None
+    # The rows' sampling parameters, penalty tables (advanced in place) and host facts.
+    sampling: SamplingBatch
     max_position: int  # host: largest starting position
-    all_greedy: bool
-    any_penalty: bool
-    need_logprobs: bool
-    max_top_n: int
     guided: GuidedBatch | None = None  # the plan's constrained rows (None: there are none)
     lora: LoraContext | None = None  # the rows' adapters, once per plan (None: none)
     # Rows that start decoding at a later step of the plan (their last prefill piece runs
@@ -53,7 +46,7 @@ class DecodeBatch:
     step_lens: list[int] = field(default_factory=list)
     start_positions: list[int] = field(default_factory=list)  # host, at the plan's start
     join_steps: list[int] = field(default_factory=list)
-    # Speculative decoding (`gpu_worker.speculative`): the plan's drafts and histories, and
+    # Speculative decoding (`gpu_worker.spec`): the plan's drafts and histories, and
     # the most positions a row advances per step (1 + k; 1 without speculation).
     spec: SpecBatch | None = None
     stride: int = 1
@@ -74,6 +67,12 @@ class DecodeBatch:
     @property
     def size(self) -> int:
         return int(self.request_ids.shape[0])
+
+    def join(self, step: int) -> None:
+        """Unmask the rows whose last prefill piece runs in `step`."""
+        joining = self.joins.get(step)
+        if joining is not None:
+            self.active = self.active | joining
 
 
 def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
@@ -136,15 +135,12 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
         output_count=col([r.num_generated for r in reqs], torch.int32),
         max_new=col([p.max_new_tokens for p in params], torch.int32),
         stop_ids=st.stop_token_ids,
-        sampling=st,
-        hints=SamplerHints.from_params(params),
-        seen=seen,
-        counts=counts,
+        sampling=SamplingBatch(
+            st, SamplerHints.from_params(params), seen, counts,
+            all_greedy=all(p.temperature == 0.0 for p in params), any_penalty=any_penalty,
+            need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
+            max_top_n=max(p.top_n for p in params)),
         max_position=max(positions),
-        all_greedy=all(p.temperature == 0.0 for p in params),
-        any_penalty=any_penalty,
-        need_logprobs=any(p.logprobs or p.top_n > 0 for p in params),
-        max_top_n=max(p.top_n for p in params),
         guided=guided.batch(reqs) if guided is not None else None,
         joins={step: col([s == step for s in joins], torch.bool)
                for step in sorted(set(joins)) if step > 0},

@@ -16,7 +16,6 @@ import torch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.ipc.process import StartupError, worker_threads
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.speculative import parse_speculative
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.parallel import TensorParallel
@@ -37,16 +36,7 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
     log.info("torch threads: %d%s", torch.get_num_threads(),
              f", pinned to cores {pinned}" if pinned else "")
     try:
-        runner = ModelRunner(cfg.model, device=cfg.device, dtype=cfg.dtype,
-                             block_size=cfg.block_size, num_kv_blocks=cfg.num_kv_blocks,
-                             kv_cache_memory=cfg.kv_cache_memory,
-                             kv_cache_dtype=cfg.kv_cache_dtype,
-                             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                             cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                             flash_attn=cfg.flash_attn, tp=tp,
-                             adapter_cache=cfg.adapter_cache, max_loras=cfg.max_loras,
-                             max_lora_rank=cfg.max_lora_rank, load_format=cfg.load_format,
-                             speculative=parse_speculative(cfg.speculative_config))
+        runner = ModelRunner(cfg.worker(), tp)
     except ValueError as exc:  # the loader names the tensor, shape or setting it cannot use
         raise StartupError(f"--model {cfg.model!r}: {exc}") from exc
     if runner.device.type == "cpu":

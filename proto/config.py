@@ -11,7 +11,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem_serve.proto.speculative import speculative_problems
+from tandem_serve.proto.speculative import (
+    SpeculativeConfig,
+    parse_speculative,
+    speculative_problems,
+)
 
 
 @dataclass(frozen=True)
@@ -181,12 +185,49 @@ class ServerConfig:
         first = self.node_rank * self.ranks_per_node
         return range(first, first + self.ranks_per_node)
 
+    def worker(self) -> WorkerConfig:
+        """The gpu worker's section: what building a rank's model runner reads."""
+        return WorkerConfig(
+            self.model, device=self.device, dtype=self.dtype, block_size=self.block_size,
+            num_kv_blocks=self.num_kv_blocks, kv_cache_memory=self.kv_cache_memory,
+            kv_cache_dtype=self.kv_cache_dtype, max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs, cuda_graphs=not self.enforce_eager,
+            onednn=self.onednn, flash_attn=self.flash_attn, adapter_cache=self.adapter_cache,
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+            load_format=self.load_format,
+            speculative=parse_speculative(self.speculative_config))
+
     def worker_role(self, rank: int) -> str:
         """A gpu worker rank's role name and process title: `gpu-worker R/N` under tensor
         parallelism, plain `gpu-worker` without."""
         if self.tensor_parallel_size == 1:
             return "gpu-worker"
         return f"gpu-worker {rank}/{self.tensor_parallel_size}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """The gpu worker's settings (`ServerConfig.worker()`; tests and benchmarks build one
+    directly): the model, its device and dtype, the KV cache, graphs, adapters and
+    speculation.  The defaults are `ServerConfig`'s, but for adapters, which are off."""
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory: float = 0.0
+    kv_cache_dtype: str = "auto"
+    max_model_len: int = 0
+    max_num_seqs: int = 64
+    cuda_graphs: bool = True
+    onednn: bool = True
+    flash_attn: bool = True
+    adapter_cache: str = ""  # "": adapters off
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    load_format: str = "auto"
+    speculative: SpeculativeConfig | None = None
 
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.

@@ -233,3 +233,25 @@ def test_no_module_imports_another_modules_private_names() -> None:
                 if private:
                     bad.append(f"{path.relative_to(ROOT)}: {node.module} {private}")
     assert not bad, "private names used from another package:\n" + "\n".join(bad)
+
+
+MAX_PARAMS = 10
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's parameters, `self` and `cls` not counted."""
+    a = fn.args
+    names = [p.arg for p in [*a.posonlyargs, *a.args]]
+    count = len(names) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+    return count - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def test_no_function_takes_too_many_parameters() -> None:
+    """A long parameter list is a bag of settings or state waiting to be one object (a config
+    section, the sampler's `SamplingBatch`)."""
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n})"
+           for package in _packages() for path in _sources(package)
+           for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+           if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+           and (n := _parameters(node)) > MAX_PARAMS]
+    assert not bad, f"functions of more than {MAX_PARAMS} parameters:\n" + "\n".join(bad)

@@ -57,13 +57,15 @@ def decode_rate(model_dir: str, batch: int, prompt_len: int, plans: int, steps: 
     import torch
 
     from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.config import WorkerConfig
     from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
 
     if threads:
         torch.set_num_threads(threads)
     block = 16
     per_req = -(-(prompt_len + (plans + 1) * steps) // block)
-    runner = ModelRunner(model_dir, num_kv_blocks=batch * per_req + 1, block_size=block)
+    runner = ModelRunner(WorkerConfig(model_dir, num_kv_blocks=batch * per_req + 1,
+                                      block_size=block))
 
     class Sink:
         def __call__(self, *a: object) -> None: ...

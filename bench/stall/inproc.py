@@ -40,12 +40,13 @@ def run(model: str, tokenizer: Any, work: Workload, seed: int, num_steps: int,
     from tandem_serve.gpu_worker.publisher import TokenPublisher
     from tandem_serve.gpu_worker.runner import ModelRunner
     from tandem_serve.gpu_worker.steps import attention_tokens
+    from tandem_serve.proto.config import WorkerConfig
     from tandem_serve.proto.messages import PlanProcessed, SamplingParams, TokenBatch
     from tandem_serve.scheduler.budget import default_tokens
     from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
     torch.set_num_threads(1)
-    runner = ModelRunner(model, device="cpu", dtype="float32", num_kv_blocks=1200)
+    runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", num_kv_blocks=1200))
     sched = Scheduler(SchedulerParams(
         num_blocks=runner.num_blocks, block_size=runner.block_size, num_steps=num_steps,
         max_model_len=runner.max_model_len, prefill_phase=prefill_phase,

@@ -25,13 +25,14 @@ def step_table(model: str, cache: str, ids: list[str], rank: int, batch: int = 3
 
     from tandem_serve.gpu_worker.publisher import TokenPublisher
     from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.config import WorkerConfig
     from tandem_serve.proto.messages import AdapterLoad, NewRequest, SamplingParams, StepPlan
 
     torch.set_num_threads(1)
     per_req = -(-(prompt_len + steps + 1) // 16)
-    runner = ModelRunner(model, device="cpu", dtype="float32", block_size=16,
-                         num_kv_blocks=batch * per_req, max_num_seqs=batch,
-                         adapter_cache=cache, max_loras=len(ids), max_lora_rank=rank)
+    runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", block_size=16,
+                                      num_kv_blocks=batch * per_req, max_num_seqs=batch,
+                                      adapter_cache=cache, max_loras=len(ids), max_lora_rank=rank))
     publisher = TokenPublisher(lambda msg: None, runner.device)
     plan_ids = iter(range(1 << 62))
     live: list[int] = []

@@ -44,6 +44,7 @@ class Ours:
                  threads: int = 0, where: Placement = Placement()) -> None:
         from tandem_serve.gpu_worker.publisher import TokenPublisher
         from tandem_serve.gpu_worker.runner import ModelRunner
+        from tandem_serve.proto.config import WorkerConfig
 
         self.block = 16
         self.per_req = -(-positions // self.block)
@@ -58,8 +59,8 @@ class Ours:
             self.group = RankGroup(model, tp, threads, **sizes)
             self.runner = self.group.runner
         else:
-            self.runner = ModelRunner(model, device=where.device, dtype=where.dtype,
-                                      load_format=where.load_format, **sizes)
+            self.runner = ModelRunner(WorkerConfig(model, device=where.device, dtype=where.dtype,
+                                                   load_format=where.load_format, **sizes))
         self.publisher = TokenPublisher(lambda msg: None, self.runner.device)
         self.k = k
         self.plan_id = 0

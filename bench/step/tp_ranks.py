@@ -27,6 +27,7 @@ class RankGroup:
     def __init__(self, model: str, size: int, threads: int, **runner: Any) -> None:
         from tandem_serve.gpu_worker import parallel
         from tandem_serve.gpu_worker.runner import ModelRunner
+        from tandem_serve.proto.config import WorkerConfig
         from tandem_serve.tandem.tp_node import free_local_addr
 
         self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-bench-tp-")
@@ -46,7 +47,8 @@ class RankGroup:
             for r in range(1, size)]
         self.leader = parallel.Leader(cfg)
         self.tp = parallel.start(cfg, 0)
-        self.runner = ModelRunner(model, device="cpu", dtype="float32", tp=self.tp, **runner)
+        self.runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", **runner),
+                                  self.tp)
         self.leader.wait_followers(120.0)
 
     def forward(self, plan: StepPlan) -> None:

@@ -2,7 +2,7 @@
 
 A decode step of a small batch is dominated by kernel launches: a few hundred small kernels
 whose launch cost exceeds their run time.  Replaying a captured graph launches them all at
-once.  What is captured is `ModelRunner.forward_decode` (slot mapping, attention metadata,
+once.  What is captured is `StepExecutor.forward_decode` (slot mapping, attention metadata,
 the whole model and the LM head) over static input buffers; the sampler, the finish checks
 and the state advance run eagerly after each replay on the graph's logits, so every
 sampling option works on the graph path too.  So do guided rows: their masks and automaton

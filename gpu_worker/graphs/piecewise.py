@@ -1,6 +1,6 @@
 """Piecewise CUDA graphs for mixed forwards: everything but attention replayed from graphs.
 
-A mixed step (decode rows plus a step's prefill pieces, `ModelRunner.forward_mixed`) has a
+A mixed step (decode rows plus a step's prefill pieces, `StepExecutor.forward_mixed`) has a
 token count and attention layout that change every step, so it cannot be one graph the way
 a decode step is (`gpu_worker.graphs.decode`).  Eager, a 7-8B model's 32 layers launch about
 a thousand kernels, which costs the host tens of milliseconds: on an H200 with the

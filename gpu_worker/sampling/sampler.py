@@ -39,7 +39,7 @@ where the exp and the integer weights are shared with top-p / min-p anyway.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -47,8 +47,8 @@ from torch import Tensor
 
 from tandem_serve.gpu_worker.sampling.seeding import row_keys, row_uniform
 
-__all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingTensors",
-           "row_keys", "row_uniform"]
+__all__ = ["RowParams", "Sampler", "SamplerHints", "SamplerOutput", "SamplingBatch",
+           "SamplingTensors", "row_keys", "row_uniform"]
 
 # Guided decoding's step 4: sets the tokens its rows forbid to -inf, in place.
 LogitsMask = Callable[[Tensor], None]
@@ -149,6 +149,23 @@ class RowParams(Protocol):
 
 
 _DEFAULT_HINTS = SamplerHints()
+
+
+@dataclass
+class SamplingBatch:
+    """What the sampler reads of a batch besides its logits and output counts: the rows'
+    parameters on the device, their token tables, and the host facts known before the plan
+    that steer its control flow (no device value ever does)."""
+
+    params: SamplingTensors
+    hints: SamplerHints = field(default_factory=SamplerHints)
+    seen: Tensor | None = None  # [B, V] bool, prompt + output tokens (repetition penalty)
+    # [B, V] f32 output-token counts when some row has a frequency or presence penalty.
+    counts: Tensor | None = None
+    all_greedy: bool = False
+    any_penalty: bool = False  # some row has a repetition penalty: `seen` is set
+    need_logprobs: bool = False
+    max_top_n: int = 0
 
 # Probability mass is summed as int64 fixed point: exact and order-independent. A token's
 # weight is at most 2**40, so even a 2**22-token vocabulary stays below 2**63.
@@ -350,20 +367,15 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
 class Sampler:
     """Vectorised, seeded, sync-free sampler: one call per decode step for the whole batch."""
 
-    def __call__(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
-                 output_count: Tensor, all_greedy: bool, any_penalty: bool,
-                 need_logprobs: bool, max_top_n: int, *, hints: SamplerHints | None = None,
-                 inplace: bool = False, counts: Tensor | None = None,
-                 mask: LogitsMask | None = None,
+    def __call__(self, logits: Tensor, rows: SamplingBatch, output_count: Tensor, *,
+                 inplace: bool = False, mask: LogitsMask | None = None,
                  may_block: Tensor | None = None) -> SamplerOutput:
         """Sample one token per row.
 
-        logits: [B, V] f32 raw model logits (written only when ``inplace``). seen: [B, V]
-        bool, tokens in prompt or output so far (may be None unless ``any_penalty``).
-        output_count: [B] int32 tokens generated before this step. counts: [B, V] f32, how
-        often each token was generated so far, when some row has a frequency or presence
-        penalty (None: no row has). mask: the guided rows' forbidden tokens (step 4);
-        may_block: see ``apply_penalties``.
+        logits: [B, V] f32 raw model logits (written only when ``inplace``). rows: the
+        batch's parameters, token tables and host facts (:class:`SamplingBatch`).
+        output_count: [B] int32 tokens generated before this step. mask: the guided rows'
+        forbidden tokens (step 4); may_block: see ``apply_penalties``.
 
         Logprobs, ranks and top-n alternatives are taken from ``log_softmax`` of the logits
         after the penalties (steps 1-3) and the temperature but BEFORE the top-k / top-p /
@@ -372,9 +384,10 @@ class Sampler:
         greedy rows use temperature 1. rank = 1 + number of tokens with a strictly larger
         logprob. They ignore the guided mask too: the model's distribution, not the draw's.
         """
-        hints = hints or _DEFAULT_HINTS
-        x, owned = apply_penalties(logits, st, seen, output_count, any_penalty, hints, inplace,
-                                   counts, may_block)
+        st, hints, all_greedy = rows.params, rows.hints, rows.all_greedy
+        need_logprobs, max_top_n = rows.need_logprobs, rows.max_top_n
+        x, owned = apply_penalties(logits, st, rows.seen, output_count, rows.any_penalty, hints,
+                                   inplace, rows.counts, may_block)
         is_greedy = st.temperature <= 0
         if not all_greedy:  # greedy rows divide by 1: their argmax is unchanged
             temp = torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
@@ -422,17 +435,16 @@ class Sampler:
         pos = torch.searchsorted(cdf, target.unsqueeze(1), right=True)
         return pos.squeeze(1) if ids is None else ids.gather(1, pos).squeeze(1)
 
-    def warped_logits(self, logits: Tensor, st: SamplingTensors, seen: Tensor | None,
-                      output_count: Tensor, any_penalty: bool, *,
-                      hints: SamplerHints | None = None,
-                      counts: Tensor | None = None) -> Tensor:
+    def warped_logits(self, logits: Tensor, rows: SamplingBatch, output_count: Tensor
+                      ) -> Tensor:
         """[B, V] scores the draw sees: processed, tempered, -inf where truncated.
 
         Greedy rows get the processed logits unscaled and untruncated (they take the
         argmax). For tests and debugging; the draw itself never materialises this.
         """
-        hints = hints or _DEFAULT_HINTS
-        x, _ = apply_penalties(logits, st, seen, output_count, any_penalty, hints, counts=counts)
+        st, hints = rows.params, rows.hints
+        x, _ = apply_penalties(logits, st, rows.seen, output_count, rows.any_penalty, hints,
+                               counts=rows.counts)
         is_greedy = st.temperature <= 0
         xs = x / torch.where(is_greedy, 1.0, st.temperature).unsqueeze(1)
         vals, ids = _domain(xs, hints)

@@ -59,7 +59,7 @@ class DraftContext:
 
 
 def _vocab(b: DecodeBatch) -> int:
-    table = b.seen if b.seen is not None else b.counts
+    table = b.sampling.seen if b.sampling.seen is not None else b.sampling.counts
     assert table is not None, "no penalty tables"
     return int(table.shape[1])
 
@@ -76,7 +76,7 @@ def draft_context(b: DecodeBatch, spec: SpecBatch, drafts: Tensor, length: Tenso
     """Before sampling: the tables and states of the draft positions (drafts [S, k])."""
     ctx = DraftContext()
     k = spec.k
-    if b.seen is not None or b.counts is not None:
+    if b.sampling.seen is not None or b.sampling.counts is not None:
         j = torch.arange(k, device=drafts.device).unsqueeze(0)
         valid = (j < length.unsqueeze(1)).to(torch.float32)
         vocab = _vocab(b)
@@ -84,10 +84,10 @@ def draft_context(b: DecodeBatch, spec: SpecBatch, drafts: Tensor, length: Tenso
         hot = torch.zeros(len(spec.chosen), k, vocab, device=drafts.device)
         hot.scatter_(2, drafts.clamp(min=0).unsqueeze(2), valid.unsqueeze(2))
         added = hot.cumsum(dim=1).reshape(-1, vocab)
-        if b.seen is not None:
-            ctx.seen = b.seen[spec.index].repeat_interleave(k, dim=0) | (added > 0)
-        if b.counts is not None:
-            ctx.counts = b.counts[spec.index].repeat_interleave(k, dim=0) + added
+        if b.sampling.seen is not None:
+            ctx.seen = b.sampling.seen[spec.index].repeat_interleave(k, dim=0) | (added > 0)
+        if b.sampling.counts is not None:
+            ctx.counts = b.sampling.counts[spec.index].repeat_interleave(k, dim=0) + added
     if b.guided is not None:
         for g in b.guided.groups:
             places = [s for s, i in enumerate(spec.chosen) if g.lo <= i < g.hi]
@@ -120,13 +120,13 @@ def advance_(b: DecodeBatch, spec: SpecBatch, ctx: DraftContext, emitted: Tensor
     later = emitted[spec.index, 1:]
     cols = later.clamp(min=0)
     kept = later >= 0
-    if b.seen is None and b.counts is None:
+    if b.sampling.seen is None and b.sampling.counts is None:
         return
     vocab = _vocab(b)
     # One-hot sums (a token may come twice in a run; a -1 adds 0 to column 0).
     added = torch.zeros(len(spec.chosen), vocab, device=emitted.device)
     added.scatter_add_(1, cols, kept.to(added.dtype))
-    if b.seen is not None:
-        b.seen.index_copy_(0, spec.index, b.seen[spec.index] | (added > 0))
-    if b.counts is not None:
-        b.counts.index_copy_(0, spec.index, b.counts[spec.index] + added)
+    if b.sampling.seen is not None:
+        b.sampling.seen.index_copy_(0, spec.index, b.sampling.seen[spec.index] | (added > 0))
+    if b.sampling.counts is not None:
+        b.sampling.counts.index_copy_(0, spec.index, b.sampling.counts[spec.index] + added)

@@ -6,31 +6,27 @@ drafts, cut runs at finishing tokens, advance on the device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput, SamplingTensors
-from tandem_serve.gpu_worker.spec.batch import VerifyRows, accept_prefix, finish_run
+from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run
 from tandem_serve.gpu_worker.spec.rows import DraftContext, advance_, draft_context
 from tandem_serve.gpu_worker.steps import PrefillInputs
 from tandem_serve.ipc.tracing import TRACER
 
-# (verify rows, step, the step's prefill pieces) -> logits [B + S * k, V] and prompt detail.
-Forward = Callable[[VerifyRows, int, PrefillInputs | None], tuple[Tensor, Any]]
-Sample = Callable[[DecodeBatch, Tensor], SamplerOutput]
-# After sampling: per-row state that only rows without drafts use (guided, penalties).
-Record = Callable[[DecodeBatch, Tensor], None]
+if TYPE_CHECKING:
+    from tandem_serve.gpu_worker.executor import StepExecutor
 
 
-def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: Forward,
-                sample: Sample, sampler: Sampler, record: Record, max_model_len: int
-                ) -> StepTensors:
-    """The step's tokens come back as [B, 1 + k] (-1 past each row's emitted run)."""
+def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, ex: StepExecutor,
+                last: bool) -> StepTensors:
+    """The step's tokens come back as [B, 1 + k] (-1 past each row's emitted run); the
+    forward, the first position's sampling and the recording are the plain step's (`ex`)."""
     spec = b.spec
     assert spec is not None, "a verify step needs the plan's speculative state"
     rows, i = b.size, spec.index
@@ -38,29 +34,29 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     with TRACER.span("draft", b.plan_id, step):
         proposed = spec.drafter(b, step) if spec.drafter is not None else None
         drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                      max_model_len, proposed)
+                                      ex.max_model_len, proposed)
     with TRACER.span("verify", b.plan_id, step):
         verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
                              b.block_tables, b.max_seq_len(step), b.row_lens(step))
-        logits, details = forward(verify, step, pre)
+        logits, details = ex.logits(verify, step, pre, b.lora)
     # The first position exactly as a plain step samples it (every row: penalties, guided
     # masks, logprobs); the draft positions only for the rows that speculate.
     ctx = draft_context(b, spec, drafts, length)
-    out = sample(b, logits[:rows])
-    later = _sample_later(b, i, logits[rows:].view(len(spec.chosen), spec.k, -1), sampler,
+    out = ex.sample(b, logits[:rows])
+    later = _sample_later(b, i, logits[rows:].view(len(spec.chosen), spec.k, -1), ex.sampler,
                           ctx)
     tokens = torch.cat((out.token_ids.unsqueeze(1),
                         spec.spread(rows, later.token_ids.view(-1, spec.k), -1)), dim=1)
     all_length = spec.spread(rows, length, 0)
     accepted = accept_prefix(spec.spread(rows, drafts, -1), all_length, tokens)
     emitted, finish, count = finish_run(tokens, accepted, b.active, b.output_count,
-                                        b.max_new, b.stop_ids, b.positions, max_model_len)
-    record(b, emitted[:, 0])
+                                        b.max_new, b.stop_ids, b.positions, ex.max_model_len)
+    ex.record(b, emitted[:, 0], last)
     advance_(b, spec, ctx, emitted, count)
     spec.record(emitted[i], length, count[i], b.active[i])
     b.output_count += count.to(torch.int32)
-    last = emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-    b.input_ids = torch.where(count > 0, last, b.input_ids)
+    newest = emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    b.input_ids = torch.where(count > 0, newest, b.input_ids)
     b.positions = b.positions + count
     b.active = b.active & (finish.amax(dim=1) == 0)
 
@@ -86,10 +82,9 @@ def _sample_later(b: DecodeBatch, index: Tensor, logits: Tensor, sampler: Sample
     rows, k, vocab = logits.shape
     counts = (b.output_count[index].unsqueeze(1)
               + torch.arange(1, k + 1, dtype=b.output_count.dtype, device=logits.device))
-    return sampler(logits.reshape(rows * k, vocab), _repeat(b.sampling, index, k), ctx.seen,
-                   counts.reshape(-1), all_greedy=b.all_greedy, any_penalty=b.any_penalty,
-                   need_logprobs=b.need_logprobs, max_top_n=b.max_top_n, hints=b.hints,
-                   inplace=True, counts=ctx.counts,
+    at = dataclasses.replace(b.sampling, params=_repeat(b.sampling.params, index, k),
+                             seen=ctx.seen, counts=ctx.counts)
+    return sampler(logits.reshape(rows * k, vocab), at, counts.reshape(-1), inplace=True,
                    mask=partial(ctx.mask_, k=k) if ctx.paths else None)
 
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import (
     AdapterLoad,
     ContinueRequest,
@@ -318,7 +319,7 @@ def hf_greedy(path: str, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 def make_runner(path: str, **kw: Any) -> ModelRunner:
     kw.setdefault("num_kv_blocks", 400)
-    return ModelRunner(path, device="cpu", dtype="float32", block_size=16, **kw)
+    return ModelRunner(WorkerConfig(path, device="cpu", dtype="float32", block_size=16, **kw))
 
 
 def sampled(seed: int, **kw: Any) -> SamplingParams:

@@ -21,7 +21,12 @@ from transformers.generation.logits_process import (
 )
 
 import tandem_serve.gpu_worker.sampling.sampler as sampler_mod
-from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, SamplingTensors
+from tandem_serve.gpu_worker.sampling.sampler import (
+    Sampler,
+    SamplerHints,
+    SamplingBatch,
+    SamplingTensors,
+)
 
 DEFAULTS: dict[str, Any] = dict(
     temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0, min_p=0.0, repetition_penalty=1.0,
@@ -118,8 +123,8 @@ def check_against_hf(rows: list[dict[str, Any]], vocab: int = 400, seed: int = 0
     if max_top_k is not None:
         hints = SamplerHints(max_top_k=max_top_k)
     oc = torch.tensor(out_count, dtype=torch.int32)
-    mine = Sampler().warped_logits(logits, st, seen_mask(hist, vocab), oc, any_penalty=True,
-                                   hints=hints)
+    rows_in = SamplingBatch(st, hints=hints, seen=seen_mask(hist, vocab), any_penalty=True)
+    mine = Sampler().warped_logits(logits, rows_in, oc)
     ref = hf_reference(logits, rows, hist, prompt_len)
     kept, ref_kept = torch.isfinite(mine), torch.isfinite(ref)
     for i in range(len(rows)):

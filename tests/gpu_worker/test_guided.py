@@ -21,6 +21,7 @@ from tandem_serve.gpu_worker.constrain.tables import GuidedBatch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
 from tests.gpu_worker.guided_utils import (
     VOCAB,
@@ -302,7 +303,7 @@ def test_guided_rows_on_the_graph_plumbing_on_cpu(path: str) -> None:
             return replay, replay.out
 
     runner = make_runner(path, max_model_len=300, max_num_seqs=8)
-    runner.graphs = CpuGraphs(runner.forward_decode, 8, -(-300 // 16), 16, runner.device)
+    runner.graphs = CpuGraphs(runner.executor.forward_decode, 8, -(-300 // 16), 16, runner.device)
     assert _graph_run(path, runner) == _graph_run(path, make_runner(path, max_model_len=300))
     assert runner.graphs._graphs
 
@@ -310,8 +311,8 @@ def test_guided_rows_on_the_graph_plumbing_on_cpu(path: str) -> None:
 @pytest.mark.gpu
 def test_guided_rows_with_cuda_graphs_match_eager(path: str) -> None:
     def runner(graphs: bool) -> ModelRunner:
-        r = ModelRunner(path, device="cuda", dtype="float32", block_size=16,
-                        num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs)
+        r = ModelRunner(WorkerConfig(path, device="cuda", dtype="float32", block_size=16,
+                                     num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs))
         # Dispatch checks only: the publisher and grammar threads wait on copy events.
         r.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)
         return r

@@ -14,6 +14,7 @@ import torch
 from tandem_serve.gpu_worker.attention import flex as flex_attention
 from tandem_serve.gpu_worker.attention.kv_cache import FP8
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import make_runner
@@ -33,8 +34,8 @@ def greedy(n: int = NEW) -> SamplingParams:
 def test_blocks_for_the_same_memory(llama: str, dtype: str, kv: str, blocks: int) -> None:
     """1 MiB of cache: a block of this model is 2 layers x 2 (K, V) x 16 tokens x 2 heads x
     16 dims = 2,048 elements, so 256 blocks in bfloat16, 128 in float32, 512 in fp8."""
-    runner = ModelRunner(llama, device="cpu", dtype=dtype, block_size=16,
-                         kv_cache_memory=1 / 1024, kv_cache_dtype=kv)
+    runner = ModelRunner(WorkerConfig(llama, device="cpu", dtype=dtype, block_size=16,
+                                      kv_cache_memory=1 / 1024, kv_cache_dtype=kv))
     assert runner.num_blocks == blocks
     k_cache, v_cache = runner.kv_caches[0]
     assert k_cache.dtype == v_cache.dtype == (FP8 if kv != "auto" else runner.dtype)

@@ -149,7 +149,7 @@ def test_graph_path_applies_every_slot(model: str, cache: Path,
             return replay, replay.out
 
     runner = lora_runner(model, cache, max_num_seqs=8)
-    runner.graphs = CpuGraphs(runner.forward_decode, 8, -(-1024 // 16), 16, runner.device,
+    runner.graphs = CpuGraphs(runner.executor.forward_decode, 8, -(-1024 // 16), 16, runner.device,
                               runner.lora.full_context)
     d = Driver(runner, seed=8)
     d.add = functools.partial(d.add, sampling=sampling())  # type: ignore[method-assign]
@@ -202,11 +202,12 @@ def test_segment_and_masked_forms_add_the_same_deltas(model: str, cache: Path) -
 def test_cuda_graphs_with_adapters_match_eager_and_peft(model: str, cache: Path,
                                                         expected: dict[int, list[int]]) -> None:
     from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.config import WorkerConfig
 
     def run(graphs: bool) -> tuple[Any, dict[int, list[int]]]:
-        runner = ModelRunner(model, device="cuda", dtype="float32", block_size=16,
-                             num_kv_blocks=400, max_num_seqs=8, cuda_graphs=graphs,
-                             adapter_cache=str(cache), max_loras=4)
+        runner = ModelRunner(WorkerConfig(model, device="cuda", dtype="float32", block_size=16,
+                                          num_kv_blocks=400, max_num_seqs=8, cuda_graphs=graphs,
+                                          adapter_cache=str(cache), max_loras=4))
         runner.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)
         d = Driver(runner, seed=9)
         d.add = functools.partial(d.add, sampling=sampling())  # type: ignore[method-assign]

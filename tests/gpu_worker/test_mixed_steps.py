@@ -57,10 +57,10 @@ def test_mixed_step_logits_equal_the_requests_run_separately(
     assert len(layout.decoding) == 3 and layout.join_steps == [0, 0, 0]
     batch = build_decode_batch(layout.decoding, runner.vocab_size, runner.device, None,
                                layout.join_steps)
-    pre = runner._step_inputs(layout.steps[0], batch, [0, 0, 0])
+    pre = runner.executor.step_inputs(layout.steps[0], batch, [0, 0, 0])
     before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     with forbid_host_sync():
-        mixed, hidden = runner.forward_mixed(batch, 0, pre)
+        mixed, hidden = runner.executor.forward_mixed(batch, 0, pre)
         mixed_prefill = runner.model.compute_logits(hidden)
     after_mixed = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
@@ -70,7 +70,7 @@ def test_mixed_step_logits_equal_the_requests_run_separately(
     alone = prefill_inputs(layout.steps[0], runner.block_size, runner.device)
     hidden_alone = runner.model(alone.ids, alone.positions, runner.kv_caches,
                                 prefill_metadata(alone))
-    separate = runner.forward_decode(batch.input_ids, batch.positions, batch.active,
+    separate = runner.executor.forward_decode(batch.input_ids, batch.positions, batch.active,
                                      batch.block_tables, batch.max_position + 1)
     # FlexAttention's softmax runs in base 2 (exp2 of log2-scaled scores): other roundings.
     atol = 1e-4 if flex else ATOL
@@ -107,7 +107,7 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
     monkeypatch.setattr(flex_attention, "ENABLED", flex)
     runner = make_runner(llama)
     if pieces:
-        runner.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
+        runner.executor.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
     runner.step_guard = forbid_host_sync
     served = Served(runner, k, async_mode, budget=24)
     out = _workload(served)
@@ -118,7 +118,7 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
         spread = served.spread()
         assert spread and max(len(s) for s in spread) >= 4
     if pieces:
-        assert runner.mixed_graphs is not None and runner.mixed_graphs.graphs
+        assert runner.executor.mixed_graphs is not None and runner.executor.mixed_graphs.graphs
     served.close()
 
 

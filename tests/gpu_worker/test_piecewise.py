@@ -18,6 +18,7 @@ from tandem_serve.gpu_worker.batch import DecodeBatch, build_decode_batch
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, token_buckets
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.steps import PrefillInputs, lay_out
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
 from tests.gpu_worker.family_utils import family_checkpoint
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
@@ -48,7 +49,7 @@ def mixed_step(runner: ModelRunner, vocab: int) -> tuple[DecodeBatch, PrefillInp
     layout = lay_out(runner.requests.values(), 4, False)
     batch = build_decode_batch(layout.decoding, runner.vocab_size, runner.device, None,
                                layout.join_steps)
-    return batch, runner._step_inputs(layout.steps[0], batch, layout.join_steps)
+    return batch, runner.executor.step_inputs(layout.steps[0], batch, layout.join_steps)
 
 
 def snapshot(runner: ModelRunner) -> KV:
@@ -73,14 +74,15 @@ def test_the_pieces_equal_the_eager_forward(llama: str, ckpt_root: Path, family:
     batch, pre = mixed_step(runner, 512)
     assert batch.size == 3 and pre.ids.shape[0] == 60
     before = snapshot(runner)
-    want, want_hidden = runner.forward_mixed(batch, 0, pre)
+    want, want_hidden = runner.executor.forward_mixed(batch, 0, pre)
     want_kv = snapshot(runner)
-    runner.mixed_graphs = MixedGraphs(runner.model, 100, capture=False)  # 63 -> the 64 bucket
+    # 63 tokens -> the 64 bucket
+    runner.executor.mixed_graphs = MixedGraphs(runner.model, 100, capture=False)
     for _ in range(2):  # the second time over the buffers the first one left
         restore(runner, before)
         with forbid_host_sync():
-            got, got_hidden = runner.forward_mixed(batch, 0, pre)
-        assert list(runner.mixed_graphs.graphs) == [64]
+            got, got_hidden = runner.executor.forward_mixed(batch, 0, pre)
+        assert list(runner.executor.mixed_graphs.graphs) == [64]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         torch.testing.assert_close(got_hidden, want_hidden, atol=1e-5, rtol=0)
         for (k, v), (kw, vw) in zip(runner.kv_caches, want_kv, strict=True):
@@ -93,11 +95,11 @@ def test_a_step_above_the_largest_bucket_runs_eagerly(llama: str) -> None:
     runner = make_runner(llama)
     batch, pre = mixed_step(runner, 512)
     before = snapshot(runner)
-    want, _ = runner.forward_mixed(batch, 0, pre)
+    want, _ = runner.executor.forward_mixed(batch, 0, pre)
     restore(runner, before)
-    runner.mixed_graphs = MixedGraphs(runner.model, 48, capture=False)
-    got, _ = runner.forward_mixed(batch, 0, pre)
-    assert not runner.mixed_graphs.graphs  # never built: 63 tokens > 48
+    runner.executor.mixed_graphs = MixedGraphs(runner.model, 48, capture=False)
+    got, _ = runner.executor.forward_mixed(batch, 0, pre)
+    assert not runner.executor.mixed_graphs.graphs  # never built: 63 tokens > 48
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
@@ -134,17 +136,17 @@ def test_the_attention_kernel_is_compiled_at_start_up(llama: str, ckpt_root: Pat
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_captured_pieces_equal_the_eager_forward_on_cuda(llama: str) -> None:
-    runner = ModelRunner(llama, device="cuda", dtype="float32", block_size=16,
-                         num_kv_blocks=400, max_num_seqs=8)
-    pieces, runner.mixed_graphs = runner.mixed_graphs, None
+    runner = ModelRunner(WorkerConfig(llama, device="cuda", dtype="float32", block_size=16,
+                                      num_kv_blocks=400, max_num_seqs=8))
+    pieces, runner.executor.mixed_graphs = runner.executor.mixed_graphs, None
     assert pieces is not None
     batch, pre = mixed_step(runner, 512)
     before = snapshot(runner)
-    want, want_hidden = runner.forward_mixed(batch, 0, pre)
-    runner.mixed_graphs = pieces
+    want, want_hidden = runner.executor.forward_mixed(batch, 0, pre)
+    runner.executor.mixed_graphs = pieces
     for _ in range(2):
         restore(runner, before)
-        got, got_hidden = runner.forward_mixed(batch, 0, pre)
+        got, got_hidden = runner.executor.forward_mixed(batch, 0, pre)
         assert pieces.enabled and set(pieces.graphs) == set(pieces.buckets)  # at start-up
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=0)

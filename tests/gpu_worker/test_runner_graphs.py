@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.config import WorkerConfig
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
 from tests.gpu_worker.sync_guard import forbid_host_sync
@@ -40,7 +41,7 @@ def test_graph_plumbing_padding_and_buckets_on_cpu(llama: str) -> None:
             replay = EagerReplay(run)
             return replay, replay.out
 
-    graphs = CpuGraphs(runner.forward_decode, 8, -(-300 // 16), 16, runner.device)
+    graphs = CpuGraphs(runner.executor.forward_decode, 8, -(-300 // 16), 16, runner.device)
     runner.graphs = graphs
     prompts = random_prompts([3, 50, 120, 17, 33], 512, seed=62)
     d = Driver(runner, seed=10)
@@ -70,9 +71,9 @@ def test_cuda_graph_decode_matches_eager(llama: str, kv: str) -> None:
     prompts = random_prompts([1, 40, 150, 9, 77], 512, seed=61)
 
     def run(graphs: bool) -> tuple[ModelRunner, dict[int, list[int]]]:
-        runner = ModelRunner(llama, device="cuda", dtype="float32", block_size=16,
-                             num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs,
-                             kv_cache_dtype=kv)
+        runner = ModelRunner(WorkerConfig(llama, device="cuda", dtype="float32", block_size=16,
+                                          num_kv_blocks=200, max_num_seqs=8, cuda_graphs=graphs,
+                                          kv_cache_dtype=kv))
         # Replays and eager steps alike: no host read in the loop.  CUDA's own sync check is
         # process-wide and the publisher thread waits on copy events: dispatch checks only.
         runner.step_guard = functools.partial(forbid_host_sync, cuda_sync_debug=False)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 import tandem_serve.gpu_worker.sampling.sampler as sampler_mod
-from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, SamplingBatch
 from tests.gpu_worker.sampler_utils import (
     DEFAULTS,
     MIXED_ROWS,
@@ -89,8 +89,8 @@ def test_top_k_keeps_exactly_k() -> None:
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3))
     ks = [1, 5, 50, 999, 1000]
     st, hints = make_rows([{"top_k": k} for k in ks])
-    out = Sampler().warped_logits(logits, st, None, torch.zeros(5, dtype=torch.int32), False,
-                                  hints=hints)
+    out = Sampler().warped_logits(logits, SamplingBatch(st, hints=hints), torch.zeros(5,
+                                                                                      dtype=torch.int32))
     assert torch.isfinite(out).sum(1).tolist() == ks
 
 
@@ -133,8 +133,8 @@ def test_hints_skip_only_unused_work() -> None:
     logits = torch.randn(3, 300, generator=rng)
     oc = torch.zeros(3, dtype=torch.int32)
     s = Sampler()
-    torch.testing.assert_close(s.warped_logits(logits, st, None, oc, False, hints=hints),
-                               s.warped_logits(logits, st, None, oc, False), rtol=0, atol=0)
+    torch.testing.assert_close(s.warped_logits(logits, SamplingBatch(st, hints=hints), oc),
+                               s.warped_logits(logits, SamplingBatch(st), oc), rtol=0, atol=0)
 
 
 def test_hints_from_params_objects() -> None:
@@ -154,11 +154,13 @@ def test_half_precision_and_strided_logits() -> None:
     st, hints = make_rows([{**r, "seed": i} for i, r in enumerate(rows)])
     base = torch.randn(300, len(rows), generator=torch.Generator().manual_seed(9))
     oc = torch.zeros(len(rows), dtype=torch.int32)
-    ref = Sampler()(base.t().contiguous(), st, None, oc, False, False, True, 2, hints=hints)
-    strided = Sampler()(base.t(), st, None, oc, False, False, True, 2, hints=hints)
+    ref = Sampler()(base.t().contiguous(), SamplingBatch(st, hints=hints, need_logprobs=True,
+                                                         max_top_n=2), oc)
+    strided = Sampler()(base.t(), SamplingBatch(st, hints=hints, need_logprobs=True, max_top_n=2),
+                        oc)
     assert torch.equal(ref.token_ids, strided.token_ids)
-    half = Sampler()(base.t().to(torch.bfloat16), st, None, oc, False, False, True, 2,
-                     hints=hints)
+    half = Sampler()(base.t().to(torch.bfloat16),
+                     SamplingBatch(st, hints=hints, need_logprobs=True, max_top_n=2), oc)
     assert half.token_ids.shape == (len(rows),) and half.logprobs is not None
     assert half.logprobs.dtype == torch.float32
 
@@ -168,8 +170,9 @@ def test_logits_not_modified_unless_inplace() -> None:
     before = logits.clone()
     st, _ = make_rows(MIXED_ROWS)
     seen = torch.rand(len(MIXED_ROWS), 100) < 0.2
-    Sampler()(logits, st, seen, torch.full((len(MIXED_ROWS),), 3, dtype=torch.int32),
-              all_greedy=False, any_penalty=True, need_logprobs=True, max_top_n=3)
+    Sampler()(logits, SamplingBatch(st, seen=seen, any_penalty=True, need_logprobs=True,
+                                    max_top_n=3), torch.full((len(MIXED_ROWS),), 3,
+                                                             dtype=torch.int32))
     assert torch.equal(logits, before)
 
 
@@ -188,13 +191,12 @@ def test_temperature_zero_is_argmax_of_processed_logits() -> None:
     hist = history(rng, len(rows), prompt_len, [3] * len(rows), vocab)
     st, hints = make_rows([{k: v for k, v in r.items() if k != "out"} for r in rows])
     oc = torch.full((len(rows),), 3, dtype=torch.int32)
-    out = Sampler()(logits, st, seen_mask(hist, vocab), oc, all_greedy=True, any_penalty=True,
-                    need_logprobs=False, max_top_n=0, hints=hints)
+    out = Sampler()(logits, SamplingBatch(st, hints=hints, seen=seen_mask(hist, vocab),
+                                          all_greedy=True, any_penalty=True), oc)
     expected = hf_reference(logits, rows, hist, prompt_len).argmax(1)
     assert torch.equal(out.token_ids, expected)
     # The all_greedy shortcut and the general path agree.
-    out2 = Sampler()(logits, st, seen_mask(hist, vocab), oc, all_greedy=False,
-                     any_penalty=True, need_logprobs=False, max_top_n=0)
+    out2 = Sampler()(logits, SamplingBatch(st, seen=seen_mask(hist, vocab), any_penalty=True), oc)
     assert torch.equal(out2.token_ids, expected)
 
 
@@ -207,10 +209,9 @@ def test_greedy_rows_unaffected_by_sampled_rows() -> None:
     seen = torch.rand(logits.shape, generator=rng) < 0.1
     oc = torch.full((logits.shape[0],), 2, dtype=torch.int32)
     st_g, h_g = make_rows(greedy)
-    alone = Sampler()(logits[:2], st_g, seen[:2], oc[:2], all_greedy=True, any_penalty=True,
-                      need_logprobs=False, max_top_n=0, hints=h_g)
+    alone = Sampler()(logits[:2], SamplingBatch(st_g, hints=h_g, seen=seen[:2], all_greedy=True,
+                                                any_penalty=True), oc[:2])
     st_m, h_m = make_rows([{k: v for k, v in r.items() if k != "out"}
                            for r in greedy + others])
-    mixed = Sampler()(logits, st_m, seen, oc, all_greedy=False, any_penalty=True,
-                      need_logprobs=False, max_top_n=0, hints=h_m)
+    mixed = Sampler()(logits, SamplingBatch(st_m, hints=h_m, seen=seen, any_penalty=True), oc)
     assert torch.equal(mixed.token_ids[:2], alone.token_ids)

@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
+from tandem_serve.gpu_worker.sampling.sampler import (
+    Sampler,
+    SamplerHints,
+    SamplerOutput,
+    SamplingBatch,
+)
 from tests.gpu_worker.sampler_utils import (
     DEFAULTS,
     MIXED_ROWS,
@@ -49,7 +54,8 @@ def test_logprobs_ranks_and_top_n() -> None:
     hist = history(rng, len(rows), prompt_len, [3] * len(rows), vocab)
     st, hints = make_rows([{**r, "seed": i} for i, r in enumerate(rows)])
     oc = torch.full((len(rows),), 3, dtype=torch.int32)
-    out = Sampler()(logits, st, seen_mask(hist, vocab), oc, False, True, True, 5, hints=hints)
+    out = Sampler()(logits, SamplingBatch(st, hints=hints, seen=seen_mask(hist, vocab),
+                                          any_penalty=True, need_logprobs=True, max_top_n=5), oc)
     # Reference: HF's processors up to and including temperature, no truncation.
     pre = [{k: v for k, v in r.items() if k not in ("top_k", "top_p", "typical_p", "min_p")}
            for r in rows]
@@ -64,11 +70,11 @@ def test_logprobs_ranks_and_top_n() -> None:
 def test_logprobs_all_greedy() -> None:
     logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(14))
     st, hints = make_rows([{"temperature": 0.0}] * 6)
-    out = Sampler()(logits, st, None, torch.zeros(6, dtype=torch.int32), True, False, True, 4,
-                    hints=hints)
+    out = Sampler()(logits, SamplingBatch(st, hints=hints, all_greedy=True, need_logprobs=True,
+                                          max_top_n=4), torch.zeros(6, dtype=torch.int32))
     check_logprobs(out, torch.log_softmax(logits, 1), 4)
     assert out.ranks is not None and bool((out.ranks == 1).all())
-    none = Sampler()(logits, st, None, torch.zeros(6, dtype=torch.int32), True, False, False, 0)
+    none = Sampler()(logits, SamplingBatch(st, all_greedy=True), torch.zeros(6, dtype=torch.int32))
     assert none.logprobs is none.ranks is none.top_ids is none.top_logprobs is None
 
 
@@ -89,9 +95,11 @@ def test_runs_under_forbid_host_sync(all_greedy: bool, any_penalty: bool, need_l
     oc = torch.full((len(rows),), 2, dtype=torch.int32)
     sampler = Sampler()
     with forbid_host_sync():
-        out = sampler(logits, st, seen if any_penalty else None, oc, all_greedy, any_penalty,
-                      need_logprobs, max_top_n, hints=hints if tight else None)
-        sampler.warped_logits(logits, st, seen, oc, True, hints=hints if tight else None)
+        loose = hints if tight else SamplerHints()
+        out = sampler(logits, SamplingBatch(st, loose, seen if any_penalty else None,
+                                            all_greedy=all_greedy, any_penalty=any_penalty,
+                                            need_logprobs=need_logprobs, max_top_n=max_top_n), oc)
+        sampler.warped_logits(logits, SamplingBatch(st, loose, seen, any_penalty=True), oc)
     assert out.token_ids.shape == (len(rows),)
 
 
@@ -104,6 +112,6 @@ def test_runs_under_forbid_host_sync_with_top_k_domain() -> None:
     assert hints.max_top_k == 30
     logits = torch.randn(len(rows), 1000)
     with forbid_host_sync():
-        out = Sampler()(logits, st, None, torch.zeros(4, dtype=torch.int32), False, False,
-                        True, 2, hints=hints, inplace=True)
+        out = Sampler()(logits, SamplingBatch(st, hints=hints, need_logprobs=True, max_top_n=2),
+                        torch.zeros(4, dtype=torch.int32), inplace=True)
     assert out.token_ids.shape == (4,)

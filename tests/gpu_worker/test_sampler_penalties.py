@@ -7,7 +7,12 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, apply_penalties
+from tandem_serve.gpu_worker.sampling.sampler import (
+    Sampler,
+    SamplerHints,
+    SamplingBatch,
+    apply_penalties,
+)
 from tandem_serve.proto.messages import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
@@ -71,15 +76,13 @@ def test_greedy_and_sampled_rows_see_the_penalties() -> None:
     st.frequency_penalty = torch.tensor([0.0, 0.0])
     st.presence_penalty = torch.tensor([2.0, 2.0])
     counts = counts_of([[7], [7]])
-    out = Sampler()(logits, st, None, torch.tensor([1, 1], dtype=torch.int32),
-                    all_greedy=False, any_penalty=False, need_logprobs=True, max_top_n=2,
-                    hints=hints, counts=counts)
+    out = Sampler()(logits, SamplingBatch(st, hints=hints, counts=counts, need_logprobs=True,
+                                          max_top_n=2), torch.tensor([1, 1], dtype=torch.int32))
     assert out.token_ids.tolist() == [8, 8]
     assert out.top_ids is not None and out.top_ids[:, 0].tolist() == [8, 8]
     # Without counts nothing changes.
-    plain = Sampler()(logits, st, None, torch.tensor([1, 1], dtype=torch.int32),
-                      all_greedy=False, any_penalty=False, need_logprobs=False, max_top_n=0,
-                      hints=SamplerHints())
+    plain = Sampler()(logits, SamplingBatch(st, hints=SamplerHints()), torch.tensor([1, 1],
+                                                                                    dtype=torch.int32))
     assert plain.token_ids.tolist() == [7, 7]
 
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 from torch import Tensor
 
-from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerHints, row_keys, row_uniform
+from tandem_serve.gpu_worker.sampling.sampler import (
+    Sampler,
+    SamplerHints,
+    SamplingBatch,
+    row_keys,
+    row_uniform,
+)
 from tests.gpu_worker.sampler_utils import (
     MIXED_ROWS,
     NO_IDS,
@@ -64,8 +70,9 @@ def run_steps(table: Tensor, rows: list[dict[str, Any]], first: Tensor, steps: i
     sampler, tok, out = Sampler(), first, []
     with forbid_host_sync():
         for _ in range(steps):
-            res = sampler(table[tok], st, seen, oc, all_greedy, any_penalty,
-                          need_logprobs=True, max_top_n=2, hints=hints)
+            rows_in = SamplingBatch(st, hints, seen, all_greedy=all_greedy,
+                                    any_penalty=any_penalty, need_logprobs=True, max_top_n=2)
+            res = sampler(table[tok], rows_in, oc)
             tok = res.token_ids
             seen.scatter_(1, tok.unsqueeze(1), True)
             oc += 1
@@ -111,7 +118,7 @@ def test_same_seed_same_step_same_token_and_seeds_differ() -> None:
     logits = torch.zeros(64, 1000)  # flat: the row's uniform alone picks the token
     st, hints = make_rows([{"seed": 5}] * 32 + [{"seed": s} for s in range(32)])
     oc = torch.zeros(64, dtype=torch.int32)
-    tok = Sampler()(logits, st, None, oc, False, False, False, 0, hints=hints).token_ids
+    tok = Sampler()(logits, SamplingBatch(st, hints=hints), oc).token_ids
     assert len(set(tok[:32].tolist())) == 1
     assert len(set(tok[32:].tolist())) > 25
 
@@ -143,7 +150,7 @@ def test_sampling_frequencies_match_softmax(over: str) -> None:
     else:
         st, hints = make_rows([{"temperature": temp, "seed": 42}] * n)
         oc = torch.arange(n, dtype=torch.int32)
-    tok = Sampler()(logits, st, None, oc, False, False, False, 0, hints=hints).token_ids
+    tok = Sampler()(logits, SamplingBatch(st, hints=hints), oc).token_ids
     assert chi_square(tok, torch.softmax(base / temp, 0)) < CHI2_1E4[7]
 
 
@@ -155,8 +162,8 @@ def test_truncated_sampling_frequencies(params: dict[str, Any]) -> None:
     rows = [{"temperature": temp, "seed": s, **params} for s in range(n)]
     st, hints = make_rows(rows)
     logits = base.expand(n, -1).contiguous()
-    tok = Sampler()(logits, st, None, torch.zeros(n, dtype=torch.int32), False, False, False,
-                    0, hints=hints).token_ids
+    tok = Sampler()(logits, SamplingBatch(st, hints=hints), torch.zeros(n,
+                                                                        dtype=torch.int32)).token_ids
     ref = hf_processors(rows[0], 0)(NO_IDS, base.unsqueeze(0))[0]
     probs = torch.softmax(ref, 0)
     dof = int((probs > 0).sum()) - 1
@@ -175,8 +182,8 @@ def test_truncation_never_picks_a_removed_token() -> None:
                    {"typical_p": 0.4}, {"min_p": 0.3}):
         rows = [{"temperature": 1.5, "seed": s, **params} for s in range(n)]
         st, hints = make_rows(rows)
-        tok = Sampler()(logits, st, None, torch.zeros(n, dtype=torch.int32), False, False,
-                        False, 0, hints=hints).token_ids
+        tok = Sampler()(logits, SamplingBatch(st, hints=hints), torch.zeros(n,
+                                                                            dtype=torch.int32)).token_ids
         ref = hf_processors(rows[0], 0)(NO_IDS, logits[:1])[0]
         allowed = torch.isfinite(ref)
         assert allowed[tok].all(), params

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint, make_tiny_checkpoint
@@ -44,8 +45,8 @@ def draft_spec(model: str, k: int = 3) -> str:
 def make_runner(model: str, spec: str, **kw: Any) -> ModelRunner:
     kw.setdefault("num_kv_blocks", 400)
     kw.setdefault("block_size", 4)
-    return ModelRunner(model, device="cpu", dtype="float32", speculative=parse_speculative(spec),
-                       **kw)
+    return ModelRunner(WorkerConfig(model, device="cpu", dtype="float32",
+                                    speculative=parse_speculative(spec), **kw))
 
 
 def scenario(model: str, spec: str, k: int, per_step: bool, chain: list[int]

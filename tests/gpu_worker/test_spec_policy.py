@@ -9,6 +9,7 @@ import pytest
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.spec.policy import REPEATS, SpecPolicy, StepCost
 from tandem_serve.gpu_worker.state import RequestState
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import make_copier_checkpoint
@@ -103,8 +104,8 @@ def copier(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _outputs(model: str, spec: str, cost) -> tuple[dict[int, list[int]], Driver]:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(model, device="cpu", dtype="float32", num_kv_blocks=200,
-                         block_size=4, speculative=parse_speculative(spec))
+    runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", num_kv_blocks=200,
+                                      block_size=4, speculative=parse_speculative(spec)))
     d = Driver(runner)
     if runner.speculation is not None:
         runner.speculation.policy.always = False

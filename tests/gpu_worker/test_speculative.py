@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
-from tandem_serve.gpu_worker.sampling.sampler import Sampler
+from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplingBatch
 from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run, propose_ngram
+from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import FinishReason, GuidedTable, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.guided_utils import guided, hf_guided, table
@@ -84,8 +85,8 @@ def _run(model: str, spec: str, k: int, per_step: bool,
          requests: list[tuple[list[int], SamplingParams]], guard: bool = False,
          tables: tuple[GuidedTable, ...] = ()
          ) -> tuple[dict[int, list[int]], dict[int, FinishReason], Driver]:
-    runner = ModelRunner(model, device="cpu", dtype="float32", num_kv_blocks=400, block_size=4,
-                         speculative=parse_speculative(spec))
+    runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", num_kv_blocks=400,
+                                      block_size=4, speculative=parse_speculative(spec)))
     if guard:
         runner.step_guard = forbid_host_sync
     d = Driver(runner)
@@ -183,8 +184,9 @@ def test_preempt_and_resume_keep_parity(copier: str, chain: list[int]) -> None:
     requests = _requests(chain)[:2]
     outs = []
     for spec in ("", SPEC):
-        runner = ModelRunner(copier, device="cpu", dtype="float32", num_kv_blocks=400,
-                             block_size=4, speculative=parse_speculative(spec))
+        runner = ModelRunner(WorkerConfig(copier, device="cpu", dtype="float32",
+                                          num_kv_blocks=400, block_size=4,
+                                          speculative=parse_speculative(spec)))
         d = Driver(runner)
         for i, (prompt, sampling) in enumerate(requests):
             d.add(i, prompt, sampling)
@@ -224,8 +226,7 @@ def test_one_hot_rejection_keeps_the_target_distribution() -> None:
     probs = torch.tensor([0.1, 0.45, 0.25, 0.2])
     st, hints = make_rows([dict(temperature=1.0, seed=s) for s in range(n)])
     logits = probs.log().repeat(n, 1)
-    tokens = Sampler()(logits, st, None, torch.zeros(n, dtype=torch.int32), all_greedy=False,
-                       any_penalty=False, need_logprobs=False, max_top_n=0, hints=hints)
+    tokens = Sampler()(logits, SamplingBatch(st, hints=hints), torch.zeros(n, dtype=torch.int32))
     drafts = torch.full((n, 1), draft)
     target = torch.stack((tokens.token_ids, tokens.token_ids), dim=1)
     accepted = accept_prefix(drafts, torch.ones(n, dtype=torch.int64), target)

@@ -26,7 +26,7 @@ from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.parallel import TensorParallel
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.harness.processes import free_port
-from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.config import ServerConfig, WorkerConfig
 from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.guided_utils import guided, table
@@ -85,8 +85,8 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
     """A scripted serving run through ModelRunner.execute: greedy, seeded sampled, logprob
     and prompt-logprob requests joining and leaving; the K-step loop under the sync guard.
     On CUDA the decode steps replay CUDA graphs (the collectives captured in them)."""
-    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
-                         num_kv_blocks=400, tp=tp)
+    runner = ModelRunner(WorkerConfig(path, device=device, dtype="float32", block_size=16,
+                                      num_kv_blocks=400), tp)
     # CUDA: the publisher thread waits on copy events meanwhile (sync debug is process-wide).
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
@@ -126,9 +126,9 @@ def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
     n-gram speculation, every eligible row speculating (`always`) or the rows the measured
     rule picks (each rank times its own forwards: the ranks must still agree)."""
     spec = parse_speculative(speculative)
-    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
-                         num_kv_blocks=400, tp=tp, kv_cache_dtype=kv_cache_dtype,
-                         speculative=spec)
+    runner = ModelRunner(WorkerConfig(path, device=device, dtype="float32", block_size=16,
+                                      num_kv_blocks=400, kv_cache_dtype=kv_cache_dtype,
+                                      speculative=spec), tp)
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
     if runner.speculation is not None:
@@ -154,8 +154,9 @@ def lora_outputs(spec: dict[str, str], tp: TensorParallel | None, device: str = 
     ModelRunner.execute with K varying, the K-step loop under the sync guard.  Unguided rows
     make exactly LORA_TOKENS tokens (min = max: EOS cannot end them early)."""
     path = spec["path"]
-    runner = ModelRunner(path, device=device, dtype="float32", block_size=16,
-                         num_kv_blocks=200, tp=tp, adapter_cache=spec["cache"], max_loras=2)
+    runner = ModelRunner(WorkerConfig(path, device=device, dtype="float32", block_size=16,
+                                      num_kv_blocks=200, adapter_cache=spec["cache"],
+                                      max_loras=2), tp)
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
     d = Driver(runner, seed=2)
