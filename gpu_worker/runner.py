@@ -127,6 +127,8 @@ class ModelRunner:
                                        -(-self.max_model_len // cfg.block_size),
                                        cfg.block_size, self.device,
                                        self.lora.full_context if self.lora else None)
+            # Before the worker reports ready: never a capture while streams wait.
+            self.graphs.capture_all(lora=self.lora is not None)
 
     @property
     def requests(self) -> dict[int, RequestState]:

@@ -20,14 +20,18 @@ Graphs are keyed by (batch bucket, gather width bucket, LoRA rows or not):
   (`gpu_worker.lora`), its rows' slots copied into a static buffer once per plan (padded
   rows: slot 0, no adapter); loading an adapter rewrites the slot weights in place.
 
-Graphs are captured lazily, the first time a plan needs a key, into one shared memory pool
-(replays never overlap: one stream, one step at a time).  Anything the graphs do not cover
-(a batch above the largest bucket, a row longer than the widest width) runs eagerly, as does
-everything after a failed capture.
+Every key is captured at start-up (`capture_all`, before the worker reports ready), into
+one shared memory pool: a capture mid-serving stalls every stream for a warm-up forward and
+the capture itself (the first H200 run saw 140-165 ms gaps while graphs were captured
+lazily).  Replays never overlap (one stream, one step at a time), so every graph writes its
+logits into one static buffer rather than keeping an output of its own.  Anything the
+graphs do not cover (a batch above the largest bucket, a row longer than the widest width)
+runs eagerly, as does everything after a failed capture.
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -81,6 +85,7 @@ class DecodeGraphs:
         self._active = torch.zeros(n, dtype=torch.bool, device=device)
         self._tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self._slots = torch.zeros(n, dtype=torch.int64, device=device)  # adapter slot per row
+        self._logits: torch.Tensor | None = None  # [n, V], every graph's output
         self._graphs: dict[tuple[int, int, bool], tuple[Replayable, torch.Tensor]] = {}
         self._pool: Any = None  # a graph memory pool handle, made at the first capture
         self.enabled = True
@@ -122,6 +127,21 @@ class DecodeGraphs:
 
         return step
 
+    def capture_all(self, lora: bool = False) -> int:
+        """Capture every (batch, width) key, and with `lora` every key with adapter rows too;
+        returns how many graphs there are (fewer after a failed capture: then none runs)."""
+        keys = [(b, w, a) for a in ((False, True) if lora else (False,))
+                for w in self._widths for b in self._batches]
+        t0, step = time.monotonic(), max(1, len(keys) // 10)
+        for i, (bucket, width, adapters) in enumerate(keys, 1):
+            if (bucket, width, adapters) not in self._graphs and \
+                    self._capture(bucket, width, adapters) is None:
+                return 0
+            if i % step == 0 or i == len(keys):
+                log.info("decode graphs: %d/%d captured (%.1f s)", i, len(keys),
+                         time.monotonic() - t0)
+        return len(self._graphs)
+
     @torch.inference_mode()
     def _capture(self, bucket: int, width: int,
                  lora: bool) -> tuple[Replayable, torch.Tensor] | None:
@@ -132,7 +152,11 @@ class DecodeGraphs:
 
         def run() -> torch.Tensor:
             context = self._lora(slots) if lora and self._lora is not None else None
-            return self._forward(ids, pos, active, tables, max_seq_len, context)
+            logits = self._forward(ids, pos, active, tables, max_seq_len, context)
+            if self._logits is None:  # the first (warm-up) run sizes the shared output
+                self._logits = torch.empty((self._ids.shape[0], logits.shape[1]),
+                                           dtype=logits.dtype, device=logits.device)
+            return self._logits[:bucket].copy_(logits)
 
         try:
             entry = self._record(run)
@@ -142,8 +166,8 @@ class DecodeGraphs:
             self.enabled = False
             return None
         self._graphs[(bucket, width, lora)] = entry
-        log.info("captured decode graph: batch %d, %d blocks per row%s", bucket, width,
-                 ", LoRA" if lora else "")
+        log.debug("captured decode graph: batch %d, %d blocks per row%s", bucket, width,
+                  ", LoRA" if lora else "")
         return entry
 
     def _record(self, run: Callable[[], torch.Tensor]) -> tuple[Replayable, torch.Tensor]:

@@ -94,3 +94,30 @@ def test_cuda_graph_decode_matches_eager(llama: str, kv: str) -> None:
         want = hf_greedy(llama, prompts[rid]) if kv == "auto" else \
             hf_fp8_greedy(llama, prompts[rid], NEW_TOKENS)
         assert with_graphs[rid] == want
+
+
+def test_every_decode_graph_is_captured_up_front(llama: str) -> None:
+    """capture_all covers every (batch, width) key, so serving captures nothing; all graphs
+    write one shared logits buffer (stand-in graphs replayed eagerly on the CPU)."""
+    from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, batch_buckets, width_buckets
+
+    class CpuGraphs(DecodeGraphs):
+        def _record(self, run: Any) -> tuple[EagerReplay, torch.Tensor]:
+            replay = EagerReplay(run)
+            return replay, replay.out
+
+    runner = make_runner(llama, max_model_len=64, max_num_seqs=4)
+    graphs = CpuGraphs(runner.executor.forward_decode, 4, -(-64 // 16), 16, runner.device)
+    assert graphs.capture_all() == len(batch_buckets(4)) * len(width_buckets(4)) == 9
+    assert graphs._logits is not None
+    assert {out.data_ptr() for _, out in graphs._graphs.values()} == {graphs._logits.data_ptr()}
+    captured = dict(graphs._graphs)
+    runner.graphs = graphs
+    prompts = random_prompts([5, 20, 9], 512, seed=3)
+    d = Driver(runner, seed=4)
+    for rid, p in enumerate(prompts):
+        d.add(rid, p)
+    d.run_until_done([4, 4])
+    assert graphs._graphs == captured  # nothing captured while serving
+    for rid, p in enumerate(prompts):
+        assert d.reqs[rid].out == hf_greedy(llama, p)
