@@ -1,6 +1,6 @@
 """uvicorn serving the app on the frontend's own event loop, beside gRPC.
 
-The frontend process (frontend/main.py) binds the socket (a port in use is a one-line
+The frontend process (tandem/serve.py) binds the socket (a port in use is a one-line
 start-up error, not uvicorn's `sys.exit`) and owns the signals: uvicorn's handlers stay off,
 so SIGTERM drains HTTP and gRPC the same way (readiness 503, new requests 503, in-flight
 ones finish), and `stop()` then closes the listener and waits for the connections to finish.

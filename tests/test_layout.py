@@ -7,18 +7,17 @@ Each top-level package holds one kind of thing, and imports only the kinds below
     tokenization, guided, shared text, constraint and       proto, ipc, each other
     adapters              adapter-format code
     scheduler, gpu_worker, postproc_worker                  the above; never each other
-    frontend              what both APIs share, and the     the above but no process package;
-                          frontend process's main           only frontend/main.py imports
-                                                            rpc and openai_api (it assembles
-                                                            the process)
+    frontend              what both APIs share (a library)  the above but no process package
+                                                            and neither API
     rpc, openai_api       the gRPC service, the HTTP API    proto, ipc, the shared packages
                                                             and frontend; never each other
     harness               what benchmarks and tests drive   the above but no process package
                           servers with (processes, clients,
                           compose roles, stats)
     bench                 benchmarks                        anything
-    tandem                command line and launcher         anything (the one place that may
-                                                            start every process and benchmark)
+    tandem                command line, launcher and the    anything (the one place that may
+                          frontend process (serve.py, which start every process and benchmark)
+                          serves both APIs)
 
 Only `tandem` imports `bench`: the engine never depends on its benchmarks.
 
@@ -47,16 +46,14 @@ ALLOWED: dict[str, set[str]] = {
     "ipc": {"proto", "ipc"},
     **{p: {"proto", "ipc", *SHARED} for p in SHARED},
     **{p: {"proto", "ipc", *SHARED, p} for p in PROCESSES},
-    # Its main.py alone may import the APIs as well: test_only_the_frontend_main_imports_the_apis.
-    "frontend": {"proto", "ipc", *SHARED, "frontend", *APIS},
+    # Both APIs use it, so it imports neither: test_frontend_imports_neither_api.
+    "frontend": {"proto", "ipc", *SHARED, "frontend"},
     **{p: {"proto", "ipc", *SHARED, "frontend", p} for p in APIS},
     # Drives servers from outside, as a client: no process package, no benchmark.
     "harness": {"proto", "ipc", *SHARED, "frontend", *APIS, "harness"},
     "bench": OURS,
     "tandem": OURS,
 }
-# The one module that assembles the frontend process out of both APIs.
-FRONTEND_MAIN = ROOT / "frontend" / "main.py"
 
 
 def _packages() -> list[str]:
@@ -120,12 +117,12 @@ def test_imports_follow_the_layout(package: str) -> None:
     assert not bad, f"{package}/ may import only {sorted(ALLOWED[package])}:\n" + "\n".join(bad)
 
 
-def test_only_the_frontend_main_imports_the_apis() -> None:
-    """The shared frontend modules serve both APIs, so neither may depend on one of them."""
+def test_frontend_imports_neither_api() -> None:
+    """frontend/ is a library both APIs use, so it depends on neither of them: the process
+    that serves both is assembled above them (tandem/serve.py)."""
     bad = [f"{path.relative_to(ROOT)} imports {', '.join(sorted(wrong))}"
-           for path in _sources("frontend") if path != FRONTEND_MAIN
-           if (wrong := _imported_packages(path) & APIS)]
-    assert not bad, "only frontend/main.py may import rpc/ or openai_api/:\n" + "\n".join(bad)
+           for path in _sources("frontend") if (wrong := _imported_packages(path) & APIS)]
+    assert not bad, "frontend/ may import neither rpc/ nor openai_api/:\n" + "\n".join(bad)
 
 
 def test_nothing_imports_bench() -> None:
