@@ -1,6 +1,6 @@
 """What a valid request is, whichever API it came in by: the limits, the errors, the prompt check.
 
-The gRPC service (`rpc/params.py`) and the OpenAI-compatible API (`openai_api/params.py`)
+The gRPC service (`rpc/params.py`) and the OpenAI-compatible API (`openai_api/chat/params.py`)
 each turn their own parameters into the same `Request` under the same `Limits`.  Every
 rejection names the field and the limit: `ValidationError` is INVALID_ARGUMENT (HTTP 400).
 """

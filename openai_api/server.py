@@ -20,10 +20,10 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from tandem_serve.frontend.frontend import Frontend, served_names
+from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
-from tandem_serve.openai_api.chat_template import ChatTemplate
-from tandem_serve.openai_api.serving import Serving
-from tandem_serve.openai_api.tools import AgentSettings
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate
+from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.proto.config import ServerConfig
 
 log = logging.getLogger("tandem.http")

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.tool_parsers.json_scan import settled
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import settled
 
 THINK, END_THINK = "<think>", "</think>"
 

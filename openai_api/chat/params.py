@@ -82,7 +82,7 @@ def check_unsupported(body: CommonRequest) -> None:
             raise _unsupported("best_of", "only 1; use n for several choices")
     if not isinstance(body, ChatCompletionRequest):
         return
-    # tools / tool_choice: openai_api/tools.py; the deprecated functions API is not served.
+    # tools / tool_choice: openai_api/agents/tools.py; the deprecated functions API is not served.
     if body.functions:
         raise _unsupported("functions", "the deprecated form of tool calling; use tools")
     if body.function_call not in (None, "none"):
