@@ -22,6 +22,9 @@ Each top-level package holds one kind of thing, and imports only the kinds below
 Only `tandem` imports `bench`: the engine never depends on its benchmarks.
 
 Imports inside functions count too: a lazy import is still a dependency.
+
+Beside the imports: no source file over 500 lines, no folder over 15 modules, and no two
+classes of the shipped packages with the same public name.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LINES = 500
+MAX_MODULES = 15  # per folder, __init__.py and generated stubs aside
 ROOT_NAME = "tandem_serve"  # setup.cfg installs folder X as tandem_serve.X
 # Generated gRPC stubs are not written by hand.
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
@@ -145,6 +149,36 @@ def test_no_source_file_is_too_long() -> None:
     long = {str(p.relative_to(ROOT)): n for p in files
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def test_no_folder_holds_too_many_modules() -> None:
+    """A folder past a screenful of modules is several concerns side by side: it splits into
+    subfolders by concern, each with its __init__.py saying what lives there."""
+    folders = {p.parent for package in _packages() for p in (ROOT / package).rglob("__init__.py")}
+    crowded: dict[str, int] = {}
+    for folder in sorted(folders):
+        modules = [p for p in folder.glob("*.py")
+                   if p.name != "__init__.py" and not p.name.endswith(GENERATED)]
+        if len(modules) > MAX_MODULES:
+            crowded[f"{folder.relative_to(ROOT)}/"] = len(modules)
+    assert not crowded, (f"folders with more than {MAX_MODULES} modules (split them into "
+                         f"subfolders by concern): {crowded}")
+
+
+def test_no_two_classes_share_a_public_name() -> None:
+    """A public class name names one thing in the whole engine: a reader (or a grep) meeting
+    `Request` should not have to ask which one.  Private (`_Name`) classes are their module's
+    own business; nested and function-local classes count."""
+    where: dict[str, list[str]] = {}
+    for package in _packages():
+        for path in _sources(package):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
+    assert not shared, "classes that share a name (give each a name saying what it is):\n" + \
+        "\n".join(f"{name}: {', '.join(paths)}" for name, paths in shared.items())
 
 
 def _module_name(path: pathlib.Path) -> str:
