@@ -2,7 +2,7 @@
 
 `fmaas.GenerationService` and the read-only admin service, next to the standard health
 check (service "" for liveness, "fmaas.GenerationService" for readiness, which the frontend
-process turns on after warm-up: frontend/main.py) and server reflection.
+process turns on after warm-up: tandem/serve.py) and server reflection.
 """
 from __future__ import annotations
 
