@@ -1,10 +1,10 @@
 """What the frontend's two APIs share: the engine, the tokenizer, the limits, readiness.
 
 The gRPC service (`rpc/server.py`) and the OpenAI-compatible HTTP API (`openai_api/`) each
-validate their own parameters into the same `frontend.validation.Request`, then tokenize,
-check the prompt and submit here, so a request means the same thing whichever door it came
-in by and both see the same readiness and drain state.  Every log line about a request carries
-its correlation id (the client's, or a frontend-made tag when absent).
+validate their own parameters into the same `frontend.validation.ValidatedRequest`, then
+tokenize, check the prompt and submit here, so a request means the same thing whichever door
+it came in by and both see the same readiness and drain state.  Every log line about a
+request carries its correlation id (the client's, or a frontend-made tag when absent).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tandem_serve.frontend import metrics
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.frontend.engine_client import EngineClient, EngineError
 from tandem_serve.frontend.guided import Compiled, attach, compile_spec
-from tandem_serve.frontend.validation import Limits, Request
+from tandem_serve.frontend.validation import Limits, ValidatedRequest
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.config import ServerConfig
@@ -65,7 +65,7 @@ def request_log(correlation_id: str | None) -> RequestLog:
 class Prepared:
     """One validated, tokenized prompt, ready to submit."""
 
-    req: Request
+    req: ValidatedRequest
     text: str
     ids: list[int]
     deadline: float | None  # time.monotonic(); the time limit counts from the arrival
@@ -111,7 +111,7 @@ class Frontend:
             return self.tok.encode(text, add_special_tokens)
 
     @staticmethod
-    def prepared(req: Request, text: str, ids: list[int], rid: int, arrived: float,
+    def prepared(req: ValidatedRequest, text: str, ids: list[int], rid: int, arrived: float,
                  adapter_id: str = "") -> Prepared:
         deadline = arrived + req.time_limit if req.time_limit else None
         return Prepared(req, text, ids, deadline, rid, arrived, adapter_id=adapter_id)

@@ -28,7 +28,7 @@ class SetKeeper:
     def __init__(self, cfg: ServerConfig, frontend: Frontend,
                  not_serving: Callable[[], Awaitable[None]],
                  become_ready: Callable[[], Awaitable[None]]) -> None:
-        """`not_serving` turns readiness off, `become_ready` (frontend/main.py) back on once
+        """`not_serving` turns readiness off, `become_ready` (tandem/serve.py) back on once
         a set has handshaked and served a warm-up request."""
         engine = self.engine = frontend.engine
         self.frontend = frontend

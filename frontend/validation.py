@@ -1,8 +1,9 @@
 """What a valid request is, whichever API it came in by: the limits, the errors, the prompt check.
 
-The gRPC service (`rpc/params.py`) and the OpenAI-compatible API (`openai_api/params.py`)
-each turn their own parameters into the same `Request` under the same `Limits`.  Every
-rejection names the field and the limit: `ValidationError` is INVALID_ARGUMENT (HTTP 400).
+The gRPC service (`rpc/params.py`) and the OpenAI-compatible API (`openai_api/chat/params.py`)
+each turn their own parameters into the same `ValidatedRequest` under the same `Limits`.
+Every rejection names the field and the limit: `ValidationError` is INVALID_ARGUMENT (HTTP
+400).
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ class Limits:
 
 
 @dataclass
-class Request:
+class ValidatedRequest:
     """A validated request, before its prompt is checked against the model's length."""
 
     sampling: SamplingParams

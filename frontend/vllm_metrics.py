@@ -33,7 +33,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem_serve.proto.messages import EngineStats, FinishReason, OutputDelta, WorkerReady
 
-# vLLM's finish_reason strings; the HTTP API answers the same (openai_api/shapes.py).
+# vLLM's finish_reason strings; the HTTP API answers the same (openai_api/chat/shapes.py).
 FINISH_REASON = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",
                  FinishReason.MAX_TOKENS: "length", FinishReason.TOKEN_LIMIT: "length",
                  FinishReason.TIME_LIMIT: "length", FinishReason.CANCELLED: "abort",

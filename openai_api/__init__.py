@@ -1,15 +1,14 @@
 """The OpenAI-compatible HTTP API the frontend serves beside gRPC (`tandem serve --http-port`).
 
-`protocol` holds the pydantic request models, `params` maps them onto the engine's
-`SamplingParams` / `OutputOptions` through `frontend.validation`'s limits, `chat_template`
-renders a checkpoint's chat template the way transformers does, `serving` runs completions
-and chat completions (JSON or server-sent events) on `frontend.frontend.Frontend`, `app` is the
-FastAPI application and `server` runs it with uvicorn on the frontend's event loop.
+One folder per surface, over what they all share here: `protocol` holds the pydantic request
+models of completions and chat completions, `errors` the OpenAI-shaped errors, `models` what
+the `model` field may name (the base model or a LoRA adapter), `app` is the FastAPI
+application and `server` runs it with uvicorn on the frontend's event loop.
 
-Agents: `tools` plans a request's `tools` / `tool_choice`, `tool_parsers/` reads calls out of
-model text (hermes, llama3_json, mistral, and the JSON of guided choices), `reasoning` splits
-`<think>` text off the content and fits a constraint after it, `message` turns a choice's
-text into reasoning, content and calls (streamed or whole), `agents` ties them into a chat
-request, and `responses` / `responses_stream` serve `/v1/responses` over the chat pipeline.
+    chat/        /v1/completions and /v1/chat/completions: parameters, chat templates,
+                 serving (JSON or SSE), the response shapes and logprobs
+    agents/      tools and reasoning: how a chat request's output is read and constrained
+    responses/   /v1/responses over the chat pipeline
+
 Torch-free, like the rest of the frontend.
 """

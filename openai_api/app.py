@@ -4,7 +4,7 @@
                                           LoRA adapters (openai_api/models.py)
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
-    POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses.py)
+    POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
@@ -27,11 +27,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from tandem_serve.openai_api.responses import ResponsesRequest
-from tandem_serve.openai_api.responses_stream import respond
-from tandem_serve.openai_api.serving import Serving
+from tandem_serve.openai_api.responses.protocol import ResponsesRequest
+from tandem_serve.openai_api.responses.serving import respond
 
 log = logging.getLogger("tandem.http")
 

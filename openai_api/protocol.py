@@ -119,6 +119,7 @@ class ChatCompletionRequest(CommonRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # sglang's, added by sglang-router (both true): without --reasoning-parser either value
-    # leaves the answer as it is (as in sglang); with one, false is a 400 (`agents.Agents`)
+    # leaves the answer as it is (as in sglang); with one, false is a 400
+    # (`agents.chat_plan.Agents`)
     separate_reasoning: bool = True
     stream_reasoning: bool = True

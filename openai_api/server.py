@@ -1,6 +1,6 @@
 """uvicorn serving the app on the frontend's own event loop, beside gRPC.
 
-The frontend process (frontend/main.py) binds the socket (a port in use is a one-line
+The frontend process (tandem/serve.py) binds the socket (a port in use is a one-line
 start-up error, not uvicorn's `sys.exit`) and owns the signals: uvicorn's handlers stay off,
 so SIGTERM drains HTTP and gRPC the same way (readiness 503, new requests 503, in-flight
 ones finish), and `stop()` then closes the listener and waits for the connections to finish.
@@ -20,10 +20,10 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from tandem_serve.frontend.frontend import Frontend, served_names
+from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
-from tandem_serve.openai_api.chat_template import ChatTemplate
-from tandem_serve.openai_api.serving import Serving
-from tandem_serve.openai_api.tools import AgentSettings
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate
+from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.proto.config import ServerConfig
 
 log = logging.getLogger("tandem.http")

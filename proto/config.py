@@ -276,8 +276,8 @@ def config_problems(cfg: ServerConfig) -> list[str]:
 # lists equal).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
-# The parsers openai_api/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS; a test
-# keeps the lists equal): proto/ imports nothing of ours.
+# The parsers openai_api/agents/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS;
+# a test keeps the lists equal): proto/ imports nothing of ours.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 

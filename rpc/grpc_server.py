@@ -2,7 +2,7 @@
 
 `fmaas.GenerationService` and the read-only admin service, next to the standard health
 check (service "" for liveness, "fmaas.GenerationService" for readiness, which the frontend
-process turns on after warm-up: frontend/main.py) and server reflection.
+process turns on after warm-up: tandem/serve.py) and server reflection.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def bound_grpc_server(cfg: ServerConfig) -> grpc.aio.Server:
 
 
 def add_services(server: grpc.aio.Server, frontend: Frontend) -> object:
-    """Register every service; returns the health servicer frontend/main.py drives."""
+    """Register every service; returns the health servicer tandem/serve.py drives."""
     health_servicer = health.aio.HealthServicer() if hasattr(health, "aio") else \
         health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,4 +1,5 @@
-"""TGIS request parameters → the frontend's `Request` (`SamplingParams` / `OutputOptions`).
+"""TGIS request parameters → the frontend's `ValidatedRequest` (`SamplingParams`,
+`OutputOptions`).
 
 Every rejection names the field and the limit; the gRPC layer turns `ValidationError` into
 INVALID_ARGUMENT and `UnsupportedError` into UNIMPLEMENTED.
@@ -14,7 +15,7 @@ from tandem_serve.frontend.validation import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_N_TOKENS,
     Limits,
-    Request,
+    ValidatedRequest,
     ValidationError,
     capped,
     shown,
@@ -55,7 +56,7 @@ def check_unsupported(request: pb.SingleGenerationRequest | pb.BatchedGeneration
                                    f"(got {shown(value)}); leave {name} unset")
 
 
-def validate_params(params: pb.Parameters, limits: Limits) -> Request:
+def validate_params(params: pb.Parameters, limits: Limits) -> ValidatedRequest:
     guided = validate_guided(params.decoding)
     sampling = _sampling(params, limits)
     options = _options(params, limits)
@@ -68,7 +69,7 @@ def validate_params(params: pb.Parameters, limits: Limits) -> Request:
     sampling.top_n = r.top_n_tokens if (r.generated_tokens or prompt_detail) else 0
     sampling.prompt_logprobs = prompt_detail
     stopping = params.stopping
-    return Request(
+    return ValidatedRequest(
         sampling=sampling, options=options,
         time_limit=stopping.time_limit_millis / 1000.0 if stopping.time_limit_millis else None,
         truncate_input_tokens=params.truncate_input_tokens,

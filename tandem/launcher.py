@@ -1,7 +1,7 @@
 """`tandem serve`: start the engine's processes and watch them, for the frontend process.
 
 Start-up: make a private run folder for the ipc sockets, check what can be checked before
-any process starts (tandem/preflight.py), then run the frontend process (frontend/main.py)
+any process starts (tandem/preflight.py), then run the frontend process (tandem/serve.py)
 in this one, which has the launcher start the scheduler, the gpu worker and N postproc
 workers as separate OS processes once its ports are bound.
 
@@ -11,7 +11,7 @@ postproc worker it writes to; the postproc worker is the cause).  A child dying 
 exception says so first (`ProcessFailed`, with the error), ahead of the exits it causes.
 The scheduler reports a plan that outlives `--step-timeout` (`WorkerHung`); the launcher
 then has the worker dump its stacks to the log and treats it as dead.  Either way the
-frontend hears what failed (`frontend.main.Supervisor`) and fails every open request or,
+frontend hears what failed (`tandem.serve.Supervisor`) and fails every open request or,
 for roles started on their own (`run-role frontend`, no children here), replaces their
 set.  On every exit the children, sockets, run folder and shm segments are removed.
 """
@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tandem_serve.frontend import main as frontend_main
 from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import AsyncReceiver
 from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
 from tandem_serve.proto.messages import ProcessFailed, WorkerHung
+from tandem_serve.tandem import serve as frontend_process
 from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
 from tandem_serve.tandem.tp_node import free_local_addr
 
@@ -103,10 +103,10 @@ class Launcher:
         config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
         adapters = adapter_store(self.cfg, config)
         tok = load_tokenizer(self.cfg.model)
-        return await frontend_main.serve(self.cfg, self, tok, adapters)
+        return await frontend_process.serve(self.cfg, self, tok, adapters)
 
     def start(self) -> asyncio.Future[str]:
-        """Start the children and watch their exits (`frontend.main.Supervisor`)."""
+        """Start the children and watch their exits (`tandem.serve.Supervisor`)."""
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
         if self.cfg.addresses.supervisor:
@@ -226,7 +226,7 @@ class Launcher:
     # ------------------------------------------------------------------ failures
 
     async def watch(self, replace: Callable[[str], None] | None) -> None:
-        """Read the children's reports until cancelled (`frontend.main.Supervisor`)."""
+        """Read the children's reports until cancelled (`tandem.serve.Supervisor`)."""
         self._replace = replace
         reports = self._reports
         if reports is None:

@@ -7,22 +7,24 @@ Each top-level package holds one kind of thing, and imports only the kinds below
     tokenization, guided, shared text, constraint and       proto, ipc, each other
     adapters              adapter-format code
     scheduler, gpu_worker, postproc_worker                  the above; never each other
-    frontend              what both APIs share, and the     the above but no process package;
-                          frontend process's main           only frontend/main.py imports
-                                                            rpc and openai_api (it assembles
-                                                            the process)
+    frontend              what both APIs share (a library)  the above but no process package
+                                                            and neither API
     rpc, openai_api       the gRPC service, the HTTP API    proto, ipc, the shared packages
                                                             and frontend; never each other
     harness               what benchmarks and tests drive   the above but no process package
                           servers with (processes, clients,
                           compose roles, stats)
     bench                 benchmarks                        anything
-    tandem                command line and launcher         anything (the one place that may
-                                                            start every process and benchmark)
+    tandem                command line, launcher and the    anything (the one place that may
+                          frontend process (serve.py, which start every process and benchmark)
+                          serves both APIs)
 
 Only `tandem` imports `bench`: the engine never depends on its benchmarks.
 
 Imports inside functions count too: a lazy import is still a dependency.
+
+Beside the imports: no source file over 500 lines, no folder over 15 modules, and no two
+classes of the shipped packages with the same public name.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MAX_LINES = 500
+MAX_MODULES = 15  # per folder, __init__.py and generated stubs aside
 ROOT_NAME = "tandem_serve"  # setup.cfg installs folder X as tandem_serve.X
 # Generated gRPC stubs are not written by hand.
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
@@ -47,16 +50,14 @@ ALLOWED: dict[str, set[str]] = {
     "ipc": {"proto", "ipc"},
     **{p: {"proto", "ipc", *SHARED} for p in SHARED},
     **{p: {"proto", "ipc", *SHARED, p} for p in PROCESSES},
-    # Its main.py alone may import the APIs as well: test_only_the_frontend_main_imports_the_apis.
-    "frontend": {"proto", "ipc", *SHARED, "frontend", *APIS},
+    # Both APIs use it, so it imports neither: test_frontend_imports_neither_api.
+    "frontend": {"proto", "ipc", *SHARED, "frontend"},
     **{p: {"proto", "ipc", *SHARED, "frontend", p} for p in APIS},
     # Drives servers from outside, as a client: no process package, no benchmark.
     "harness": {"proto", "ipc", *SHARED, "frontend", *APIS, "harness"},
     "bench": OURS,
     "tandem": OURS,
 }
-# The one module that assembles the frontend process out of both APIs.
-FRONTEND_MAIN = ROOT / "frontend" / "main.py"
 
 
 def _packages() -> list[str]:
@@ -120,12 +121,12 @@ def test_imports_follow_the_layout(package: str) -> None:
     assert not bad, f"{package}/ may import only {sorted(ALLOWED[package])}:\n" + "\n".join(bad)
 
 
-def test_only_the_frontend_main_imports_the_apis() -> None:
-    """The shared frontend modules serve both APIs, so neither may depend on one of them."""
+def test_frontend_imports_neither_api() -> None:
+    """frontend/ is a library both APIs use, so it depends on neither of them: the process
+    that serves both is assembled above them (tandem/serve.py)."""
     bad = [f"{path.relative_to(ROOT)} imports {', '.join(sorted(wrong))}"
-           for path in _sources("frontend") if path != FRONTEND_MAIN
-           if (wrong := _imported_packages(path) & APIS)]
-    assert not bad, "only frontend/main.py may import rpc/ or openai_api/:\n" + "\n".join(bad)
+           for path in _sources("frontend") if (wrong := _imported_packages(path) & APIS)]
+    assert not bad, "frontend/ may import neither rpc/ nor openai_api/:\n" + "\n".join(bad)
 
 
 def test_nothing_imports_bench() -> None:
@@ -148,6 +149,36 @@ def test_no_source_file_is_too_long() -> None:
     long = {str(p.relative_to(ROOT)): n for p in files
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert not long, f"files over {MAX_LINES} lines (split them along their seams): {long}"
+
+
+def test_no_folder_holds_too_many_modules() -> None:
+    """A folder past a screenful of modules is several concerns side by side: it splits into
+    subfolders by concern, each with its __init__.py saying what lives there."""
+    folders = {p.parent for package in _packages() for p in (ROOT / package).rglob("__init__.py")}
+    crowded: dict[str, int] = {}
+    for folder in sorted(folders):
+        modules = [p for p in folder.glob("*.py")
+                   if p.name != "__init__.py" and not p.name.endswith(GENERATED)]
+        if len(modules) > MAX_MODULES:
+            crowded[f"{folder.relative_to(ROOT)}/"] = len(modules)
+    assert not crowded, (f"folders with more than {MAX_MODULES} modules (split them into "
+                         f"subfolders by concern): {crowded}")
+
+
+def test_no_two_classes_share_a_public_name() -> None:
+    """A public class name names one thing in the whole engine: a reader (or a grep) meeting
+    `Request` should not have to ask which one.  Private (`_Name`) classes are their module's
+    own business; nested and function-local classes count."""
+    where: dict[str, list[str]] = {}
+    for package in _packages():
+        for path in _sources(package):
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    shared = {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
+    assert not shared, "classes that share a name (give each a name saying what it is):\n" + \
+        "\n".join(f"{name}: {', '.join(paths)}" for name, paths in shared.items())
 
 
 def _module_name(path: pathlib.Path) -> str:

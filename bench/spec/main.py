@@ -40,7 +40,7 @@ from tandem_serve.harness.server import Served, serving
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
+class SpecPreset:
     batches: tuple[int, ...]
     waves: int  # requests per run: batch x waves, at least min_prompts
     min_prompts: int
@@ -49,8 +49,8 @@ class Preset:
     repeats: int
 
 
-PRESETS = {"fast": Preset((1, 32), 1, 4, 128, 32, 1),
-           "default": Preset((1, 8, 32), 4, 8, 256, 128, 2)}
+PRESETS = {"fast": SpecPreset((1, 32), 1, 4, 128, 32, 1),
+           "default": SpecPreset((1, 8, 32), 4, 8, 256, 128, 2)}
 # The speculative configs a name stands for; `draft_model`'s model comes from --draft-model.
 SPEC_CONFIGS: dict[str, dict[str, Any]] = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem_serve.bench.stall.scenario import Stamps, Workload, text_of
+from tandem_serve.bench.stall.scenario import StallWorkload, Stamps, text_of
 
 
 class Clock:
@@ -33,7 +33,7 @@ class Clock:
         return at + time.thread_time() - cpu
 
 
-def run(model: str, tokenizer: Any, work: Workload, seed: int, num_steps: int,
+def run(model: str, tokenizer: Any, work: StallWorkload, seed: int, num_steps: int,
         prefill_phase: bool, budget: int) -> Stamps:
     import torch
 
@@ -108,7 +108,7 @@ def _request(rid: int, ids: np.ndarray, sampling: Any) -> Any:
 
 
 def _stamps(batches: list[Any], steps: dict[tuple[int, int], float], sent: dict[int, float],
-            work: Workload) -> Stamps:
+            work: StallWorkload) -> Stamps:
     tokens: dict[int, list[float]] = {}
     for b in batches:
         at = steps.get((b.plan_id, b.step))

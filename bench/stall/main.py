@@ -27,7 +27,7 @@ from tandem_serve.bench.stall.report import (
     frontier_table,
     ratio_table,
 )
-from tandem_serve.bench.stall.scenario import Workload, run
+from tandem_serve.bench.stall.scenario import StallWorkload, run
 from tandem_serve.harness.server import serving
 
 ARMS = ("mixed", "prefill-phase")
@@ -58,7 +58,7 @@ def arm_names(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    w = Workload()
+    w = StallWorkload()
     p.add_argument("--model", default="", help="model folder (default: the tiny model)")
     p.add_argument("--num-scheduler-steps", type=int, default=8)
     p.add_argument("--streams", type=int, default=w.streams, help="decoding streams")
@@ -91,7 +91,7 @@ def _report(results: dict[str, list[Figures]], arm: str, r: int) -> None:
               f"TTFT {f.ttft_ms:.0f} ms")
 
 
-def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: StallWorkload,
             arms: list[str]) -> dict[str, list[Figures]]:
     shared = ["--num-scheduler-steps", str(args.num_scheduler_steps), *args.server_arg]
     results: dict[str, list[Figures]] = {arm: [] for arm in arms}
@@ -104,7 +104,7 @@ def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload
             flags += ["--max-num-batched-tokens", str(budget)] if budget else []
             targets[arm] = stack.enter_context(serving(model, flags, quiet=True)).target
             # Warm-up: first shapes of every kind (oneDNN builds a primitive per shape).
-            run(targets[arm], tokenizer, Workload(work.streams, 2, work.prompt_len, 0.5), 999)
+            run(targets[arm], tokenizer, StallWorkload(work.streams, 2, work.prompt_len, 0.5), 999)
             _progress(f"{arm} is up")
         for r in range(args.rounds):
             for arm in arms:
@@ -113,12 +113,12 @@ def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload
     return results
 
 
-def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: Workload,
+def _in_process(args: argparse.Namespace, model: str, tokenizer: Any, work: StallWorkload,
                 arms: list[str]) -> dict[str, list[Figures]]:
     from tandem_serve.bench.stall import inproc
 
     results: dict[str, list[Figures]] = {arm: [] for arm in arms}
-    warm = Workload(work.streams, 2, work.prompt_len, 0.5)
+    warm = StallWorkload(work.streams, 2, work.prompt_len, 0.5)
     for arm in arms:  # oneDNN's primitives per shape are built once per process
         inproc.run(model, tokenizer, warm, 999, args.num_scheduler_steps,
                    *arm_budget(arm, args.max_num_batched_tokens))
@@ -138,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
 
     model = args.model or str(ensure_default_model(in_subprocess=True))
     tokenizer = Tokenizer.from_dir(model)
-    work = Workload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
+    work = StallWorkload(streams=args.streams, prompts=args.prompts, prompt_len=args.prompt_len,
                     interval=args.interval)
     arms = arm_names(args)
     results = (_in_process(args, model, tokenizer, work, arms) if args.in_process

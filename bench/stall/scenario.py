@@ -24,7 +24,7 @@ WORDS = ("river stone lamp orbit velvet quiet harbor maple signal copper lantern
 
 
 @dataclass(frozen=True)
-class Workload:
+class StallWorkload:
     streams: int = 4
     prompts: int = 6
     prompt_len: int = 1000
@@ -69,7 +69,7 @@ def _consume(call: Any, out: list[float], ready: threading.Event | None = None) 
             raise
 
 
-def run(target: str, tokenizer: Any, work: Workload, seed: int) -> Stamps:
+def run(target: str, tokenizer: Any, work: StallWorkload, seed: int) -> Stamps:
     client = TandemClient(target)
     stamps = Stamps(streams=[[] for _ in range(work.streams)],
                     prompt_tokens=[[] for _ in range(work.prompts)])

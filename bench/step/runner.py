@@ -120,7 +120,7 @@ class HF:
             self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).eval()
             self.model.to(self.device)
 
-        class Stamps(BaseStreamer):
+        class StepStamps(BaseStreamer):
             def __init__(self) -> None:
                 self.times: list[float] = []
 
@@ -130,7 +130,7 @@ class HF:
             def end(self) -> None:
                 pass
 
-        self._stamps = Stamps
+        self._stamps = StepStamps
 
     def samples(self, prompts: np.ndarray, steps: int, window: int) -> list[float]:
         """Milliseconds per step over each `window` consecutive steps after the first token."""

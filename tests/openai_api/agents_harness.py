@@ -11,10 +11,10 @@ from typing import Any
 from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.spec import GuidedSpec
+from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
-from tandem_serve.openai_api.chat_template import ChatTemplate
-from tandem_serve.openai_api.serving import Serving
-from tandem_serve.openai_api.tools import AgentSettings
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate
+from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.proto.messages import (
     FinishReason,
     GuidedGrammar,

@@ -13,7 +13,7 @@ import pytest
 from openai.types.responses import Response
 
 from tandem_serve.guided.spec import SpecKind
-from tandem_serve.openai_api.tools import AgentSettings
+from tandem_serve.openai_api.agents.tools import AgentSettings
 from tests.openai_api.agents_harness import SCRIPTS, AgentApp, user
 
 WEATHER = {"type": "function", "function": {

@@ -19,7 +19,7 @@ from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.openai_api.app import build_app
-from tandem_serve.openai_api.serving import Serving
+from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
 from tests.openai_api.http_thread import ThreadedServer, tok
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from tandem_serve.harness.tiny_model import CHAT_TEMPLATE
-from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError, find_template
-from tandem_serve.openai_api.logprobs import TokenPieces
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate, TemplateError, find_template
+from tandem_serve.openai_api.chat.logprobs import TokenPieces
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
 

@@ -8,7 +8,7 @@ import pytest
 
 from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.guided.spec import SpecKind
-from tandem_serve.openai_api import params as P
+from tandem_serve.openai_api.chat import params as P
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 
 LIMITS = Limits(max_model_len=64, max_new_tokens=32, default_max_new_tokens=8, vocab_size=100,

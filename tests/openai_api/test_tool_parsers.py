@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tandem_serve.openai_api.message import Output, ToolMode
-from tandem_serve.openai_api.reasoning import REASONING_PARSERS, Start, reasoning_parser
-from tandem_serve.openai_api.tool_parsers import TOOL_PARSERS, tool_parser
-from tandem_serve.openai_api.tool_parsers.base import ToolParser, ToolStream
-from tandem_serve.openai_api.tool_parsers.guided import NamedParser, RequiredParser
+from tandem_serve.openai_api.agents.message import Output, ToolMode
+from tandem_serve.openai_api.agents.reasoning import REASONING_PARSERS, Start, reasoning_parser
+from tandem_serve.openai_api.agents.tool_parsers import TOOL_PARSERS, tool_parser
+from tandem_serve.openai_api.agents.tool_parsers.base import ToolParser, ToolStream
+from tandem_serve.openai_api.agents.tool_parsers.guided import NamedParser, RequiredParser
 from tandem_serve.proto.config import REASONING_PARSERS as REASONING_FLAGS
 from tandem_serve.proto.config import TOOL_CALL_PARSERS
 

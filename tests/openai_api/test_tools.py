@@ -12,17 +12,17 @@ import pytest
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.compile import Compiler
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.chat_template import ChatTemplate, template_source
-from tandem_serve.openai_api.message import ToolMode
-from tandem_serve.openai_api.reasoning import Start, after_thought
-from tandem_serve.openai_api.tool_parsers import tool_parser
-from tandem_serve.openai_api.tools import (
+from tandem_serve.openai_api.agents.message import ToolMode
+from tandem_serve.openai_api.agents.reasoning import Start, after_thought
+from tandem_serve.openai_api.agents.tool_parsers import tool_parser
+from tandem_serve.openai_api.agents.tools import (
     NO_PARAMETERS,
     AgentSettings,
     plan,
     required_schema,
     template_message,
 )
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate, template_source
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
 

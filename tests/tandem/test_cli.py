@@ -145,7 +145,7 @@ def test_the_frontend_stays_torch_free() -> None:
     import sys
 
     code = ("import sys, tandem.launcher, openai_api.server, openai_api.app, "
-            "openai_api.serving, openai_api.chat_template, uvicorn, fastapi; "
+            "openai_api.chat.serving, openai_api.chat.chat_template, uvicorn, fastapi; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()

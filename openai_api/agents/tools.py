@@ -20,9 +20,9 @@ from typing import Any
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.message import ToolMode
-from tandem_serve.openai_api.tool_parsers.base import ToolParser
-from tandem_serve.openai_api.tool_parsers.guided import NamedParser, RequiredParser
+from tandem_serve.openai_api.agents.message import ToolMode
+from tandem_serve.openai_api.agents.tool_parsers.base import ToolParser
+from tandem_serve.openai_api.agents.tool_parsers.guided import NamedParser, RequiredParser
 
 # OpenAI's rule for function names.
 _NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")

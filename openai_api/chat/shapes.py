@@ -11,8 +11,8 @@ from typing import Any
 
 from tandem_serve.frontend.frontend import Prepared
 from tandem_serve.frontend.vllm_metrics import FINISH_REASON
-from tandem_serve.openai_api.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
-from tandem_serve.openai_api.message import MessageStream, Output, message_deltas
+from tandem_serve.openai_api.agents.message import MessageStream, Output, message_deltas
+from tandem_serve.openai_api.chat.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
 from tandem_serve.proto.messages import FinishReason, OutputDelta
 
 # OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside. The same

@@ -2,7 +2,7 @@
 the chat template gets, and which guided constraint it runs under.
 
 The server's parsers come from its flags (`AgentSettings`); a request's `tools` /
-`tool_choice` pick the tool mode (openai_api/tools.py). A constraint (the request's own
+`tool_choice` pick the tool mode (openai_api/agents/tools.py). A constraint (the request's own
 `response_format` / `guided_*`, or the one a required or named tool choice needs) applies to
 the content after the thought when the server has a reasoning parser (reasoning.after_thought).
 """
@@ -13,12 +13,16 @@ from typing import Any
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.spec import GuidedSpec
-from tandem_serve.openai_api.message import Output, ToolMode
+from tandem_serve.openai_api.agents.message import Output, ToolMode
+from tandem_serve.openai_api.agents.reasoning import (
+    ReasoningParser,
+    after_thought,
+    reasoning_parser,
+)
+from tandem_serve.openai_api.agents.tool_parsers import tool_parser
+from tandem_serve.openai_api.agents.tool_parsers.base import ToolParser
+from tandem_serve.openai_api.agents.tools import AgentSettings, ToolPlan, plan, template_message
 from tandem_serve.openai_api.protocol import ChatCompletionRequest
-from tandem_serve.openai_api.reasoning import ReasoningParser, after_thought, reasoning_parser
-from tandem_serve.openai_api.tool_parsers import tool_parser
-from tandem_serve.openai_api.tool_parsers.base import ToolParser
-from tandem_serve.openai_api.tools import AgentSettings, ToolPlan, plan, template_message
 from tandem_serve.proto.messages import OutputOptions
 
 

@@ -27,9 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.validation import ValidationError
+from tandem_serve.openai_api.agents.message import MessageDelta, Output
+from tandem_serve.openai_api.chat.serving import SSE_HEADERS, Job, Serving
 from tandem_serve.openai_api.errors import ApiError
-from tandem_serve.openai_api.message import MessageDelta, Output
-from tandem_serve.openai_api.responses import (
+from tandem_serve.openai_api.responses.protocol import (
     Envelope,
     ResponsesRequest,
     call_item,
@@ -42,7 +43,6 @@ from tandem_serve.openai_api.responses import (
     text_part,
     usage,
 )
-from tandem_serve.openai_api.serving import SSE_HEADERS, Job, Serving
 
 
 class Events:

@@ -6,8 +6,8 @@ the output is JSON by construction, so reading it needs no markers.
 """
 from __future__ import annotations
 
-from tandem_serve.openai_api.tool_parsers.base import CallScan, Scan, ToolParser, call_of
-from tandem_serve.openai_api.tool_parsers.json_scan import Invalid, scan_object, skip_ws
+from tandem_serve.openai_api.agents.tool_parsers.base import CallScan, Scan, ToolParser, call_of
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import Invalid, scan_object, skip_ws
 
 
 class RequiredParser(ToolParser):

@@ -10,8 +10,8 @@ so a tokenizer need not have them as single tokens.
 """
 from __future__ import annotations
 
-from tandem_serve.openai_api.tool_parsers.base import Content, Scan, ToolParser, call_of
-from tandem_serve.openai_api.tool_parsers.json_scan import (
+from tandem_serve.openai_api.agents.tool_parsers.base import Content, Scan, ToolParser, call_of
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import (
     Invalid,
     scan_object,
     settled,

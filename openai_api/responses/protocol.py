@@ -3,9 +3,9 @@
 A request becomes a chat completion request (`instructions` a system message first, `input` a
 user message or a list of items: messages, `function_call` and `function_call_output` items,
 which become assistant tool calls and tool messages), runs through `Serving.begin` with one
-choice, and its message (reasoning, content, calls: openai_api/message.py) becomes output
+choice, and its message (reasoning, content, calls: openai_api/agents/message.py) becomes output
 items: `reasoning`, `message` (one `output_text` part), `function_call`. The answer is one
-JSON object or the event stream of openai_api/responses_stream.py.
+JSON object or the event stream of openai_api/responses/serving.py.
 
 Stateless: `store: true`, `previous_response_id` and `background: true` are a 400 naming the
 field (nothing is kept between requests), as are other tools than functions, non-text input
@@ -22,8 +22,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem_serve.frontend.validation import ValidationError
+from tandem_serve.openai_api.agents.message import Message
 from tandem_serve.openai_api.errors import ApiError
-from tandem_serve.openai_api.message import Message
 from tandem_serve.openai_api.protocol import ChatCompletionRequest
 
 

@@ -6,10 +6,10 @@ stream that diffs it), `json_scan` the incremental JSON reading they share.
 """
 from __future__ import annotations
 
-from tandem_serve.openai_api.tool_parsers.base import ToolParser
-from tandem_serve.openai_api.tool_parsers.hermes import HermesParser
-from tandem_serve.openai_api.tool_parsers.llama3_json import Llama3JsonParser
-from tandem_serve.openai_api.tool_parsers.mistral import MistralParser
+from tandem_serve.openai_api.agents.tool_parsers.base import ToolParser
+from tandem_serve.openai_api.agents.tool_parsers.hermes import HermesParser
+from tandem_serve.openai_api.agents.tool_parsers.llama3_json import Llama3JsonParser
+from tandem_serve.openai_api.agents.tool_parsers.mistral import MistralParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}

@@ -1,9 +1,9 @@
 """OpenAI request parameters → the engine's `SamplingParams` / `OutputOptions`.
 
-The same `frontend.validation.Request` the gRPC service builds, under the same `Limits` (stop
-sequences, top-n, repetition penalty, the server's max_new_tokens cap, the model length), so
-a parameter means the same over both APIs. Every rejection is a `ValidationError` naming the
-OpenAI parameter and the limit; the app answers it with a 400.
+The same `frontend.validation.ValidatedRequest` the gRPC service builds, under the same
+`Limits` (stop sequences, top-n, repetition penalty, the server's max_new_tokens cap, the
+model length), so a parameter means the same over both APIs. Every rejection is a
+`ValidationError` naming the OpenAI parameter and the limit; the app answers it with a 400.
 
 Defaults are OpenAI's: temperature 1 (sampling), the stop string left out of the text, and
 without `max_tokens` a completion gets the server's `--default-max-new-tokens` (OpenAI: 16)
@@ -23,7 +23,7 @@ from tandem_serve.frontend.validation import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_N_TOKENS,
     Limits,
-    Request,
+    ValidatedRequest,
     ValidationError,
     check_prompt,
 )
@@ -40,7 +40,7 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # int64 or uint64, as clients send the
 class Params:
     """A validated request before its prompts are known: `for_prompt` finishes one."""
 
-    req: Request  # sampling.max_new_tokens is set per prompt
+    req: ValidatedRequest  # sampling.max_new_tokens is set per prompt
     n: int
     seed: int | None  # the request's seed; choice j samples with seed + j
     max_tokens: int | None  # asked for explicitly
@@ -82,7 +82,7 @@ def check_unsupported(body: CommonRequest) -> None:
             raise _unsupported("best_of", "only 1; use n for several choices")
     if not isinstance(body, ChatCompletionRequest):
         return
-    # tools / tool_choice: openai_api/tools.py; the deprecated functions API is not served.
+    # tools / tool_choice: openai_api/agents/tools.py; the deprecated functions API is not served.
     if body.functions:
         raise _unsupported("functions", "the deprecated form of tool calling; use tools")
     if body.function_call not in (None, "none"):
@@ -117,9 +117,9 @@ def validate(body: CommonRequest, limits: Limits) -> Params:
     options = _options(body)
     _logprobs(body, sampling, options)
     return Params(
-        req=Request(sampling=sampling, options=options, time_limit=None,
-                    truncate_input_tokens=0, input_text=False, input_tokens=False,
-                    seed_returned=0),
+        req=ValidatedRequest(sampling=sampling, options=options, time_limit=None,
+                             truncate_input_tokens=0, input_text=False, input_tokens=False,
+                             seed_returned=0),
         n=n, seed=body.seed, max_tokens=max_tokens, max_tokens_field=max_field, chat=chat,
         guided=guided_spec(body))
 
@@ -263,13 +263,13 @@ def _schema_spec(schema: object, field: str) -> GuidedSpec:
     return GuidedSpec(SpecKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True), field=field)
 
 
-def route_guided(req: Request, spec: GuidedSpec | None) -> None:
-    """Put the constraint where the gRPC path puts its own: on the validated `Request`, whose
+def route_guided(req: ValidatedRequest, spec: GuidedSpec | None) -> None:
+    """Put the constraint where the gRPC path puts its own: on the `ValidatedRequest`, whose
     compile step (`frontend.frontend.Frontend.compile`) turns it into what the gpu worker steps."""
     req.guided = spec
 
 
-def for_prompt(p: Params, prompt_len: int, limits: Limits, field: str) -> Request:
+def for_prompt(p: Params, prompt_len: int, limits: Limits, field: str) -> ValidatedRequest:
     """The request for one prompt: its length checked, max_new_tokens settled."""
     min_new = p.req.sampling.min_new_tokens
     check_prompt(prompt_len, min_new, limits, field)

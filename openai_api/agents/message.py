@@ -13,9 +13,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from tandem_serve.openai_api.reasoning import ReasoningParser, Start
-from tandem_serve.openai_api.tool_parsers.base import CallDelta, ToolCall, ToolParser, ToolStream
-from tandem_serve.openai_api.tool_parsers.json_scan import partial_suffix
+from tandem_serve.openai_api.agents.reasoning import ReasoningParser, Start
+from tandem_serve.openai_api.agents.tool_parsers.base import (
+    CallDelta,
+    ToolCall,
+    ToolParser,
+    ToolStream,
+)
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import partial_suffix
 
 
 class ToolMode(str, Enum):

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.openai_api.tool_parsers.json_scan import settled
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import settled
 
 THINK, END_THINK = "<think>", "</think>"
 
@@ -35,7 +35,7 @@ class Start(str, Enum):
 
 
 @dataclass
-class Split:
+class ReasoningSplit:
     reasoning: str
     content: str
 
@@ -52,21 +52,21 @@ class ReasoningParser:
             return Start.THOUGHT
         return self.default
 
-    def split(self, text: str, start: Start, final: bool) -> Split:
+    def split(self, text: str, start: Start, final: bool) -> ReasoningSplit:
         if start == Start.CONTENT:
-            return Split("", text)
+            return ReasoningSplit("", text)
         lead = len(text) - len(text.lstrip())
         opened = text.startswith(THINK, lead)
         if not final and not opened and THINK.startswith(text[lead:]):
-            return Split("", "")  # nothing yet, or the start of <think>
+            return ReasoningSplit("", "")  # nothing yet, or the start of <think>
         if start == Start.AUTO and not opened:
-            return Split("", text)
+            return ReasoningSplit("", text)
         body = lead + len(THINK) if opened else 0
         end = text.find(END_THINK, body)
         if end >= 0:
-            return Split(text[body:end], text[end + len(END_THINK):])
+            return ReasoningSplit(text[body:end], text[end + len(END_THINK):])
         thought = text[body:]
-        return Split(settled(thought, END_THINK, final), "")
+        return ReasoningSplit(settled(thought, END_THINK, final), "")
 
 
 class DeepSeekR1Parser(ReasoningParser):

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from tandem_serve.openai_api.tool_parsers.json_scan import Invalid, ObjectScan
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import Invalid, ObjectScan
 
 # The keys a call object may name its arguments by (Llama 3.x writes "parameters").
 ARGUMENT_KEYS = ("arguments", "parameters")

@@ -22,16 +22,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
 from tandem_serve.frontend.validation import Limits, ValidationError
-from tandem_serve.openai_api import params as P
-from tandem_serve.openai_api.agents import Agents
-from tandem_serve.openai_api.chat_template import ChatTemplate, TemplateError
+from tandem_serve.openai_api.agents.chat_plan import Agents
+from tandem_serve.openai_api.agents.message import Output
+from tandem_serve.openai_api.agents.tools import AgentSettings
+from tandem_serve.openai_api.chat import params as P
+from tandem_serve.openai_api.chat.chat_template import ChatTemplate, TemplateError
+from tandem_serve.openai_api.chat.logprobs import TokenPieces
+from tandem_serve.openai_api.chat.shapes import ChatShape, Choice, CompletionShape, Reply, usage
 from tandem_serve.openai_api.errors import ApiError
-from tandem_serve.openai_api.logprobs import TokenPieces
-from tandem_serve.openai_api.message import Output
 from tandem_serve.openai_api.models import Models, Target
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from tandem_serve.openai_api.shapes import ChatShape, Choice, CompletionShape, Reply, usage
-from tandem_serve.openai_api.tools import AgentSettings
 from tandem_serve.proto.messages import OutputDelta
 
 T = TypeVar("T")

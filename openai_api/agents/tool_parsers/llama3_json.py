@@ -9,8 +9,8 @@ arguments is `parameters` (Llama's) or `arguments`.
 """
 from __future__ import annotations
 
-from tandem_serve.openai_api.tool_parsers.base import Content, Scan, ToolParser, call_of
-from tandem_serve.openai_api.tool_parsers.json_scan import Invalid, scan_object, skip_ws
+from tandem_serve.openai_api.agents.tool_parsers.base import Content, Scan, ToolParser, call_of
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import Invalid, scan_object, skip_ws
 
 PYTHON_TAG = "<|python_tag|>"
 

@@ -14,7 +14,8 @@ Serving ends one of three ways (DESIGN.md section 5):
   their set instead and keep serving (frontend/standalone.py).
 - A process's start-up mistake: exit 2, the supervisor's line said by `tandem`.
 
-This module assembles the process, so it alone in frontend/ imports `rpc/` and `openai_api/`.
+This module assembles the process out of frontend/ and both APIs (`rpc/`, `openai_api/`), so
+it lives in tandem/, beside the launcher: frontend/ is a library both APIs use.
 """
 from __future__ import annotations
 

@@ -15,8 +15,14 @@ import re
 import secrets
 import string
 
-from tandem_serve.openai_api.tool_parsers.base import CallScan, Content, Scan, ToolParser, call_of
-from tandem_serve.openai_api.tool_parsers.json_scan import (
+from tandem_serve.openai_api.agents.tool_parsers.base import (
+    CallScan,
+    Content,
+    Scan,
+    ToolParser,
+    call_of,
+)
+from tandem_serve.openai_api.agents.tool_parsers.json_scan import (
     Invalid,
     scan_object,
     settled,
