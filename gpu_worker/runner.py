@@ -38,8 +38,8 @@ from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec.batch import VerifyRows, verify_slots
-from tandem_serve.gpu_worker.spec.draft_model import load_draft
 from tandem_serve.gpu_worker.spec.policy import make_speculation
+from tandem_serve.gpu_worker.spec.registry import ProposerContext, make_proposer
 from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import (
@@ -114,19 +114,19 @@ class ModelRunner:
             if cfg.rope_type == "longrope" else 0
         self.block_size = block_size
         self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
-        # Speculation's draft model (None: not that method), its KV blocks mirroring ours.
-        self.draft = load_draft(speculative, cfg.vocab_size, self.dtype, self.device, onednn,
-                                flash_attn, load_format)
+        # Speculation's proposer (None: off); a draft model's KV blocks mirror ours.
+        self.proposer = make_proposer(speculative, ProposerContext(
+            cfg.vocab_size, self.dtype, self.device, onednn, flash_attn, load_format))
         self.num_blocks = num_kv_blocks or blocks_for(
             cfg, block_size, self.kv_dtype, kv_cache_memory, max_num_seqs, self.max_model_len,
-            self.draft.kv_bytes_per_block(block_size, self.kv_dtype) if self.draft else 0)
+            self.proposer.kv_bytes_per_block(block_size, self.kv_dtype) if self.proposer else 0)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
                                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                                            self.device)
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks, block_size, self.kv_dtype)
+        if self.proposer is not None:
+            self.proposer.allocate(self.num_blocks, block_size, self.kv_dtype)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
@@ -151,9 +151,9 @@ class ModelRunner:
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
         # Speculative decoding (None: off); verify steps run eager, plain steps may use graphs.
-        self.speculation = make_speculation(speculative, self.forward_decode, self.device,
-                                            self.max_model_len, block_size,
-                                            tp.max_float if tp is not None else None, self.draft)
+        self.speculation = make_speculation(speculative, self.proposer, self.forward_decode,
+                                            self.device, self.max_model_len, block_size,
+                                            tp.max_float if tp is not None else None)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda":
             from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs

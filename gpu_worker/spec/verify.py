@@ -1,7 +1,8 @@
 """One verify step of the K-step loop (speculative decoding, `gpu_worker.spec.batch`):
-propose, one forward over the batch's rows and the speculating rows' drafts, sample every
-position as a plain step would sample that token, accept each row's matching prefix of
-drafts, cut runs at finishing tokens, advance on the device.
+the method's proposer drafts (`gpu_worker.spec.proposer`), one forward over the batch's
+rows and the speculating rows' drafts, sample every position as a plain step would sample
+that token, accept each row's matching prefix of drafts, cut runs at finishing tokens,
+advance on the device.
 """
 from __future__ import annotations
 
@@ -36,9 +37,11 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, forward: F
     rows, i = b.size, spec.index
     # Spans inside the step's "forward" (on CUDA, launch time: kernels run async).
     with TRACER.span("draft", b.plan_id, step):
-        proposed = spec.drafter(b, step) if spec.drafter is not None else None
-        drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                      max_model_len, proposed)
+        drafts, length = spec.proposer.propose(spec.inputs(
+            b.input_ids, b.positions, b.active, b.block_tables, b.max_seq_len(step),
+            b.row_lens(step)))
+        length = spec.cap(length, b.positions, b.active, b.output_count, b.max_new,
+                          max_model_len)
     with TRACER.span("verify", b.plan_id, step):
         verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
                              b.block_tables, b.max_seq_len(step), b.row_lens(step))
