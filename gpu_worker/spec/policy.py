@@ -17,8 +17,8 @@ the rule weighs the two with figures measured on this device, per plan:
 Rows are added best estimate first while they raise the plan's expected tokens per second,
 (T + a) / C(n + k) > T / C(n) with T tokens and n rows so far: speculation helps a batch as
 a whole or not at all.  Rows with penalties, guided decoding or typical-p never speculate
-(`spec_batch.eligible`).  The choice is fixed for the plan (no host read inside it), and a
-plan where no row speculates runs plain steps, CUDA graphs included.
+(`gpu_worker.spec.batch.eligible`).  The choice is fixed for the plan (no host read inside
+it), and a plan where no row speculates runs plain steps, CUDA graphs included.
 """
 from __future__ import annotations
 
