@@ -13,6 +13,7 @@ from tandem_serve.adapters.peft import AdapterError
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
 from tandem_serve.gpu_worker.lora import LoraWeights
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
+from tandem_serve.gpu_worker.spec.proposer import Proposer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import (
     AdapterFailed,
@@ -28,10 +29,12 @@ log = logging.getLogger(__name__)
 class RequestTable:
     """The requests the scheduler has sent and not dropped, by id."""
 
-    def __init__(self, guided: GuidedRegistry, lora: LoraWeights | None) -> None:
+    def __init__(self, guided: GuidedRegistry, lora: LoraWeights | None,
+                 proposer: Proposer | None = None) -> None:
         self.requests: dict[int, RequestState] = {}
         self.guided = guided  # constraint tables (device) and grammars (host matchers)
         self.lora = lora  # adapter slots; None: adapters off, every row is the base
+        self.proposer = proposer  # speculation's drafts (None: off); it may hold KV too
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
         self._adapter_failures: list[AdapterFailed] = []
 
@@ -41,9 +44,11 @@ class RequestTable:
         for rid in plan.preempt:
             req = self.requests.get(rid)
             if req is not None:
-                req.block_ids, req.num_computed, req.prefill_chunk, req.draft_len = [], 0, 0, 0
+                req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
                 req.prefill_steps = []
                 self.guided.pause(req)
+                if self.proposer is not None:
+                    self.proposer.preempted(req)
         # Requests dropped first: a table no request uses any more may go in the same plan.
         self.guided.apply(plan.tables, plan.drop_tables)
         self._load_adapters(plan)  # into slots no remaining request uses

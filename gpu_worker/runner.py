@@ -37,8 +37,8 @@ from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.request_table import RequestTable
 from tandem_serve.gpu_worker.spec.batch import verify_slots
-from tandem_serve.gpu_worker.spec.draft_model import load_draft
 from tandem_serve.gpu_worker.spec.policy import make_speculation
+from tandem_serve.gpu_worker.spec.registry import ProposerContext, make_proposer
 from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import PrefillInputs, StepWork, lay_out
@@ -85,20 +85,22 @@ class ModelRunner:
             if mc.rope_type == "longrope" else 0
         self.block_size = cfg.block_size
         self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
-        # Speculation's draft model (None: not that method), its KV blocks mirroring ours.
-        self.draft = load_draft(cfg.speculative, mc.vocab_size, self.dtype, self.device,
-                                cfg.onednn, cfg.flash_attn, cfg.load_format)
+        # Speculation's proposer (None: off); a draft model's KV blocks mirror ours.
+        self.proposer = make_proposer(cfg.speculative, ProposerContext(
+            mc.vocab_size, self.dtype, self.device, cfg.onednn, cfg.flash_attn,
+            cfg.load_format))
         self.num_blocks = cfg.num_kv_blocks or blocks_for(
             mc, cfg.block_size, self.kv_dtype, cfg.kv_cache_memory, cfg.max_num_seqs,
             self.max_model_len,
-            self.draft.kv_bytes_per_block(cfg.block_size, self.kv_dtype) if self.draft else 0)
+            self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
+            if self.proposer else 0)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size,
                                            mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                                            self.device)
-        if self.draft is not None:
-            self.draft.allocate(self.num_blocks, cfg.block_size, self.kv_dtype)
+        if self.proposer is not None:
+            self.proposer.allocate(self.num_blocks, cfg.block_size, self.kv_dtype)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks,
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
@@ -111,14 +113,15 @@ class ModelRunner:
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
                                      self.max_model_len, self.lora, mixed)
         self.table = RequestTable(GuidedRegistry(self.device, self.vocab_size, cfg.model),
-                                  self.lora)
+                                  self.lora, self.proposer)
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
         # Speculative decoding (None: off); verify steps run eager, plain steps may use graphs.
-        self.speculation = make_speculation(cfg.speculative, self.executor.forward_decode,
-                                            self.device, self.max_model_len, cfg.block_size,
-                                            tp.max_float if tp is not None else None, self.draft)
+        self.speculation = make_speculation(cfg.speculative, self.proposer,
+                                            self.executor.forward_decode, self.device,
+                                            self.max_model_len, cfg.block_size,
+                                            tp.max_float if tp is not None else None)
         self.graphs: DecodeGraphs | None = None
         if graphs:
             from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs

@@ -13,18 +13,19 @@ import json
 import os
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 32
 # Each method's keys: another method's key is a mistake, not something to ignore.
 # `adaptive` is Tandem's own: each plan speculates only on the rows where it pays on this
 # device (measured, `gpu_worker.spec.policy`); false speculates on every eligible row, as
-# vLLM does.
+# vLLM does.  The worker builds each method's proposer from `gpu_worker.spec.registry`,
+# whose methods are these (tests/gpu_worker/test_spec_proposer.py).
 _KEYS = {
     "ngram": ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
               "adaptive"),
     "draft_model": ("method", "num_speculative_tokens", "model", "adaptive"),
 }
+METHODS = tuple(_KEYS)
 
 
 @dataclass(frozen=True)

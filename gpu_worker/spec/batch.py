@@ -1,6 +1,6 @@
-"""Speculative decoding inside the K-step loop, its device state and tensor ops: n-gram
-(prompt lookup) drafts proposed on the device, verified by the step's one target forward
-(`gpu_worker.spec.verify`), accepted on the device.
+"""Speculative decoding inside the K-step loop, its device state and tensor ops: drafts
+proposed on the device by the method's `Proposer` (`gpu_worker.spec.proposer`), verified by
+the step's one target forward (`gpu_worker.spec.verify`), accepted on the device.
 
 A verify step gives each row that speculates in the plan (`gpu_worker.spec.policy` picks
 them) 1 + k query tokens: its input token and up to k draft tokens at the following
@@ -33,17 +33,17 @@ verify rows).  They advance by their one sampled token, exactly as without specu
 (`eligible`).
 
 Everything here is batched tensor ops with no host read, so the K-step loop stays free of
-host syncs; the per-row history the proposer searches lives on the device for the plan.
+host syncs; the per-row history proposers read (n-gram searches it, the draft model takes
+the token before the input from it) lives on the device for the plan.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.messages import FinishReason, GuidedKind
 from tandem_serve.proto.speculative import SpeculativeConfig
@@ -58,35 +58,6 @@ def eligible(req: RequestState) -> bool:
     if p.guided_kind == GuidedKind.TABLE and p.min_new_tokens > 0:
         return False  # which stop ids it may hold back depends on each position's state
     return not 0 < p.typical_p < 1
-
-
-def propose_ngram(history: Tensor, hist_len: Tensor, k: int, n_min: int, n_max: int
-                  ) -> tuple[Tensor, Tensor]:
-    """Prompt-lookup drafts for every row: the longest suffix n-gram (n_max down to n_min)
-    of `history[:hist_len]` that also occurs earlier; its most recent earlier occurrence's
-    continuation, up to k tokens, is the draft.  Returns drafts [B, k] (garbage past each
-    row's length) and their lengths [B] (0: no match)."""
-    rows, width = history.shape
-    device = history.device
-    start = torch.full((rows,), -1, dtype=torch.int64, device=device)
-    found = torch.zeros(rows, dtype=torch.bool, device=device)
-    for n in range(n_max, n_min - 1, -1):
-        if width < n + 1:
-            continue
-        windows = history.unfold(1, n, 1)  # [B, W, n]: every n-gram, by start
-        suffix_at = (hist_len - n).clamp(min=0).unsqueeze(1) + torch.arange(n, device=device)
-        suffix = history.gather(1, suffix_at.clamp(max=width - 1))
-        same = (windows == suffix.unsqueeze(1)).all(dim=2)  # [B, W]
-        at = torch.arange(windows.shape[1], device=device)
-        # An earlier occurrence with at least one token after it (not the suffix itself).
-        ok = same & (at.unsqueeze(0) + n < hist_len.unsqueeze(1)) & (hist_len >= n).unsqueeze(1)
-        last = torch.where(ok, at.unsqueeze(0), -1).amax(dim=1)
-        take = ~found & (last >= 0)
-        start = torch.where(take, last + n, start)
-        found = found | take
-    length = torch.where(found, (hist_len - start).clamp(max=k), 0)
-    index = (start.clamp(min=0).unsqueeze(1) + torch.arange(k, device=device))
-    return history.gather(1, index.clamp(max=width - 1)), length
 
 
 def accept_prefix(drafts: Tensor, length: Tensor, target: Tensor) -> Tensor:
@@ -152,6 +123,7 @@ class SpecBatch:
     that speculate in this plan (`index`, chosen by `gpu_worker.spec.policy`)."""
 
     config: SpeculativeConfig
+    proposer: Proposer  # the method's (`gpu_worker.spec.registry`)
     index: Tensor  # [S] int64: the batch rows that speculate
     chosen: list[int]  # the same, on the host
     history: Tensor  # [S, L] int64: prompt + output so far, -1 past hist_len
@@ -164,9 +136,6 @@ class SpecBatch:
     draft_tokens: Tensor
     accepted: Tensor
     at_position: Tensor  # [k]: drafts accepted at each draft position, over the rows
-    # Another method's proposer (`gpu_worker.spec.draft_model`): (decode batch, step) -> drafts
-    # [S, k] and lengths [S], as `propose_ngram` gives them; None: n-gram.
-    drafter: Callable[[Any, int], tuple[Tensor, Tensor]] | None = None
 
     @property
     def k(self) -> int:
@@ -176,22 +145,27 @@ class SpecBatch:
     def stride(self) -> int:
         return self.k + 1
 
-    def propose(self, positions: Tensor, active: Tensor, output_count: Tensor,
-                max_new: Tensor, max_model_len: int,
-                proposed: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """Drafts [S, k] and lengths [S] of the speculating rows (`proposed`: the drafter's,
-        else n-gram's; the batch's [B] tensors given), capped where tokens could never be
-        kept: past the row's KV blocks, max_model_len or max_new_tokens."""
-        cfg, i = self.config, self.index
-        drafts, length = proposed or propose_ngram(self.history, self.hist_len, self.k,
-                                                   cfg.prompt_lookup_min,
-                                                   cfg.prompt_lookup_max)
+    def inputs(self, input_ids: Tensor, positions: Tensor, active: Tensor,
+               block_tables: Tensor, bound: int, lens: list[int]) -> DraftInputs:
+        """What the proposer sees of a step (the batch's [B] tensors and host bounds given):
+        the speculating rows' part."""
+        i = self.index
+        return DraftInputs(self.k, self.history, self.hist_len, self.capacity, input_ids[i],
+                           positions[i], active[i], block_tables[i], bound,
+                           [lens[r] for r in self.chosen])
+
+    def cap(self, length: Tensor, positions: Tensor, active: Tensor, output_count: Tensor,
+            max_new: Tensor, max_model_len: int) -> Tensor:
+        """The proposer's draft lengths [S] capped where tokens could never be kept: past
+        the row's KV blocks, max_model_len or max_new_tokens (the batch's [B] tensors
+        given); 0 for rows not decoding in this step."""
+        i = self.index
         pos = positions[i]
         room = torch.minimum(self.capacity - 1 - pos,
                              torch.minimum(max_model_len - 2 - pos,
                                            (max_new[i] - output_count[i] - 1).to(torch.int64)))
         length = torch.minimum(length, room.clamp(min=0))
-        return drafts, torch.where(active[i], length, 0)
+        return torch.where(active[i], length, 0)
 
     def expand(self, input_ids: Tensor, drafts: Tensor, length: Tensor, positions: Tensor,
                active: Tensor, block_tables: Tensor, bound: int, lens: list[int]
@@ -252,8 +226,9 @@ def verify_slots(spec: SpecBatch | None, slots: list[int]) -> list[int]:
     return slots + [slots[i] for i in spec.chosen for _ in range(spec.k)]
 
 
-def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], chosen: list[int],
-                     num_steps: int, block_size: int, device: torch.device) -> SpecBatch:
+def build_spec_batch(config: SpeculativeConfig, proposer: Proposer, reqs: list[RequestState],
+                     chosen: list[int], num_steps: int, block_size: int, device: torch.device
+                     ) -> SpecBatch:
     """The chosen rows' host histories onto the device once per plan, with room for the
     plan's tokens."""
     stride = config.num_speculative_tokens + 1
@@ -267,8 +242,8 @@ def build_spec_batch(config: SpeculativeConfig, reqs: list[RequestState], chosen
         return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     zeros = torch.zeros(len(rows), dtype=torch.int64, device=device)
-    return SpecBatch(config, col(chosen), list(chosen), history.to(device, non_blocking=True),
-                     col([len(r.history) for r in rows]),
+    return SpecBatch(config, proposer, col(chosen), list(chosen),
+                     history.to(device, non_blocking=True), col([len(r.history) for r in rows]),
                      col([len(r.block_ids) * block_size for r in rows]),
                      zeros.clone(), zeros.clone(), zeros.clone(), zeros.clone(),
                      torch.zeros(config.num_speculative_tokens, dtype=torch.int64,

@@ -1,6 +1,7 @@
 """Speculative decoding's `draft_model` method: a smaller checkpoint with the target's
 tokenizer proposes each verify step's k drafts with k decode forwards of its own, on the
 device, inside the plan (`gpu_worker.spec.verify` verifies them as it verifies n-gram drafts).
+`DraftModel` is its `Proposer` (`gpu_worker.spec.proposer`), built by `load_draft`.
 
 The draft is loaded by the target's loader, on its device and in its dtype, and has a paged
 KV cache of its own that mirrors the target's block layout: the same block ids and block
@@ -17,8 +18,9 @@ drafts, the last one's KV is not in the draft's cache (no draft forward consumed
 p - 1 row writes it; otherwise it rewrites a correct entry, which is harmless.  The next
 k - 1 forwards each feed the last draft, so after a plan the cache holds every position but
 the last (`draft_len` = history - 2).  KV of rejected drafts is overwritten once real tokens
-reach those positions.  A preempted request starts again from 0.  What the draft's cache
-holds only moves the acceptance rate, never the output: every draft is verified.
+reach those positions.  A preempted request starts again from 0 (`preempted`).  What the
+draft's cache holds only moves the acceptance rate, never the output: every draft is
+verified.
 
 Every row's drafts are the draft's argmax, sampled rows' too: a verify position is sampled
 exactly as a plain step samples it and a draft is kept iff it equals that sample (the
@@ -31,7 +33,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -43,18 +44,16 @@ from tandem_serve.gpu_worker.attention.kv_cache import (
 )
 from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.models.loader import load_model
+from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer, ProposerContext, Timed
 from tandem_serve.gpu_worker.spec.step_cost import decode_timer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import Piece, prefill_inputs, prefill_metadata
 from tandem_serve.proto.speculative import SpeculativeConfig
 
-if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.batch import DecodeBatch
-
 log = logging.getLogger(__name__)
 
 
-class DraftModel:
+class DraftModel(Proposer):
     """The draft checkpoint and its KV cache (allocated once the block count is known)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device,
@@ -83,6 +82,17 @@ class DraftModel:
         log.info("draft KV cache: %.1f MiB",
                  sum(t.nbytes for kv in self.caches for t in kv) / 2**20)
 
+    def start_plan(self, reqs: list[RequestState]) -> None:
+        self.catch_up(reqs)
+
+    def end_plan(self, reqs: list[RequestState]) -> None:
+        """The plan's steps wrote every position but the last (the module doc)."""
+        for r in reqs:
+            r.draft_len = max(r.draft_len, len(r.history) - 2)
+
+    def preempted(self, req: RequestState) -> None:
+        req.draft_len = 0
+
     @torch.inference_mode()
     def catch_up(self, reqs: list[RequestState]) -> None:
         """Before a plan in which `reqs` speculate: each one's history up to the token
@@ -101,9 +111,14 @@ class DraftModel:
         for p in pieces:
             p.req.draft_len = p.start + p.count
 
-    def timer(self) -> Callable[[int], float]:
-        """The wall time of one draft decode forward over n masked rows (`spec_policy`)."""
-        return decode_timer(self.logits, self.device, 256, self.block_size)
+    def step_cost(self, k: int, timed: Timed) -> Callable[[int], float]:
+        """A verify step's k draft forwards for S rows: 2 rows per request, then 1, each
+        timed as one decode forward of the draft over n masked rows."""
+        one = timed(decode_timer(self.logits, self.device, 256, self.block_size))
+
+        def cost(rows: int) -> float:
+            return one(2 * rows) + (k - 1) * one(rows)
+        return cost
 
     def logits(self, ids: Tensor, positions: Tensor, active: Tensor, tables: Tensor,
                bound: int, row_lens: list[int], last_of: int = 1) -> Tensor:
@@ -122,20 +137,18 @@ class DraftModel:
         return self.model.compute_logits(hidden[last_of - 1::last_of])
 
     @torch.inference_mode()
-    def propose(self, b: DecodeBatch, step: int) -> tuple[Tensor, Tensor]:
+    def propose(self, rows: DraftInputs) -> tuple[Tensor, Tensor]:
         """Drafts [S, k] of the speculating rows (each the draft's argmax) and how many of
         them each may use [S]: positions past the row's KV blocks are neither written nor
         drafted."""
-        spec = b.spec
-        assert spec is not None and self.caches, "a verify step with the draft's cache"
-        i, k = spec.index, spec.k
-        pos, ids, tables = b.positions[i], b.input_ids[i], b.block_tables[i]
-        bound, every = b.max_seq_len(step), b.row_lens(step)
-        lens = [every[r] for r in spec.chosen]
+        assert self.caches, "a verify step with the draft's cache"
+        k, capacity = rows.k, rows.capacity
+        pos, ids, tables = rows.positions, rows.input_ids, rows.block_tables
+        bound, lens = rows.bound, rows.lens
         # The previous token (its KV may be missing: the module doc) and the input token.
-        prev = spec.history.gather(1, (pos - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        active = b.active[i]
-        first = active & (pos < spec.capacity)
+        prev = rows.history.gather(1, (pos - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+        active = rows.active
+        first = active & (pos < capacity)
         tok = self.logits(
             torch.stack((prev.clamp(min=0), ids), dim=1).reshape(-1),
             torch.stack(((pos - 1).clamp(min=0), pos), dim=1).reshape(-1),
@@ -145,28 +158,24 @@ class DraftModel:
         drafts = [tok]
         for j in range(1, k):
             at = pos + j
-            ok = active & (at < spec.capacity)
+            ok = active & (at < capacity)
             tok = self.logits(tok, torch.where(ok, at, pos), ok, tables, bound,
                               lens).argmax(dim=-1)
             drafts.append(tok)
         # Draft j came from the forward at pos + j - 1: usable where that one wrote its KV.
-        length = (spec.capacity - pos).clamp(min=0, max=k)
+        length = (capacity - pos).clamp(min=0, max=k)
         return torch.stack(drafts, dim=1), length
 
 
-def load_draft(spec: SpeculativeConfig | None, vocab_size: int, dtype: torch.dtype,
-               device: torch.device, onednn: bool, flash_attn: bool, load_format: str
-               ) -> DraftModel | None:
-    """The draft of a `draft_model` config (None for any other method, or no speculation);
-    a checkpoint the loader cannot use, or whose vocabulary is not the target's
-    (`vocab_size`), is a ValueError naming the draft."""
-    if spec is None or spec.method != "draft_model":
-        return None
+def load_draft(config: SpeculativeConfig, ctx: ProposerContext) -> DraftModel:
+    """The registry's factory for method `draft_model`: a checkpoint the loader cannot use,
+    or whose vocabulary is not the target's, is a ValueError naming the draft."""
     try:
-        draft = DraftModel(spec.model, dtype, device, onednn, flash_attn, load_format)
+        draft = DraftModel(config.model, ctx.dtype, ctx.device, ctx.onednn, ctx.flash_attn,
+                           ctx.load_format)
     except ValueError as exc:
-        raise ValueError(f"draft model {spec.model!r}: {exc}") from exc
-    if draft.model.config.vocab_size != vocab_size:
-        raise ValueError(f"draft model {spec.model!r} has vocab_size "
-                         f"{draft.model.config.vocab_size}, the target {vocab_size}")
+        raise ValueError(f"draft model {config.model!r}: {exc}") from exc
+    if draft.model.config.vocab_size != ctx.vocab_size:
+        raise ValueError(f"draft model {config.model!r} has vocab_size "
+                         f"{draft.model.config.vocab_size}, the target {ctx.vocab_size}")
     return draft

@@ -17,25 +17,22 @@ the rule weighs the two with figures measured on this device, per plan:
 Rows are added best estimate first while they raise the plan's expected tokens per second,
 (T + a) / C(n + k) > T / C(n) with T tokens and n rows so far: speculation helps a batch as
 a whole or not at all.  Rows with penalties, guided decoding or typical-p never speculate
-(`spec_batch.eligible`).  The choice is fixed for the plan (no host read inside it), and a
-plan where no row speculates runs plain steps, CUDA graphs included.
+(`gpu_worker.spec.batch.eligible`).  The choice is fixed for the plan (no host read inside
+it), and a plan where no row speculates runs plain steps, CUDA graphs included.
 """
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
 from tandem_serve.gpu_worker.spec.batch import SpecBatch, build_spec_batch, eligible
+from tandem_serve.gpu_worker.spec.proposer import Proposer
 from tandem_serve.gpu_worker.spec.step_cost import DecodeForward, decode_timer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.speculative import SpeculativeConfig
-
-if TYPE_CHECKING:
-    from tandem_serve.gpu_worker.spec.draft_model import DraftModel
 
 # How far a non-speculating request's estimate moves back toward the prior per plan.
 DRIFT = 0.2
@@ -94,7 +91,8 @@ class SpecPolicy:
                  ) -> None:
         self.k = k
         self.cost = cost
-        # The draft model's forwards per step for S speculating rows (None: n-gram, free).
+        # What proposing adds to a step for S speculating rows (None: nothing to count, as
+        # for n-gram; `Proposer.step_cost`).
         self.draft_cost = draft_cost
         self.prior = k / 2
         self.always = always  # tests: every eligible row speculates, whatever it costs
@@ -144,27 +142,23 @@ class SpecPolicy:
 
 
 class Speculation:
-    """The runner's speculative decoding: its settings, the rule, the draft model (method
-    draft_model), a plan's start and end."""
+    """The runner's speculative decoding: its settings, the rule, the method's proposer, a
+    plan's start and end."""
 
-    def __init__(self, config: SpeculativeConfig, measure: Callable[[int], float],
-                 draft: DraftModel | None = None, cap: int = MEASURED_ROWS["cpu"],
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
+                 measure: Callable[[int], float], cap: int = MEASURED_ROWS["cpu"],
                  agree: Callable[[float], float] | None = None) -> None:
         self.config = config
-        self.draft = draft
-        draft_cost = None
-        target = StepCost(_agreed(measure, agree), cap)
-        if config.adaptive:  # measured now: serving never waits for it
-            target.prime()
-        if draft is not None:  # a step's k draft forwards: 2 rows per request, then 1
-            k, timed = config.num_speculative_tokens, StepCost(_agreed(draft.timer(), agree),
-                                                               cap)
-            if config.adaptive:
-                timed.prime()
+        self.proposer = proposer
 
-            def draft_cost(rows: int) -> float:
-                return timed(2 * rows) + (k - 1) * timed(rows)
-        self.policy = SpecPolicy(config.num_speculative_tokens, target, draft_cost,
+        def timed(forward: Callable[[int], float]) -> Callable[[int], float]:
+            cost = StepCost(_agreed(forward, agree), cap)
+            if config.adaptive:  # measured now: serving never waits for it
+                cost.prime()
+            return cost
+        target = timed(measure)
+        self.policy = SpecPolicy(config.num_speculative_tokens, target,
+                                 proposer.step_cost(config.num_speculative_tokens, timed),
                                  always=not config.adaptive)
 
     @property
@@ -177,10 +171,9 @@ class Speculation:
         chosen = self.policy.choose(reqs, [eligible(r) for r in reqs])
         if not chosen:
             return None
-        spec = build_spec_batch(self.config, reqs, chosen, num_steps, block_size, device)
-        if self.draft is not None:
-            self.draft.catch_up([reqs[i] for i in chosen])
-            spec.drafter = self.draft.propose
+        spec = build_spec_batch(self.config, self.proposer, reqs, chosen, num_steps, block_size,
+                                device)
+        self.proposer.start_plan([reqs[i] for i in chosen])
         return spec
 
     def finish(self, spec: SpecBatch, reqs: list[RequestState]
@@ -189,24 +182,25 @@ class Speculation:
         draft tokens, accepted tokens, accepted tokens per draft position)."""
         steps, drafted, tokens, accepted, at_position = spec.counts()
         self.policy.learn(reqs, spec.chosen, steps, accepted)
-        if self.draft is not None:  # its cache holds all but the last position (spec_draft)
-            for i in spec.chosen:
-                reqs[i].draft_len = max(reqs[i].draft_len, len(reqs[i].history) - 2)
+        self.proposer.end_plan([reqs[i] for i in spec.chosen])
         return sum(drafted), sum(tokens), sum(accepted), at_position
 
 
-def make_speculation(config: SpeculativeConfig | None, forward_decode: DecodeForward,
-                     device: torch.device, max_model_len: int, block_size: int,
-                     agree: Callable[[float], float] | None = None,
-                     draft: DraftModel | None = None) -> Speculation | None:
-    """The runner's speculation (None: off).  `agree`: under tensor parallelism, the
-    largest of the ranks' timings, so every rank picks the same rows (the picks decide the
-    forward's shape, and its collectives need every rank's)."""
+def make_speculation(config: SpeculativeConfig | None, proposer: Proposer | None,
+                     forward_decode: DecodeForward, device: torch.device, max_model_len: int,
+                     block_size: int, agree: Callable[[float], float] | None = None
+                     ) -> Speculation | None:
+    """The runner's speculation (None: off) over the method's proposer
+    (`gpu_worker.spec.registry.make_proposer`, built before the KV cache is sized: its blocks
+    may count).  `agree`: under tensor parallelism, the largest of the ranks' timings, so
+    every rank picks the same rows (the picks decide the forward's shape, and its
+    collectives need every rank's)."""
     if config is None:
         return None
+    assert proposer is not None, "a speculative config has its method's proposer"
     timed = decode_timer(partial(forward_decode, lora=None), device, max_model_len, block_size)
-    return Speculation(config, timed, draft, MEASURED_ROWS.get(device.type, MEASURED_ROWS["cpu"]),
-                       agree)
+    return Speculation(config, proposer, timed,
+                       MEASURED_ROWS.get(device.type, MEASURED_ROWS["cpu"]), agree)
 
 
 def _agreed(measure: Callable[[int], float], agree: Callable[[float], float] | None

@@ -13,7 +13,7 @@ they are all accepted, so it is sampled as a plain step would sample it after th
 After acceptance the row's state is the path's state at its last emitted token, stepped
 past that token, and the penalty tables take the emitted tokens after the first (the
 runner's record step takes the first, as for every row).  Grammar rows (host matchers)
-and guided rows held by min_new_tokens do not speculate (`spec_batch.eligible`).
+and guided rows held by min_new_tokens do not speculate (`gpu_worker.spec.batch.eligible`).
 """
 from __future__ import annotations
 

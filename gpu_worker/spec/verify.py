@@ -32,9 +32,11 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, ex: StepEx
     rows, i = b.size, spec.index
     # Spans inside the step's "forward" (on CUDA, launch time: kernels run async).
     with TRACER.span("draft", b.plan_id, step):
-        proposed = spec.drafter(b, step) if spec.drafter is not None else None
-        drafts, length = spec.propose(b.positions, b.active, b.output_count, b.max_new,
-                                      ex.max_model_len, proposed)
+        drafts, length = spec.proposer.propose(spec.inputs(
+            b.input_ids, b.positions, b.active, b.block_tables, b.max_seq_len(step),
+            b.row_lens(step)))
+        length = spec.cap(length, b.positions, b.active, b.output_count, b.max_new,
+                          ex.max_model_len)
     with TRACER.span("verify", b.plan_id, step):
         verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
                              b.block_tables, b.max_seq_len(step), b.row_lens(step))

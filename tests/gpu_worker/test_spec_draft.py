@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.spec.draft_model import DraftModel
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
@@ -154,9 +155,9 @@ def test_the_draft_cache_counts_in_the_kv_memory(copier: str, small_draft: str) 
     alone = make_runner(copier, "", num_kv_blocks=0, kv_cache_memory=0.001)
     both = make_runner(copier, draft_spec(small_draft), num_kv_blocks=0,
                        kv_cache_memory=0.001)
-    assert both.draft is not None and len(both.draft.caches) == 1
+    assert isinstance(both.proposer, DraftModel) and len(both.proposer.caches) == 1
     target_bytes = sum(t.nbytes for kv in alone.kv_caches for t in kv)
-    draft_bytes = sum(t.nbytes for kv in both.draft.caches for t in kv)
+    draft_bytes = sum(t.nbytes for kv in both.proposer.caches for t in kv)
     # Target 2 layers x 2 heads, draft 1 layer x 1 head, both of head_dim 16: 4 to 1.
     assert both.num_blocks == alone.num_blocks * 4 // 5
     assert sum(t.nbytes for kv in both.kv_caches for t in kv) + draft_bytes <= target_bytes
@@ -182,15 +183,16 @@ def test_the_draft_cache_holds_every_token_the_target_holds(copier: str, chain: 
     d.prefill(0, 12, [4, 4, 4])  # its last 12 prompt tokens spread over steps 0-2
     for _ in range(3):
         d.run(4)
-    assert runner.draft is not None
+    draft = runner.proposer
+    assert isinstance(draft, DraftModel)
     bs = runner.block_size
     for rid in (0, 1):
         req = runner.requests[rid]
         assert len(req.history) > 40
         pos = torch.arange(len(req.history) - 2)
         slots = torch.tensor(req.block_ids)[pos // bs] * bs + pos % bs
-        for target, draft in zip(runner.kv_caches, runner.draft.caches, strict=True):
-            for t, x in zip(target, draft, strict=True):
+        for target, mirror in zip(runner.kv_caches, draft.caches, strict=True):
+            for t, x in zip(target, mirror, strict=True):
                 want = t.view(-1, *t.shape[2:])[slots]
                 got = x.view(-1, *x.shape[2:])[slots]
                 assert torch.allclose(got, want, atol=1e-4), (rid, (got - want).abs().amax())

@@ -13,7 +13,8 @@ import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplingBatch
-from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run, propose_ngram
+from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run
+from tandem_serve.gpu_worker.spec.ngram import propose_ngram
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.messages import FinishReason, GuidedTable, SamplingParams, TokenBatch
 from tandem_serve.proto.speculative import parse_speculative
