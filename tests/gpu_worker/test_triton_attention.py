@@ -1,4 +1,4 @@
-"""The Triton paged-attention kernels (`gpu_worker.triton_attention`) against a plain dense
+"""The Triton paged-attention kernels (`gpu_worker.attention.triton_kernels`) against a plain dense
 float32 attention over each row's context gathered from the block table.
 
 Without a CUDA device the kernels run under Triton's interpreter (numpy on the CPU), which is
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.kv_cache import FP8, store_rows
+from tandem_serve.gpu_worker.attention.kv_cache import FP8, store_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +46,7 @@ def _load_kernels():
     for other modules."""
     with _interpreter():
         pytest.importorskip("triton", reason="triton is not installed (the `test` extra)")
-        mod = importlib.import_module("tandem_serve.gpu_worker.triton_attention")
+        mod = importlib.import_module("tandem_serve.gpu_worker.attention.triton_kernels")
         if DEVICE == "cpu" and type(mod._attention_kernel).__name__ != "InterpretedFunction":
             mod = importlib.reload(mod)
         return mod

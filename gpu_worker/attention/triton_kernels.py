@@ -1,5 +1,5 @@
 """Paged attention in Triton: one kernel family for decode rows, speculative verify rows and
-prefill chunks, reading K/V through the block table in place (`gpu_worker.kv_cache` has the
+prefill chunks, reading K/V through the block table in place (`gpu_worker.attention.kv_cache` has the
 layout: per layer [num_blocks + 1, block_size, Hkv, D], the last block scratch).
 
 The queries of a forward are rows laid out one sequence after another (``query_start_loc``,
@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem_serve.gpu_worker.kv_cache import is_fp8
+from tandem_serve.gpu_worker.attention.kv_cache import is_fp8
 
 _LOG2E = 1.4426950408889634
 # Split-KV only for rows this short (decode, verify): the workspace grows with T x splits.
