@@ -1,6 +1,6 @@
 """Paged attention in Triton: one kernel family for decode rows, speculative verify rows and
-prefill chunks, reading K/V through the block table in place (`gpu_worker.attention.kv_cache` has the
-layout: per layer [num_blocks + 1, block_size, Hkv, D], the last block scratch).
+prefill chunks, reading K/V through the block table in place (`gpu_worker.attention.kv_cache`
+has the layout: per layer [num_blocks + 1, block_size, Hkv, D], the last block scratch).
 
 The queries of a forward are rows laid out one sequence after another (``query_start_loc``,
 [S + 1] cumulative); a row's queries are the last ``q_len`` positions of its context
