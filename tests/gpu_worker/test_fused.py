@@ -1,5 +1,5 @@
 """The fused Triton kernels (`gpu_worker.models.fused`) against the eager torch code they
-replace.
+replace, and the decoder layer with them against the layer without.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
 set here before anything imports the kernels); with one (and TRITON_INTERPRET unset) on CUDA.
@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -20,6 +21,7 @@ pytest.importorskip("triton")
 
 from tandem_serve.gpu_worker.models import fused, layers  # noqa: E402
 from tandem_serve.gpu_worker.models.config import ModelArgs  # noqa: E402
+from tandem_serve.gpu_worker.models.decoder import DecoderLayer  # noqa: E402
 from tandem_serve.gpu_worker.models.rope import model_ropes  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
@@ -131,3 +133,43 @@ def test_cpu_tensors_take_the_eager_code_unless_forced() -> None:
     with fused.forced():
         assert fused.use_triton(x)
     assert not fused.use_triton(x)
+
+
+def _eager_called(*args: object) -> None:
+    raise AssertionError("the eager function ran on the Triton path")
+
+
+FAMILIES = {
+    "llama": {},
+    "phi3-partial-rotary": {"rotary_dim": 16},
+    "gemma3": {"gemma_norms": True, "qk_norm": True, "hidden_act": "gelu_pytorch_tanh"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoder_layer_with_the_kernels_equals_the_layer_without(
+        family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wiring: a layer's two row-wise parts (around attention) through the kernels equal
+    the eager ones, in float32, and no eager norm, RoPE or activation runs on that path."""
+    args = ModelArgs("LlamaForCausalLM", 64, 48, 40, 1, 4, 2, 24, 1e-6, 4096,
+                     **FAMILIES[family])  # type: ignore[arg-type]
+    layer = DecoderLayer(args, 0)
+    for i, (name, p) in enumerate(list(layer.named_parameters())):
+        w = _randn(*p.shape, seed=10 + i) * (0.1 if p.dim() == 1 else 0.2)
+        setattr(layer, name, nn.Parameter(w + 1.0 if p.dim() == 1 else w, requires_grad=False))
+    if args.qk_norm:
+        layer.qk_norm_weight = nn.Parameter(_randn(6, 24, seed=5) * 0.1 + 1.0,
+                                            requires_grad=False)
+    x, a = _randn(5, 48, seed=1), _randn(5, 4 * 24, seed=2)
+    cos_sin = _cos_sin(5, args.rotary_dim or args.head_dim, torch.float32)
+    with torch.inference_mode():
+        want = [*layer.project_qkv(layer.norm(x, layer.input_norm, 1e-6), cos_sin, None),
+                layer.after_attention(x, a, None)]
+        for name in ("rms_norm", "gemma_rms_norm", "apply_rope"):
+            monkeypatch.setattr(layers, name, _eager_called)
+        monkeypatch.setattr(layers, "ACTIVATIONS", {})
+        with fused.forced():
+            got = [*layer.project_qkv(layer.norm(x, layer.input_norm, 1e-6), cos_sin,
+                                      None), layer.after_attention(x, a, None)]
+    for g, w in zip(got, want, strict=True):
+        _check(g, w)
