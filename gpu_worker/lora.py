@@ -19,6 +19,8 @@ forms; a plan with no adapter rows gets none and skips all of it.
   rows of different adapters (or none: an all-zero one-hot adds exactly 0) share one pair
   of matmuls with static shapes, so a captured graph serves any mix, and loading an
   adapter only rewrites weights in place.  Cost per token ∝ slots * R_m * (in + out).
+  On CUDA with Triton the same contract is met by BGMV kernels (`gpu_worker.lora_bgmv`):
+  each row gathers only its own slot's rows, ∝ R_m * (in + out), still graph-safe.
 * segments (eager forwards: CPU, prefill, anything not replayed from a graph): the runner
   orders a plan's rows by slot, so each adapter's rows are one contiguous range, known on
   the host when the plan starts; per module and adapter, `out[a:b] += x[a:b] @ A_s^T @ Bt_s`.
@@ -45,6 +47,7 @@ from tandem_serve.adapters.peft import (
     read_adapter,
 )
 from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.fused import use_triton
 from tandem_serve.gpu_worker.models.sharding import Shard, lora_part
 
 log = logging.getLogger(__name__)
@@ -205,7 +208,10 @@ class LoraContext:
     segments: list[Segment] | None = None  # None: masked over every slot
 
     def __post_init__(self) -> None:
-        if self.segments is None:
+        # The masked form on CUDA with Triton: per-row gathers of the row's own slot
+        # (`gpu_worker.lora_bgmv`) instead of every slot times a one-hot.
+        self.bgmv = self.segments is None and use_triton(self.slots)
+        if self.segments is None and not self.bgmv:
             ids = self.weights._slot_ids
             self.onehot = (self.slots.unsqueeze(1) == ids).to(self.weights.dtype).unsqueeze(2)
 
@@ -220,6 +226,10 @@ class LoraContext:
                     rows = slice((slot - 1) * r, (slot - 1) * r + used[fused])
                     out[first:end].addmm_(F.linear(x[first:end], a[rows]), bt[rows])
             return out
+        if self.bgmv:
+            from tandem_serve.gpu_worker.lora_bgmv import add_lora  # imports triton
+
+            return add_lora(x, a, bt, self.slots, out, r)
         u = F.linear(x, a)
         u = (u.view(-1, w.max_loras, r) * self.onehot).view(-1, w.max_loras * r)
         return out.addmm_(u, bt)

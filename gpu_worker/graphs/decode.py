@@ -17,8 +17,9 @@ Graphs are keyed by (batch bucket, gather width bucket, LoRA rows or not):
   the width is bucketed by powers of two of blocks up to ceil(max_model_len / block_size);
   a plan uses the smallest width that covers its longest row after its K steps;
 * a plan with adapter rows replays a graph that also applies every adapter slot
-  (`gpu_worker.lora`), its rows' slots copied into a static buffer once per plan (padded
-  rows: slot 0, no adapter); loading an adapter rewrites the slot weights in place.
+  (`gpu_worker.lora`; with Triton, BGMV kernels that read each row's own slot only), its
+  rows' slots copied into a static buffer once per plan (padded rows: slot 0, no adapter);
+  loading an adapter rewrites the slot weights in place.
 
 Every key is captured at start-up (`capture_all`, before the worker reports ready), into
 one shared memory pool: a capture mid-serving stalls every stream for a warm-up forward and

@@ -14,6 +14,8 @@ Differences between the families handled here:
 Weights are fused at load (q|k|v into one matrix, gate|up into one; `fill`) so a layer runs
 three matmuls for attention+MLP input projections instead of five. Numerics follow HF:
 RMSNorm in float32 then cast, RoPE cos/sin computed in float32 then cast to the model dtype.
+On CUDA the row-wise work between the matmuls (norms with their residual add, RoPE, the
+MLP's activation) runs as fused Triton kernels with the same rounding (`fused`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,14 @@ from tandem_serve.gpu_worker.attention.paged import (
 )
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
-from tandem_serve.gpu_worker.models.layers import (
-    ACTIVATIONS,
-    apply_rope,
+from tandem_serve.gpu_worker.models.fused import (
+    act_mul,
+    add_rms_norm,
     gemma_rms_norm,
-    linear,
-    pack_linear,
     rms_norm,
+    rope,
 )
+from tandem_serve.gpu_worker.models.layers import ACTIVATIONS, linear, pack_linear
 from tandem_serve.gpu_worker.models.moe import experts_forward, route
 from tandem_serve.gpu_worker.models.quant.linear import QuantLinear
 from tandem_serve.gpu_worker.models.rope import CosSin, model_ropes
@@ -152,7 +154,7 @@ class DecoderLayer(nn.Module):
         qk = qkv[:, : hq + hkv]
         if self.qk_norm_weight is not None:
             qk = self.norm(qk, self.qk_norm_weight, self.eps)
-        qk = apply_rope(qk, *cos_sin)
+        qk = rope(qk, *cos_sin)  # on CUDA in place, in qkv
         return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -167,11 +169,9 @@ class DecoderLayer(nn.Module):
         # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
         a = self.reduce(o if lora is None else lora.add(self.layer_idx, "o", a, o))
         if self.pre_ff_norm is not None:  # Gemma: norm the attention output, then the input
-            x = x + self.norm(a, self.post_norm, self.eps)
-            h = self.norm(x, self.pre_ff_norm, self.eps)
+            h, x = add_rms_norm(x, a, self.pre_ff_norm, self.eps, True, self.post_norm)
         else:
-            x = x + a
-            h = self.norm(x, self.post_norm, self.eps)
+            h, x = add_rms_norm(x, a, self.post_norm, self.eps, self.args.gemma_norms)
         m = self._experts(h) if self.moe else self._mlp(h, lora)
         if self.post_ff_norm is not None:
             m = self.norm(m, self.post_ff_norm, self.eps)
@@ -182,8 +182,7 @@ class DecoderLayer(nn.Module):
         gu = self._linear("gate_up_weight", h, self.gate_up_bias)
         if lora is not None:
             gu = lora.add(n, "gate_up", h, gu)
-        i = self.intermediate_size
-        act = self.act(gu[:, :i]) * gu[:, i:]
+        act = act_mul(gu, self.args.hidden_act, self.intermediate_size)
         down = self._linear("down_weight", act, self.down_bias)
         return self.reduce(down if lora is None else lora.add(n, "down", act, down))
 
