@@ -32,6 +32,8 @@ Kernel design:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -239,20 +241,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, group: int, max_query_le
     return max(1, splits)
 
 
-def unified_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_query_len: int,
-    max_seq_len: int,
-    scale: float,
-    sliding_window: int | None = None,
-    out: torch.Tensor | None = None,
-    num_splits: int | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True)
+class PagedRows:
+    """Where a forward's rows are: their queries' places in q, their contexts' blocks and
+    lengths (all on q's device), and host bounds.  One per forward, shared by every layer."""
+
+    block_tables: torch.Tensor  # int32 [>= S, max_blocks]
+    seq_lens: torch.Tensor  # int32 [S]: context lengths after this forward's tokens
+    query_start_loc: torch.Tensor  # int32 [S + 1]
+    max_query_len: int
+    max_seq_len: int
+    num_splits: int | None = None  # split-KV pieces (None: choose_num_splits)
+
+
+def unified_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                      rows: PagedRows, scale: float, sliding_window: int | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each row's queries over its paged context, read from the cache.
 
     q [T, Hq, D] (last dim contiguous; rows may be strided, e.g. a view of a fused qkv):
@@ -274,6 +278,11 @@ def unified_attention(
     Returns ``out`` (or a new [T, Hq, D] tensor in q's dtype): tokens past
     ``query_start_loc[S]`` (padding) and rows whose context is empty come out as zeros.
     """
+    k_cache, v_cache = kv_cache
+    block_tables, seq_lens, query_start_loc = rows.block_tables, rows.seq_lens, \
+        rows.query_start_loc
+    max_query_len, max_seq_len, num_splits = rows.max_query_len, rows.max_seq_len, \
+        rows.num_splits
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"q {tuple(q.shape)} must be [T, Hq, D] and k/v caches alike "
                          f"[blocks, block_size, Hkv, D], got {tuple(k_cache.shape)} "

@@ -131,11 +131,10 @@ def reference(q, k_cache, v_cache, tables, qsl, rows, scale, window):
 
 def _run(args, rows, window=None, num_splits=None, out=None, max_query_len=None):
     q, k_cache, v_cache, tables, seq_lens, qsl = args
-    return ta.unified_attention(
-        q, k_cache, v_cache, tables, seq_lens, qsl,
-        max_query_len=max_query_len or max(q for q, _ in rows),
-        max_seq_len=max(s for _, s in rows), scale=q.shape[-1] ** -0.5,
-        sliding_window=window, out=out, num_splits=num_splits)
+    paged = ta.PagedRows(tables, seq_lens, qsl, max_query_len or max(q for q, _ in rows),
+                         max(s for _, s in rows), num_splits)
+    return ta.unified_attention(q, (k_cache, v_cache), paged, q.shape[-1] ** -0.5, window,
+                                out)
 
 
 def _check(got, ref, tol):
