@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 def serve(*flags: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, "serve", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *expected: str) -> str:
