@@ -22,13 +22,13 @@ import numpy as np
 import torch
 
 from tandem_serve.adapters.peft import AdapterError, ModelShapes
-from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import (
     allocate_kv_cache,
     blocks_for,
     resolve_kv_dtype,
 )
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
+from tandem_serve.gpu_worker.attention.registry import check_backend, select_backend
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
 from tandem_serve.gpu_worker.graphs.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs, mixed_forward
@@ -89,15 +89,18 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto",
                  max_model_len: int = 0, max_num_seqs: int = 64,
                  cuda_graphs: bool = True, onednn: bool = True,
-                 flash_attn: bool = True, tp: TensorParallel | None = None,
+                 flash_attn: bool = True, attention_backend: str = "auto",
+                 tp: TensorParallel | None = None,
                  adapter_cache: str = "", max_loras: int = 0, max_lora_rank: int = 16,
                  load_format: str = "auto", speculative: SpeculativeConfig | None = None
                  ) -> None:
         self.device = tp.device if tp is not None else resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        check_backend(attention_backend, self.device, self.dtype, self.kv_dtype, block_size)
         t0 = time.monotonic()
         # Under tensor parallelism (`tp`), this rank's shard, joined to the others' shards.
-        self.model = load_model(model_dir, self.dtype, self.device, onednn, flash_attn,
+        self.model = load_model(model_dir, self.dtype, self.device, onednn,
                                 shard=tp.shard if tp is not None else None,
                                 load_format=load_format)
         if tp is not None:
@@ -113,10 +116,9 @@ class ModelRunner:
         self.long_rope_from = (cfg.rope_original_max_position_embeddings or 0) \
             if cfg.rope_type == "longrope" else 0
         self.block_size = block_size
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
         # Speculation's draft model (None: not that method), its KV blocks mirroring ours.
         self.draft = load_draft(speculative, cfg.vocab_size, self.dtype, self.device, onednn,
-                                flash_attn, load_format)
+                                load_format)
         self.num_blocks = num_kv_blocks or blocks_for(
             cfg, block_size, self.kv_dtype, kv_cache_memory, max_num_seqs, self.max_model_len,
             self.draft.kv_bytes_per_block(block_size, self.kv_dtype) if self.draft else 0)
@@ -125,8 +127,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(cfg.num_layers, self.num_blocks, block_size,
                                            cfg.num_kv_heads, cfg.head_dim, self.kv_dtype,
                                            self.device)
+        # One attention backend (the draft's too); any fallback is decided and logged here.
+        self.attention = self.model.attention = select_backend(
+            attention_backend, self.device, self.dtype, self.kv_dtype, block_size,
+            flash_attn=flash_attn, warm_up=self.model.attention_warm_up(self.kv_caches[0]))
         if self.draft is not None:
-            self.draft.allocate(self.num_blocks, block_size, self.kv_dtype)
+            self.draft.allocate(self.num_blocks, block_size, self.kv_dtype, self.attention)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks, block_size,
                  str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
@@ -155,7 +161,7 @@ class ModelRunner:
                                             self.max_model_len, block_size,
                                             tp.max_float if tp is not None else None, self.draft)
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and self.attention.decode_graphs:
             from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.forward_decode, max_num_seqs,
@@ -163,8 +169,7 @@ class ModelRunner:
                                        self.device,
                                        self.lora.full_context if self.lora else None)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
-        self.mixed_graphs = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + max_num_seqs, True,
-                                         self.kv_caches[0])
+        self.mixed_graphs = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + max_num_seqs, True)
                              if self.graphs is not None and (tp is None or tp.shard.size == 1)
                              else None)
 
@@ -306,14 +311,8 @@ class ModelRunner:
         history = None
         if pre.history_lens is not None:  # a decode row's history ends at its position
             history = torch.cat((b.positions + 1, pre.history_lens))
-        try:
-            hidden = mixed_forward(self.mixed_graphs, self.model, ids, positions,
-                                   self.kv_caches, meta, pre.lora, history)
-        except Exception as exc:
-            if not flex_attention.usable(self.device):
-                raise
-            flex_attention.disable(exc)  # e.g. no compiler for it: the split path for good
-            hidden = self.model(ids, positions, self.kv_caches, meta, pre.lora, history)
+        hidden = mixed_forward(self.mixed_graphs, self.model, ids, positions, self.kv_caches,
+                               meta, pre.lora, history)
         return self.model.compute_logits(hidden[: b.size]), hidden[b.size:]
 
     @torch.inference_mode()

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import (
     KVCache,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.spec.step_cost import decode_timer
 from tandem_serve.gpu_worker.state import RequestState
@@ -58,10 +58,9 @@ class DraftModel:
     """The draft checkpoint and its KV cache (allocated once the block count is known)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device,
-                 onednn: bool, flash_attn: bool, load_format: str) -> None:
+                 onednn: bool, load_format: str) -> None:
         t0 = time.monotonic()
-        self.model = load_model(model_dir, dtype, device, onednn, flash_attn,
-                                load_format=load_format)
+        self.model = load_model(model_dir, dtype, device, onednn, load_format=load_format)
         cfg = self.model.config
         log.info("draft model loaded in %.2f s (%s, %d layers)", time.monotonic() - t0,
                  cfg.architecture, cfg.num_layers)
@@ -74,9 +73,13 @@ class DraftModel:
         return kv_cache_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                         block_size, kv_dtype)
 
-    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
-        """The draft's cache: as many blocks as the target's, the same ids."""
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 attention: AttentionBackend) -> None:
+        """The draft's cache: as many blocks as the target's, the same ids; it attends with
+        the target's backend (`attention`, chosen at start-up for the same device, dtype,
+        cache type and block size; the draft runs decode and prefill forwards only)."""
         cfg = self.model.config
+        self.model.attention = attention
         self.block_size = block_size
         self.caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
                                         cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
@@ -155,15 +158,14 @@ class DraftModel:
 
 
 def load_draft(spec: SpeculativeConfig | None, vocab_size: int, dtype: torch.dtype,
-               device: torch.device, onednn: bool, flash_attn: bool, load_format: str
-               ) -> DraftModel | None:
+               device: torch.device, onednn: bool, load_format: str) -> DraftModel | None:
     """The draft of a `draft_model` config (None for any other method, or no speculation);
     a checkpoint the loader cannot use, or whose vocabulary is not the target's
     (`vocab_size`), is a ValueError naming the draft."""
     if spec is None or spec.method != "draft_model":
         return None
     try:
-        draft = DraftModel(spec.model, dtype, device, onednn, flash_attn, load_format)
+        draft = DraftModel(spec.model, dtype, device, onednn, load_format)
     except ValueError as exc:
         raise ValueError(f"draft model {spec.model!r}: {exc}") from exc
     if draft.model.config.vocab_size != vocab_size:

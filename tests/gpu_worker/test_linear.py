@@ -134,4 +134,5 @@ def test_worker_config_reaches_the_model(tmp_path: Path) -> None:
                        onednn=False, flash_attn=False, enforce_eager=True)
     runner = build_runner(cfg)
     assert runner.model._packed_lm_head is None
-    assert runner.model.allow_flash is False and runner.graphs is None
+    assert runner.attention.name == "sdpa" and runner.model.attention is runner.attention
+    assert runner.graphs is None
