@@ -43,7 +43,8 @@ def build_runner(cfg: ServerConfig, tp: TensorParallel | None = None) -> ModelRu
                              kv_cache_dtype=cfg.kv_cache_dtype,
                              max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                              cuda_graphs=not cfg.enforce_eager, onednn=cfg.onednn,
-                             flash_attn=cfg.flash_attn, tp=tp,
+                             flash_attn=cfg.flash_attn,
+                             attention_backend=cfg.attention_backend, tp=tp,
                              adapter_cache=cfg.adapter_cache, max_loras=cfg.max_loras,
                              max_lora_rank=cfg.max_lora_rank, load_format=cfg.load_format,
                              speculative=parse_speculative(cfg.speculative_config))

@@ -17,6 +17,7 @@ from tandem_serve.gpu_worker.attention.flex import FlexBackend
 from tandem_serve.gpu_worker.attention.registry import BACKENDS, check_backend, select_backend
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.ipc.process import StartupError
+from tandem_serve.proto.config import ATTENTION_BACKENDS
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
@@ -34,7 +35,8 @@ def flash_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flash, "_fa_kvcache", object())
 
 
-def test_every_backend_is_registered_under_its_name() -> None:
+def test_the_flag_names_every_registered_backend() -> None:
+    assert ATTENTION_BACKENDS == ("auto", *BACKENDS)
     assert all(cls.name == name for name, cls in BACKENDS.items())
 
 
