@@ -27,6 +27,7 @@ from tandem_serve.gpu_worker.attention.kv_cache import (
     blocks_for,
     resolve_kv_dtype,
 )
+from tandem_serve.gpu_worker.attention.registry import check_backend, select_backend
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
 from tandem_serve.gpu_worker.executor import StepExecutor
@@ -74,6 +75,10 @@ class ModelRunner:
     def __init__(self, cfg: WorkerConfig, tp: TensorParallel | None = None) -> None:
         self.device = tp.device if tp is not None else resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
+        # A backend that cannot serve here is a start-up error before any weight loads.
+        check_backend(cfg.attention_backend, self.device, self.dtype, self.kv_dtype,
+                      cfg.block_size)
         self.model = _load(cfg, self.dtype, self.device, tp)
         mc = self.model.config
         self.vocab_size = mc.vocab_size
@@ -84,11 +89,9 @@ class ModelRunner:
         self.long_rope_from = (mc.rope_original_max_position_embeddings or 0) \
             if mc.rope_type == "longrope" else 0
         self.block_size = cfg.block_size
-        self.kv_dtype = resolve_kv_dtype(cfg.kv_cache_dtype, self.dtype)
         # Speculation's proposer (None: off); a draft model's KV blocks mirror ours.
         self.proposer = make_proposer(cfg.speculative, ProposerContext(
-            mc.vocab_size, self.dtype, self.device, cfg.onednn, cfg.flash_attn,
-            cfg.load_format))
+            mc.vocab_size, self.dtype, self.device, cfg.onednn, cfg.load_format))
         self.num_blocks = cfg.num_kv_blocks or blocks_for(
             mc, cfg.block_size, self.kv_dtype, cfg.kv_cache_memory, cfg.max_num_seqs,
             self.max_model_len,
@@ -99,16 +102,21 @@ class ModelRunner:
         self.kv_caches = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size,
                                            mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                                            self.device)
+        # One attention backend (the draft's too); any fallback is decided and logged here.
+        self.attention = self.model.attention = select_backend(
+            cfg.attention_backend, self.device, self.dtype, self.kv_dtype, cfg.block_size,
+            flash_attn=cfg.flash_attn, warm_up=self.model.attention_warm_up(self.kv_caches[0]))
         if self.proposer is not None:
-            self.proposer.allocate(self.num_blocks, cfg.block_size, self.kv_dtype)
+            self.proposer.allocate(self.num_blocks, cfg.block_size, self.kv_dtype,
+                                   self.attention)
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks,
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
-        graphs = cfg.cuda_graphs and self.device.type == "cuda"
+        graphs = (cfg.cuda_graphs and self.device.type == "cuda"
+                  and self.attention.decode_graphs)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
-        mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True,
-                             self.kv_caches[0])
+        mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True)
                  if graphs and (tp is None or tp.shard.size == 1) else None)
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
                                      self.max_model_len, self.lora, mixed)
@@ -279,7 +287,7 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
           tp: TensorParallel | None) -> CausalLM:
     """The model; under tensor parallelism (`tp`) this rank's shard, joined to the others'."""
     t0 = time.monotonic()
-    model = load_model(cfg.model, dtype, device, cfg.onednn, cfg.flash_attn,
+    model = load_model(cfg.model, dtype, device, cfg.onednn,
                        shard=tp.shard if tp is not None else None, load_format=cfg.load_format)
     if tp is not None:
         tp.install(model)

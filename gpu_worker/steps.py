@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.constrain.tables import batch_order
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.sampling import prompt_logprobs

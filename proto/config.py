@@ -96,7 +96,10 @@ class ServerConfig:
     plan_lead_ms: float = 5.0
     enforce_eager: bool = False  # CUDA: no decode graphs (every step launched from Python)
     onednn: bool = True  # CPU float32: linear layers through oneDNN with pre-packed weights
-    flash_attn: bool = True  # CUDA 16-bit: flash_attn where it can page the cache, else SDPA
+    # How the gpu worker attends (`gpu_worker.attention.registry`): one of ATTENTION_BACKENDS;
+    # "auto" picks flash_attn where it serves, else FlexAttention on CUDA, else SDPA.
+    attention_backend: str = "auto"
+    flash_attn: bool = True  # False: "auto" never picks flash_attn (--no-flash-attn)
     # "auto": the checkpoint's safetensors; "dummy": random weights made on the device, for
     # benchmarks of a model's shape without its checkpoint (the folder needs config.json and
     # the tokenizer only).
@@ -192,7 +195,8 @@ class ServerConfig:
             num_kv_blocks=self.num_kv_blocks, kv_cache_memory=self.kv_cache_memory,
             kv_cache_dtype=self.kv_cache_dtype, max_model_len=self.max_model_len,
             max_num_seqs=self.max_num_seqs, cuda_graphs=not self.enforce_eager,
-            onednn=self.onednn, flash_attn=self.flash_attn, adapter_cache=self.adapter_cache,
+            onednn=self.onednn, flash_attn=self.flash_attn,
+            attention_backend=self.attention_backend, adapter_cache=self.adapter_cache,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
             speculative=parse_speculative(self.speculative_config))
@@ -222,7 +226,8 @@ class WorkerConfig:
     max_num_seqs: int = 64
     cuda_graphs: bool = True
     onednn: bool = True
-    flash_attn: bool = True
+    flash_attn: bool = True  # False: `auto` never picks flash_attn
+    attention_backend: str = "auto"  # `gpu_worker.attention.registry` names them
     adapter_cache: str = ""  # "": adapters off
     max_loras: int = 0
     max_lora_rank: int = 16
@@ -265,6 +270,7 @@ def config_problems(cfg: ServerConfig) -> list[str]:
     if cfg.kv_cache_dtype not in KV_CACHE_DTYPES:
         out.append(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is not one of "
                    f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)")
+    out += _attention_problems(cfg)
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
@@ -276,10 +282,24 @@ def config_problems(cfg: ServerConfig) -> list[str]:
 # lists equal).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
+# --attention-backend's values: "auto" and the names in `gpu_worker.attention.registry`'s
+# BACKENDS (a test keeps the lists equal; a new backend adds its name here too).
+ATTENTION_BACKENDS = ("auto", "flash", "flex", "sdpa")
+
 # The parsers openai_api/agents/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS;
 # a test keeps the lists equal): proto/ imports nothing of ours.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _attention_problems(cfg: ServerConfig) -> list[str]:
+    if cfg.attention_backend not in ATTENTION_BACKENDS:
+        return [f"--attention-backend {cfg.attention_backend!r} is not one of "
+                f"{', '.join(ATTENTION_BACKENDS)}"]
+    if cfg.attention_backend == "flash" and not cfg.flash_attn:
+        return ["--attention-backend flash contradicts --no-flash-attn (which keeps auto "
+                "from picking flash)"]
+    return []
 
 
 def _agent_problems(cfg: ServerConfig) -> list[str]:

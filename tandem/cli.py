@@ -90,8 +90,14 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
                    help="dummy: random weights of the model's shape, made on the device "
                         "(benchmarks without a checkpoint)")
+    p.add_argument("--attention-backend", default=d.attention_backend, metavar="NAME",
+                   help="how the gpu worker attends: auto (flash where flash_attn serves, "
+                        "else flex on CUDA, else sdpa), sdpa (torch SDPA over gathered "
+                        "blocks; mixed steps split), flex (mixed steps in one FlexAttention "
+                        "call), flash (flash_attn 2 reads the paged cache: CUDA, 16-bit, "
+                        "--block-size a multiple of 256)")
     _bool_flag(p, "flash-attn", d.flash_attn,
-               "CUDA 16-bit: flash_attn where it can serve the KV cache (else SDPA)")
+               "--attention-backend auto may pick flash_attn (--no-flash-attn: never)")
     p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
                    help="CPU device: cores kept for the other processes, the gpu worker "
                         "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")

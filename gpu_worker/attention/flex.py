@@ -1,4 +1,5 @@
-"""One FlexAttention call for every row of a mixed forward, whatever its query length.
+"""The flex backend: a mixed forward's rows in one FlexAttention call, whatever their query
+lengths; decode and prefill forwards as the SDPA backend runs them (`sdpa`).
 
 The rows' contexts are gathered from the paged cache into one packed KV sequence, row after
 row (a decode row: the decode gather width, a host bound; a prefill row: the blocks its
@@ -14,15 +15,17 @@ context in its block; 16 keeps that waste small while the kernel's tiles stay le
 kernel's BLOCK_M must divide the mask's block, and tensor-core tiles want >= 16).  vLLM's
 FlexAttention backend makes the same choice.
 
-On CUDA without flash_attn this is the mixed forward's attention (compiled; any failure to
-compile falls back to the split path for good, with a log line).  On the CPU the split path
-is faster (one batched decode call and one call per prefill row: the eager flex_attention
-materialises every score), so there it runs only when asked for, as the tests do.
+On CUDA the call is compiled, once, at start-up (`warm_up`, over a dummy decode and prefill
+row: the compile is shape-dynamic, so one serves every step); a compile that fails there
+makes `auto` choose the SDPA backend, logged (`registry.select_backend`).  On the CPU the
+split path is faster (one batched decode call and one call per prefill row: the eager
+flex_attention materialises every score), so `auto` never picks it there; named
+(`--attention-backend flex`) it runs eagerly, as the tests run it.
 """
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,55 +33,95 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.kv_cache import read_blocks
-
-log = logging.getLogger(__name__)
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, WarmUp
+from tandem_serve.gpu_worker.attention.kv_cache import KVCache, read_blocks, write_kv, write_slots
+from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend, SdpaPlan
 
 Q_BLOCK = 16
 KV_BLOCK = 64
-
-# None: on CUDA only.  Tests set True to run it on the CPU (eager).
-ENABLED: bool | None = None
-_compiled: Callable[..., Any] | None = None
-_broken = False
-
-
-def usable(device: torch.device) -> bool:
-    if _broken:
-        return False
-    return device.type == "cuda" if ENABLED is None else ENABLED
 
 
 @dataclass
 class FlexPlan:
     """What every layer's call shares: the packed layout and one block mask per window."""
 
+    write_slots: torch.Tensor  # [T] int64, -1 redirected into the scratch block
     gather_idx: torch.Tensor  # [C / block_size] block ids, the rows' contexts in order
     num_tokens: int  # T, before padding to a whole query block
     masks: dict[int | None, Any] = field(default_factory=dict)  # window -> BlockMask
 
 
-@dataclass
-class Rows:
-    """A mixed forward's rows as the flex path needs them (`AttentionMetadata`'s fields):
-    `num_decode` decode rows first, then prefill rows with host-known lengths."""
+class FlexBackend(AttentionBackend):
+    name = "flex"
 
-    block_tables: torch.Tensor  # [R, width]
-    seq_lens: torch.Tensor  # [R] on the device
-    num_decode: int
-    decode_max_seq_len: int  # host bound of the decode rows' seq_lens
-    query_lens: list[int]  # every row's
-    prefill_seq_lens: list[int]
+    def __init__(self) -> None:
+        self.split = SdpaBackend()  # decode and prefill forwards
+
+    @classmethod
+    def supports(cls, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                 block_size: int) -> str | None:
+        try:
+            from torch.nn.attention import flex_attention  # noqa: F401
+        except ImportError as exc:
+            return f"this torch ({torch.__version__}) has no FlexAttention: {exc}"
+        return None
+
+    @classmethod
+    def auto_skips(cls, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                   block_size: int) -> str | None:
+        if device.type != "cuda":
+            return "slower than sdpa's split path on the CPU (eager, every score materialised)"
+        return cls.supports(device, dtype, kv_dtype, block_size)
+
+    def warm_up(self, probe: WarmUp) -> None:
+        """Compile the kernel now, over a dummy decode row and a 16-token prefill row, rather
+        than in the first mixed step, where every decoding stream would wait seconds for it;
+        one call per window, reading the cache and writing nothing."""
+        k_cache = probe.kv_cache[0]
+        dev, bs = k_cache.device, k_cache.shape[1]
+        width = -(-16 // bs)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((17,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(2, width, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([1, 16], dtype=torch.int32, device=dev),
+            query_start_loc=None, query_lens=[1, 16], max_seq_len=16, is_decode=False,
+            num_decode=1, decode_max_seq_len=1, prefill_seq_lens=[16])
+        with torch.inference_mode():  # as the steps run it: no recompile for grad mode
+            q = torch.zeros(17, probe.num_heads, k_cache.shape[3], dtype=probe.dtype,
+                            device=dev)
+            plan = self.prepare(meta, probe.kv_cache, probe.windows)
+            assert isinstance(plan, FlexPlan)
+            for w in dict.fromkeys(probe.windows):
+                flex_mixed(q, probe.kv_cache, probe.scale, plan, w)
+
+    def prepare(self, meta: AttentionMetadata, kv_cache: KVCache,
+                windows: Sequence[int | None] = (None,)) -> FlexPlan | SdpaPlan:
+        if not meta.is_mixed:
+            return self.split.prepare(meta, kv_cache, windows)
+        return prepare_flex(meta, kv_cache, list(dict.fromkeys(windows)))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                plan: FlexPlan | SdpaPlan, scale: float, sliding_window: int | None = None
+                ) -> torch.Tensor:
+        if isinstance(plan, SdpaPlan):
+            return self.split.forward(q, k, v, kv_cache, plan, scale, sliding_window)
+        write_kv(k, v, kv_cache, plan.write_slots)
+        return flex_mixed(q, kv_cache, scale, plan, sliding_window)
 
 
-def prepare_flex(rows: Rows, block_size: int, num_blocks: int, windows: list[int | None],
-                 device: torch.device) -> FlexPlan:
+def prepare_flex(meta: AttentionMetadata, kv_cache: KVCache, windows: list[int | None]
+                 ) -> FlexPlan:
+    """A mixed forward's plan: its `num_decode` decode rows first, then its prefill rows with
+    host-known lengths (`prefill_seq_lens`); nothing is read back."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    n, q_lens = rows.num_decode, rows.query_lens
-    width = max(1, min(-(-rows.decode_max_seq_len // block_size), rows.block_tables.shape[1]))
-    ctx_blocks = [width] * n + [-(-s // block_size) for s in rows.prefill_seq_lens]
-    tables = rows.block_tables.to(device=device, dtype=torch.int64)
+    assert meta.query_lens is not None and meta.prefill_seq_lens is not None
+    k_cache = kv_cache[0]
+    num_blocks, block_size, device = k_cache.shape[0] - 1, k_cache.shape[1], k_cache.device
+    n, q_lens = meta.num_decode, meta.query_lens
+    width = max(1, min(-(-meta.decode_max_seq_len // block_size), meta.block_tables.shape[1]))
+    ctx_blocks = [width] * n + [-(-s // block_size) for s in meta.prefill_seq_lens]
+    tables = meta.block_tables.to(device=device, dtype=torch.int64)
     parts = [tables[:n, :width].reshape(-1)]
     parts += [tables[n + i, :b] for i, b in enumerate(ctx_blocks[n:])]
     kv_lens = np.asarray(ctx_blocks) * block_size
@@ -100,18 +143,18 @@ def prepare_flex(rows: Rows, block_size: int, num_blocks: int, windows: list[int
     kv_row[:c] = np.repeat(row_ids, kv_lens)
     kv_pos = np.zeros(c_pad, dtype=np.int64)
     kv_pos[:c] = np.arange(c) - np.repeat(kv_start, kv_lens)
-    prefill_pos = [np.arange(s - q, s) for s, q in zip(rows.prefill_seq_lens, q_lens[n:],
+    prefill_pos = [np.arange(s - q, s) for s, q in zip(meta.prefill_seq_lens, q_lens[n:],
                                                        strict=True)]
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
-    decode_pos = rows.seq_lens[:n].to(device=device, dtype=torch.int64) - 1
+    decode_pos = meta.seq_lens[:n].to(device=device, dtype=torch.int64) - 1
     q_pos = torch.cat((decode_pos, dev(np.concatenate([np.zeros(0, np.int64), *prefill_pos])),
                        torch.zeros(t_pad - t, dtype=torch.int64, device=device)))
     num_kv, indices = _kv_blocks(q_row[:t], kv_start, kv_end, t_pad, c_pad)
     q_row_t, kv_row_t, kv_pos_t = dev(q_row), dev(kv_row), dev(kv_pos)
-    plan = FlexPlan(gather_idx, t)
+    plan = FlexPlan(write_slots(meta.slot_mapping, kv_cache), gather_idx, t)
     for w in windows:
         mask_mod = _mask_mod(q_row_t, q_pos, kv_row_t, kv_pos_t, w)
         plan.masks[w] = BlockMask.from_kv_blocks(
@@ -169,48 +212,25 @@ def _call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any, sc
     from torch.nn.attention import flex_attention as fa
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    flex_attention = fa.flex_attention
     if q.device.type != "cuda" or _get_current_dispatch_mode() is not None:
         # Uncompiled (torch.compile refuses to run under the tests' host-sync guard): the
-        # operator itself, every score materialised.  The tests' run, never a server's.
+        # operator itself, every score materialised.  The CPU's run, never a GPU server's.
         debug, fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = (
             fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG, True)
         try:
-            return flex_attention(q, k, v, block_mask=block_mask, scale=scale,
-                                  enable_gqa=gqa)
+            return fa.flex_attention(q, k, v, block_mask=block_mask, scale=scale,
+                                     enable_gqa=gqa)
         finally:
             fa._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = debug
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(flex_attention, dynamic=True)
     options = {"BLOCK_M": Q_BLOCK, "BLOCK_N": KV_BLOCK, "FORCE_USE_FLEX_ATTENTION": True}
-    return _compiled(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
-                     kernel_options=options)
+    return _compiled()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa,
+                       kernel_options=options)
 
 
-def warm_up(kv_cache: tuple[torch.Tensor, torch.Tensor], windows: list[int | None],
-            num_heads: int, scale: float, dtype: torch.dtype) -> None:
-    """Compile the kernel now, over a dummy decode row and a 16-token prefill row, rather
-    than in the first mixed step, where every decoding stream would wait seconds for it
-    (the compile is shape-dynamic: one serves every step)."""
-    k_cache = kv_cache[0]
-    dev = k_cache.device
-    if not usable(dev):
-        return
-    rows = Rows(torch.zeros(2, 1, dtype=torch.int32, device=dev),
-                torch.tensor([1, 16], dtype=torch.int32, device=dev), 1, 1, [1, 16], [16])
-    q = torch.zeros(17, num_heads, k_cache.shape[3], dtype=dtype, device=dev)
-    try:
-        plan = prepare_flex(rows, k_cache.shape[1], k_cache.shape[0] - 1, windows, dev)
-        for w in windows:
-            flex_mixed(q, kv_cache, scale, plan, w)
-    except Exception as exc:  # noqa: BLE001 - as at run time: the split path from now on
-        disable(exc)
+@functools.cache
+def _compiled() -> Callable[..., Any]:
+    """The compiled operator, one per process (shape-dynamic: one compile serves every
+    step; the backend's `warm_up` makes it happen at start-up)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-
-def disable(exc: BaseException) -> None:
-    """A compile or kernel failure: the split path from now on."""
-    global _broken
-    _broken = True
-    log.warning("FlexAttention failed (%s: %s); mixed steps use the split path",
-                type(exc).__name__, exc)
+    return torch.compile(flex_attention, dynamic=True)

@@ -118,3 +118,18 @@ def read_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype
     only the blocks read are converted, never the whole cache)."""
     rows = cache.view(cache.shape[0], -1).index_select(0, block_ids)
     return rows.to(dtype) if rows.dtype != dtype else rows
+
+
+def write_slots(slot_mapping: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    """A forward's slots [T] as int64 on the cache's device, -1 (do not write) redirected
+    into the scratch block: computed once per forward, shared by every layer."""
+    k_cache = kv_cache[0]
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.int64)
+    return torch.where(slots >= 0, slots, (k_cache.shape[0] - 1) * k_cache.shape[1])
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slots: torch.Tensor
+             ) -> None:
+    """Scatter a forward's k/v [T, Hkv, D] into their slots (`write_slots`)."""
+    store_rows(kv_cache[0], slots, k)
+    store_rows(kv_cache[1], slots, v)

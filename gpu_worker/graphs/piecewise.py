@@ -9,8 +9,9 @@ p50) where decode graph replays took ~10, and the stall scenario's p99 gap at a 
 budget was 40 ms against a 6.5 ms median.  vLLM's answer, taken here: cut the forward at
 attention.  Each layer's part before attention (norm, qkv, RoPE) and after it (o,
 residual, norms, MLP) is row-wise, so for a token count padded up to a bucket it can be
-captured once (every bucket at start-up); attention (KV write, FlexAttention or the split
-path) runs eagerly between the replays on the real rows, with the step's own plan.  A
+captured once (every bucket at start-up); attention (the KV write and the model's attention
+backend: FlexAttention, the split SDPA path or flash_attn) runs eagerly between the replays
+on the real rows, with the step's own plan.  A
 forward is then L + 1 replays and L attention calls; with them the same stall scenario's
 p99 gap was 20 ms.
 
@@ -36,9 +37,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, prepare_attention
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.lora import LoraContext
@@ -70,10 +70,8 @@ def token_buckets(max_tokens: int) -> list[int]:
 
 
 class MixedGraphs:
-    def __init__(self, model: CausalLM, max_tokens: int, capture: bool,
-                 kv_cache: KVCache | None = None) -> None:
-        """`capture`: CUDA graphs of every bucket now (else plain calls); `kv_cache`: a
-        layer's cache, to compile the mixed steps' attention kernel now too."""
+    def __init__(self, model: CausalLM, max_tokens: int, capture: bool) -> None:
+        """`capture`: CUDA graphs of every bucket now (else plain calls)."""
         self.model = model
         self.layers = [cast("DecoderLayer", m) for m in model.layers]
         self.capture = capture
@@ -94,10 +92,6 @@ class MixedGraphs:
         self._pool: Any = None
         if capture:
             self.capture_all()
-        if kv_cache is not None:
-            layer = self.layers[0]
-            flex_attention.warm_up(kv_cache, list(model._windows), a.num_heads, layer.scale,
-                                   dt)
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -130,8 +124,8 @@ class MixedGraphs:
             pieces = self._pieces(bucket)
             if pieces is None:
                 return None
-        plan = prepare_attention(meta, kv_caches[0], self.model._windows,
-                                 self.model.allow_flash)
+        attention = self.model.attention
+        plan = attention.prepare(meta, kv_caches[0], self.model._windows)
         hq = self.model.config.num_heads
         for i, piece in enumerate(pieces):
             piece()  # a graph's replay, or the plain call on the CPU
@@ -139,7 +133,7 @@ class MixedGraphs:
                 break
             layer = self.layers[i]
             a = layer.attend(self.qk[:t, :hq], self.qk[:t, hq:], self.v[:t], kv_caches[i],
-                             meta, plan)
+                             attention, plan)
             self.attn[:t].copy_(a.reshape(t, -1))
         return self.x[:t].clone()
 

@@ -21,19 +21,15 @@ MLP's activation) runs as fused Triton kernels with the same rounding (`fused`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, WarmUp
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
-from tandem_serve.gpu_worker.attention.paged import (
-    AttentionMetadata,
-    AttentionPlan,
-    paged_attention,
-    prepare_attention,
-)
+from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.fused import (
@@ -130,12 +126,12 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos_sin: CosSin,
         kv_cache: KVCache,
-        meta: AttentionMetadata,
-        plan: AttentionPlan,
+        attention: AttentionBackend,
+        plan: Any,
         lora: LoraContext | None = None,
     ) -> torch.Tensor:
         q, k, v = self.project_qkv(self.norm(x, self.input_norm, self.eps), cos_sin, lora)
-        attn = self.attend(q, k, v, kv_cache, meta, plan)
+        attn = self.attend(q, k, v, kv_cache, attention, plan)
         return self.after_attention(x, attn.reshape(x.shape[0], -1), lora)
 
     # A layer in three parts: what runs before attention, attention itself, and the rest.
@@ -158,9 +154,9 @@ class DecoderLayer(nn.Module):
         return qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               meta: AttentionMetadata, plan: AttentionPlan) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, meta, self.scale, self.layer_idx, plan=plan,
-                               sliding_window=self.sliding_window)
+               attention: AttentionBackend, plan: Any) -> torch.Tensor:
+        """k/v into the layer's cache, then attention (`plan`: the backend's, per forward)."""
+        return attention.forward(q, k, v, kv_cache, plan, self.scale, self.sliding_window)
 
     def after_attention(self, x: torch.Tensor, a: torch.Tensor,
                         lora: LoraContext | None) -> torch.Tensor:
@@ -213,8 +209,9 @@ class CausalLM(nn.Module):
         # Gemma: embeddings times sqrt(hidden), in the model dtype (set at load).
         self.embed_scale: torch.Tensor | None = None
         self._packed_lm_head: torch.Tensor | None = None
-        # False: SDPA even where flash_attn could serve the cache (--no-flash-attn).
-        self.allow_flash = True
+        # How every layer attends (`gpu_worker.attention`): the SDPA backend until the
+        # runner sets the one it chose at start-up (`registry.select_backend`).
+        self.attention: AttentionBackend = SdpaBackend()
         # Distinct windows across layers: masks are built once per forward for each.
         self._windows: tuple[int | None, ...] = tuple(
             dict.fromkeys(args.sliding_windows or (None,))
@@ -255,7 +252,8 @@ class CausalLM(nn.Module):
 
         `lora`: the rows' adapters (None: the base model for every row). `history_lens`
         [T]: a prefill token's request's history length (see `uses_history_lens`)."""
-        plan = prepare_attention(meta, kv_caches[0], self._windows, self.allow_flash)
+        attention = self.attention
+        plan = attention.prepare(meta, kv_caches[0], self._windows)
         cos_sin = [r.cos_sin(positions, self.dtype, history_lens) for r in self.ropes]
         x = self.embed(input_ids)
         if self.embed_scale is not None:
@@ -263,8 +261,14 @@ class CausalLM(nn.Module):
         for module, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer = cast(DecoderLayer, module)
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.
-            x = layer.forward(x, cos_sin[layer.rope_index], kv_cache, meta, plan, lora)
+            x = layer.forward(x, cos_sin[layer.rope_index], kv_cache, attention, plan, lora)
         return self.norm_fn(x, self.norm, self.config.rms_norm_eps)
+
+    def attention_warm_up(self, kv_cache: KVCache) -> WarmUp:
+        """What an attention backend's start-up check runs over: a layer's cache (read,
+        never written) and this model's query heads, windows, scale and dtype."""
+        layer = cast(DecoderLayer, self.layers[0])
+        return WarmUp(kv_cache, layer.num_heads, self._windows, layer.scale, self.dtype)
 
     def _embed_whole(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed_tokens)

@@ -64,14 +64,14 @@ def dummy_weight(name: str, shape: tuple[int, ...], dtype: torch.dtype,
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
-               onednn: bool = True, flash_attn: bool = True,
-               shard: Shard | None = None, load_format: str = "auto",
+               onednn: bool = True, shard: Shard | None = None, load_format: str = "auto",
                keep_quantized: bool | None = None) -> CausalLM:
     """Load a checkpoint of a supported architecture into our CausalLM.
 
     `onednn`: on CPU in float32, run the linear layers through oneDNN with pre-packed weights
-    (see `pack_linear`); False keeps plain F.linear.  `flash_attn`: attend with flash_attn
-    where it can serve the cache (CUDA, 16-bit); False always uses SDPA.
+    (see `pack_linear`); False keeps plain F.linear.  The model attends with the SDPA
+    backend until its `attention` is set (the runner's start-up choice,
+    `gpu_worker.attention.registry`).
 
     Every expected tensor's presence and shape is checked before any data is read, so a
     broken checkpoint fails fast with a ValueError naming the tensor.
@@ -113,7 +113,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
              _format_summary(model))
     if onednn:
         model.pack_weights()
-    model.allow_flash = flash_attn
     model.eval()
     return model
 

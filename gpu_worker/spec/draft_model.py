@@ -37,12 +37,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import (
     KVCache,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
 )
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer, ProposerContext, Timed
 from tandem_serve.gpu_worker.spec.step_cost import decode_timer
@@ -57,10 +57,9 @@ class DraftModel(Proposer):
     """The draft checkpoint and its KV cache (allocated once the block count is known)."""
 
     def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device,
-                 onednn: bool, flash_attn: bool, load_format: str) -> None:
+                 onednn: bool, load_format: str) -> None:
         t0 = time.monotonic()
-        self.model = load_model(model_dir, dtype, device, onednn, flash_attn,
-                                load_format=load_format)
+        self.model = load_model(model_dir, dtype, device, onednn, load_format=load_format)
         cfg = self.model.config
         log.info("draft model loaded in %.2f s (%s, %d layers)", time.monotonic() - t0,
                  cfg.architecture, cfg.num_layers)
@@ -73,9 +72,13 @@ class DraftModel(Proposer):
         return kv_cache_bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                         block_size, kv_dtype)
 
-    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
-        """The draft's cache: as many blocks as the target's, the same ids."""
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 attention: AttentionBackend) -> None:
+        """The draft's cache: as many blocks as the target's, the same ids; it attends with
+        the target's backend (`attention`, chosen at start-up for the same device, dtype,
+        cache type and block size; the draft runs decode and prefill forwards only)."""
         cfg = self.model.config
+        self.model.attention = attention
         self.block_size = block_size
         self.caches = allocate_kv_cache(cfg.num_layers, num_blocks, block_size,
                                         cfg.num_kv_heads, cfg.head_dim, kv_dtype, self.device)
@@ -171,8 +174,7 @@ def load_draft(config: SpeculativeConfig, ctx: ProposerContext) -> DraftModel:
     """The registry's factory for method `draft_model`: a checkpoint the loader cannot use,
     or whose vocabulary is not the target's, is a ValueError naming the draft."""
     try:
-        draft = DraftModel(config.model, ctx.dtype, ctx.device, ctx.onednn, ctx.flash_attn,
-                           ctx.load_format)
+        draft = DraftModel(config.model, ctx.dtype, ctx.device, ctx.onednn, ctx.load_format)
     except ValueError as exc:
         raise ValueError(f"draft model {config.model!r}: {exc}") from exc
     if draft.model.config.vocab_size != ctx.vocab_size:

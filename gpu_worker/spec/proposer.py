@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tandem_serve.gpu_worker.attention.base import AttentionBackend
 from tandem_serve.gpu_worker.state import RequestState
 
 # The wall time of one forward over n rows -> that time as the policy reads it (measured at
@@ -36,7 +37,6 @@ class ProposerContext:
     dtype: torch.dtype
     device: torch.device
     onednn: bool = True
-    flash_attn: bool = True
     load_format: str = "auto"
 
 
@@ -74,9 +74,11 @@ class Proposer(ABC):
         the cache is sized from memory)."""
         return 0
 
-    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
+    def allocate(self, num_blocks: int, block_size: int, kv_dtype: torch.dtype,
+                 attention: AttentionBackend) -> None:
         """Allocate the method's own KV cache once the target's block count is known (its
-        blocks mirror the target's ids and tables)."""
+        blocks mirror the target's ids and tables); it attends with the target's backend
+        (`attention`, chosen at start-up)."""
         return None
 
     def step_cost(self, k: int, timed: Timed) -> Callable[[int], float] | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pathlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -48,6 +49,27 @@ def test_concurrent_greedy_streams_equal_hf(tiny_model_dir: pathlib.Path,
         for (text, n), (got, count) in zip(PROMPTS, results, strict=True):
             assert count == n
             assert got == hf_outputs[text], f"K={steps} {mode}: {text!r}"
+    finally:
+        assert server.stop() == 0
+    assert server.leftovers() == []
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_every_attention_backend_streams_the_default_tokens(
+        tiny_model_dir: pathlib.Path, hf_outputs: dict[str, str], backend: str) -> None:
+    """`--attention-backend NAME` reaches the gpu worker, and its streams equal HF's, as the
+    default's do (the test above).  The later prompts arrive while the first decodes, so its
+    steps carry their prefill: flex runs those mixed steps in one FlexAttention call (eagerly,
+    on the CPU), sdpa in its split path."""
+    server = Server(str(tiny_model_dir), "--attention-backend", backend,
+                    "--max-num-batched-tokens", "8").wait_ready()
+    try:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            first = pool.submit(stream_text, server, *PROMPTS[-1])
+            time.sleep(0.3)
+            rest = list(pool.map(lambda p: stream_text(server, *p), PROMPTS[:-1]))
+        for (text, n), (got, count) in zip(PROMPTS, [*rest, first.result()], strict=True):
+            assert (got, count) == (hf_outputs[text], n), f"{backend}: {text!r}"
     finally:
         assert server.stop() == 0
     assert server.leftovers() == []

@@ -268,7 +268,7 @@ class PagedDriver:
     def prefill(self, items: list[tuple[PagedSeq, int]]) -> torch.Tensor:
         """One forward over the next ``n`` uncached tokens of each sequence (flattened, no
         padding). Returns float32 logits of each sequence's last token in this forward."""
-        from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
+        from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 
         ids: list[int] = []
         pos: list[int] = []
@@ -319,7 +319,7 @@ class PagedDriver:
     def decode(self, seqs: Sequence[PagedSeq | None]) -> torch.Tensor:
         """One decode step: feeds each sequence's last token (its K/V not cached yet). ``None``
         entries and finished sequences are masked rows (slot -1). Returns logits [S, V]."""
-        from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
+        from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 
         ids, pos, slots, seq_lens = [], [], [], []
         table_rows: list[PagedSeq | None] = []

@@ -1,5 +1,6 @@
-"""Paged attention against a dense causal reference (float32, 1e-5), cache writes, GQA; with
-an fp8 cache, against the reference over the k/v as fp8 holds them (the same 1e-5)."""
+"""Paged attention (the SDPA backend) against a dense causal reference (float32, 1e-5), cache
+writes, GQA; with an fp8 cache, against the reference over the k/v as fp8 holds them (the
+same 1e-5)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,28 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import (
     FP8,
+    KVCache,
     allocate_kv_cache,
     kv_cache_bytes_per_block,
     resolve_kv_dtype,
 )
-from tandem_serve.gpu_worker.attention.paged import (
-    AttentionMetadata,
-    paged_attention,
-    prepare_attention,
-)
+from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 
 ATOL = 1e-5
 KV_DTYPES = [torch.float32, FP8]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+           meta: AttentionMetadata, scale: float, window: int | None = None,
+           backend: AttentionBackend | None = None) -> torch.Tensor:
+    """One layer's attention as the model runs it: the backend's plan for the forward (SDPA
+    unless given), then its call, which writes k/v and attends."""
+    backend = backend or SdpaBackend()
+    plan = backend.prepare(meta, cache, (window,))
+    return backend.forward(q, k, v, cache, plan, scale, window)
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -149,10 +158,7 @@ def test_decode_matches_dense_and_masked_rows_touch_nothing(
     )
     before = [c.clone() for c in sc.cache]
     scale = d**-0.5
-    out = paged_attention(
-        torch.stack(q), torch.stack(k), torch.stack(v), sc.cache, meta, scale, 0,
-        sliding_window=window,
-    )
+    out = attend(torch.stack(q), torch.stack(k), torch.stack(v), sc.cache, meta, scale, window)
     assert out.shape == (len(rows), hq, d)
     assert torch.isfinite(out).all()
     for i, s in enumerate(rows):
@@ -209,10 +215,8 @@ def test_prefill_matches_dense_with_prefix_chunks_and_padding(
     )
     before = [c.clone() for c in sc.cache]
     scale = d**-0.5
-    out = paged_attention(
-        torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), sc.cache, meta, scale,
-        sliding_window=window,
-    )
+    out = attend(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts), sc.cache, meta,
+                 scale, window)
     assert torch.isfinite(out).all()
     for i, s in enumerate(seqs):
         ref = sc.reference(s, scale, window)
@@ -228,7 +232,7 @@ def test_prefill_matches_dense_with_prefix_chunks_and_padding(
 
 
 def test_plan_shared_across_layers_and_windows() -> None:
-    """One prepare_attention serves layers with different windows (what the model does)."""
+    """One plan serves layers with different windows (what the model does)."""
     sc = Scenario(4, 2, 16, 8, seed=3)
     s = sc.add(50, 1)
     meta = AttentionMetadata(
@@ -240,11 +244,10 @@ def test_plan_shared_across_layers_and_windows() -> None:
         max_seq_len=50,
         is_decode=True,
     )
-    plan = prepare_attention(meta, sc.cache, (None, 12))
+    backend = SdpaBackend()
+    plan = backend.prepare(meta, sc.cache, (None, 12))
     for window in (None, 12):
-        out = paged_attention(
-            s.q, s.k[49:], s.v[49:], sc.cache, meta, 0.25, plan=plan, sliding_window=window
-        )
+        out = backend.forward(s.q, s.k[49:], s.v[49:], sc.cache, plan, 0.25, window)
         torch.testing.assert_close(
             out, dense_reference(s.q, s.k, s.v, 0.25, window), atol=ATOL, rtol=0
         )
@@ -267,7 +270,7 @@ def test_decode_does_not_sync_host(kv_dtype: torch.dtype) -> None:
     q = torch.randn(3, 4, 16)
     k = torch.randn(3, 2, 16)
     with guard.forbid_host_sync():
-        out = paged_attention(q, k, k, sc.cache, meta, 0.25)
+        out = attend(q, k, k, sc.cache, meta, 0.25)
     assert out.shape == (3, 4, 16)
 
 
@@ -307,7 +310,7 @@ def test_fp8_cache_saturates_instead_of_overflowing() -> None:
         slot_mapping=torch.tensor([sc.slot(s, 0)]), block_tables=sc.block_tables([s]),
         seq_lens=torch.tensor([1], dtype=torch.int32), query_start_loc=None,
         query_lens=None, max_seq_len=1, is_decode=True)
-    out = paged_attention(s.q, k, -k, sc.cache, meta, 0.3)
+    out = attend(s.q, k, -k, sc.cache, meta, 0.3)
     stored = sc.cache[0][s.blocks[0], 0, 0].float()
     assert stored.tolist() == [448.0, -448.0, 448.0, 0.3125, -0.029296875, 0.0, 2.0**-9, 0.0]
     assert torch.equal(sc.cache[1][s.blocks[0], 0, 0].float(), -stored)

@@ -1,36 +1,36 @@
 """Mixed forwards: decode rows (device lengths, some masked) and prefill rows (fresh and after
-a cached prefix) in one paged_attention call, on the split SDPA path and in one FlexAttention
-call, against a dense causal reference (float32, 1e-5), with sliding windows; no host read.
+a cached prefix) in one backend call, on the SDPA backend's split path and in the flex
+backend's one FlexAttention call, against a dense causal reference (float32, 1e-5), with
+sliding windows; no host read.
 """
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.attention import flex as flex_attention
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, paged_attention
+from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from tandem_serve.gpu_worker.attention.flex import FlexBackend, FlexPlan
+from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend, SdpaPlan, length_groups
 from tests.gpu_worker.sync_guard import forbid_host_sync
 from tests.gpu_worker.test_attention import (
     ATOL,
     KV_DTYPES,
     Scenario,
     Seq,
+    attend,
     dense_reference,
 )
 
 
-@pytest.fixture(params=["split", "flex"])
-def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setattr(flex_attention, "ENABLED", request.param == "flex")
-    yield request.param
+@pytest.fixture(params=["sdpa", "flex"])
+def backend(request: pytest.FixtureRequest) -> AttentionBackend:
+    return SdpaBackend() if request.param == "sdpa" else FlexBackend()
 
 
 @pytest.mark.parametrize("hq,hkv,block_size", [(4, 2, 16), (4, 1, 8), (6, 6, 4)])
 @pytest.mark.parametrize("window", [None, 9])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
+def test_mixed_rows_match_dense(backend: AttentionBackend, hq: int, hkv: int, block_size: int,
                                 window: int | None, kv_dtype: torch.dtype) -> None:
     d = 16
     sc = Scenario(hq, hkv, d, block_size, num_blocks=96, seed=hq * 10 + hkv + block_size,
@@ -62,8 +62,10 @@ def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
     before = [c.clone() for c in sc.cache]
     scale = d**-0.5
     with forbid_host_sync():
-        out = paged_attention(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts),
-                              sc.cache, meta, scale, sliding_window=window)
+        plan = backend.prepare(meta, sc.cache, (window,))
+        assert isinstance(plan, FlexPlan if backend.name == "flex" else SdpaPlan)
+        out = backend.forward(torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts),
+                              sc.cache, plan, scale, window)
     assert torch.isfinite(out).all()
     for i, s in enumerate(rows):
         if s is masked:
@@ -85,8 +87,6 @@ def test_mixed_rows_match_dense(path: str, hq: int, hkv: int, block_size: int,
 def test_decode_rows_far_apart_in_length_gather_in_two_groups(window: int | None) -> None:
     """A long row among short ones: with host bounds per row the short rows gather to their
     own width (two groups), and every row still matches the dense reference."""
-    from tandem_serve.gpu_worker.attention.paged import length_groups, prepare_attention
-
     hq, hkv, d, bs = 4, 2, 16, 8
     sc = Scenario(hq, hkv, d, bs, num_blocks=96, seed=11)
     rows = [sc.add(n, 1) for n in (20, 300, 9, 33, 17)]
@@ -99,12 +99,12 @@ def test_decode_rows_far_apart_in_length_gather_in_two_groups(window: int | None
         block_tables=sc.block_tables(rows), seq_lens=torch.tensor(lens, dtype=torch.int32),
         query_start_loc=None, query_lens=None, max_seq_len=max(lens), is_decode=True,
         decode_lens=lens)
-    assert len(prepare_attention(meta, sc.cache).groups) == 2
+    assert len(SdpaBackend().prepare(meta, sc.cache).decode) == 2
     q = torch.stack([s.q[0] for s in rows])
     k = torch.stack([s.k[-1] for s in rows])
     v = torch.stack([s.v[-1] for s in rows])
     with forbid_host_sync():
-        out = paged_attention(q, k, v, sc.cache, meta, 0.25, sliding_window=window)
+        out = attend(q, k, v, sc.cache, meta, 0.25, window)
     for i, s in enumerate(rows):
         torch.testing.assert_close(out[i], dense_reference(s.q, s.k, s.v, 0.25, window)[0],
                                    atol=ATOL, rtol=0)

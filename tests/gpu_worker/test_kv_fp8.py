@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.attention import flex as flex_attention
 from tandem_serve.gpu_worker.attention.kv_cache import FP8
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.proto.config import WorkerConfig
@@ -113,10 +112,10 @@ def test_greedy_equals_hf_reading_fp8_rounded_kv(reference: dict[str, Any]) -> N
     ids=["sync-K1", "flex", "preempt-async", "preempt-sync"])
 def test_the_same_tokens_however_the_work_is_cut(
         llama: str, reference: dict[str, Any], k: int, async_mode: bool, flex: bool,
-        blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        blocks: int) -> None:
     """What attention reads is what the cache holds, whichever path wrote and reads it."""
-    monkeypatch.setattr(flex_attention, "ENABLED", flex)
-    runner = make_runner(llama, kv_cache_dtype="fp8", num_kv_blocks=blocks)
+    runner = make_runner(llama, kv_cache_dtype="fp8", num_kv_blocks=blocks,
+                         attention_backend="flex" if flex else "auto")
     runner.step_guard = forbid_host_sync
     served = Served(runner, k, async_mode, budget=20)
     assert _workload(served) == reference["out"]

@@ -131,7 +131,9 @@ def test_worker_config_reaches_the_model(tmp_path: Path) -> None:
 
     path = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
     cfg = ServerConfig(model=path, device="cpu", num_kv_blocks=8, max_num_seqs=2,
-                       onednn=False, flash_attn=False, enforce_eager=True)
+                       onednn=False, flash_attn=False, attention_backend="flex",
+                       enforce_eager=True)
     runner = build_runner(cfg)
     assert runner.model._packed_lm_head is None
-    assert runner.model.allow_flash is False and runner.graphs is None
+    assert runner.attention.name == "flex" and runner.model.attention is runner.attention
+    assert runner.graphs is None

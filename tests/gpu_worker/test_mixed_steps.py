@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tandem_serve.gpu_worker.attention import flex as flex_attention
+from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.gpu_worker.batch import build_decode_batch
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs
 from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
@@ -34,13 +34,12 @@ def greedy(n: int = NEW_TOKENS, **kw: object) -> SamplingParams:
 @pytest.mark.parametrize("flex", [False, True], ids=["split", "flex"])
 @torch.inference_mode()
 def test_mixed_step_logits_equal_the_requests_run_separately(
-        llama: str, flex: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        llama: str, flex: bool) -> None:
     """One forward over decode rows and prefill pieces (one completing its prompt, whose
     decode row reads the piece from the same forward; one mid-prompt after a cached part)
     gives the logits and KV of a prefill forward followed by a decode forward, whichever
     attention path the mixed forward takes."""
-    monkeypatch.setattr(flex_attention, "ENABLED", flex)
-    runner = make_runner(llama)
+    runner = make_runner(llama, attention_backend="flex" if flex else "sdpa")
     d = Driver(runner, seed=4)
     short, other, joiner, long = random_prompts([30, 52, 61, 140], 512, seed=8)
     d.add(0, short)
@@ -66,7 +65,7 @@ def test_mixed_step_logits_equal_the_requests_run_separately(
     for (k, v), (k0, v0) in zip(runner.kv_caches, before, strict=True):
         k.copy_(k0)
         v.copy_(v0)
-    monkeypatch.setattr(flex_attention, "ENABLED", False)  # the reference: plain SDPA
+    runner.model.attention = SdpaBackend()  # the reference: plain SDPA
     alone = prefill_inputs(layout.steps[0], runner.block_size, runner.device)
     hidden_alone = runner.model(alone.ids, alone.positions, runner.kv_caches,
                                 prefill_metadata(alone))
@@ -100,12 +99,10 @@ def _workload(served: Served) -> dict[int, list[int]]:
     (8, True, False, False), (1, False, False, False), (4, True, False, False),
     (8, True, True, False), (8, True, True, True), (1, False, False, True)])
 def test_prompts_prefill_inside_the_steps_and_equal_hf(
-        llama: str, k: int, async_mode: bool, flex: bool, pieces: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        llama: str, k: int, async_mode: bool, flex: bool, pieces: bool) -> None:
     """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.graphs.piecewise`), run as
     plain calls here, as CUDA runs them from graphs."""
-    monkeypatch.setattr(flex_attention, "ENABLED", flex)
-    runner = make_runner(llama)
+    runner = make_runner(llama, attention_backend="flex" if flex else "auto")
     if pieces:
         runner.executor.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
     runner.step_guard = forbid_host_sync

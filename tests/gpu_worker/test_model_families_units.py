@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata, paged_attention
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.moe import experts_forward, grouped_usable, route
 from tests.gpu_worker.family_utils import checkpoint
 from tests.gpu_worker.sync_guard import forbid_host_sync
-from tests.gpu_worker.test_attention import ATOL, Scenario, dense_reference
+from tests.gpu_worker.test_attention import ATOL, Scenario, attend, dense_reference
 
 # ---------------------------------------------------------------------------------- MoE
 
@@ -114,11 +114,11 @@ def test_decode_reads_only_the_blocks_in_the_window(block_size: int) -> None:
     q = torch.stack([s.q[0] for s in seqs])
     k = torch.stack([s.k[-1] for s in seqs])
     v = torch.stack([s.v[-1] for s in seqs])
-    out = paged_attention(q, k, v, sc.cache, meta, 0.25, sliding_window=window)
+    out = attend(q, k, v, sc.cache, meta, 0.25, window)
     for i, s in enumerate(seqs):
         ref = dense_reference(s.q, s.k, s.v, 0.25, window)
         torch.testing.assert_close(out[i], ref[0], atol=ATOL, rtol=0)
-    full = paged_attention(q, k, v, sc.cache, meta, 0.25)
+    full = attend(q, k, v, sc.cache, meta, 0.25)
     assert torch.isnan(full[2]).all(), "the poison is where full attention reads"
 
 
@@ -132,7 +132,7 @@ def test_prefill_after_a_prefix_reads_only_the_blocks_in_the_window() -> None:
         block_tables=sc.block_tables([s]), seq_lens=torch.tensor([90], dtype=torch.int32),
         query_start_loc=torch.tensor([0, 30], dtype=torch.int32), query_lens=[30],
         max_seq_len=90, is_decode=False)
-    out = paged_attention(s.q, s.k[60:], s.v[60:], sc.cache, meta, 0.25, sliding_window=window)
+    out = attend(s.q, s.k[60:], s.v[60:], sc.cache, meta, 0.25, window)
     torch.testing.assert_close(out, dense_reference(s.q, s.k, s.v, 0.25, window), atol=ATOL,
                                rtol=0)
 

@@ -192,7 +192,8 @@ def launch(spec: dict[str, Any], out: Path, device: str = "cpu", size: int = 2
            ) -> list[dict[str, Any]]:
     """Run the job on `size` ranks (one process each); what each rank wrote."""
     addr = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.gpu_worker.tp_job", "--rank",
                                str(r), "--size", str(size), "--addr", addr, "--device", device,
                                "--spec", json.dumps(spec), "--out", str(out)],

@@ -19,6 +19,28 @@ def test_kernel_flags_default_on_and_turn_off() -> None:
     assert (c.enforce_eager, c.onednn, c.flash_attn) == (True, False, False)
 
 
+def test_attention_backend_flag(monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Named on the command line or TANDEM_ATTENTION_BACKEND; a name that is not a backend,
+    or flash with --no-flash-attn (auto then never picks flash), is one error line."""
+    assert serve_config([]).attention_backend == "auto"
+    for name in ("auto", "sdpa", "flex", "flash"):
+        assert serve_config(["--attention-backend", name]).attention_backend == name
+    assert serve_config(["--attention-backend", "flex", "--no-flash-attn"]).flash_attn is False
+    for argv, message in [
+            (["--attention-backend", "nope"],
+             "--attention-backend 'nope' is not one of auto, flash, flex, sdpa"),
+            (["--attention-backend", "flash", "--no-flash-attn"],
+             "--attention-backend flash contradicts --no-flash-attn")]:
+        with pytest.raises(SystemExit) as exc:
+            serve_config(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"tandem: error: {message}"), err
+    monkeypatch.setenv("TANDEM_ATTENTION_BACKEND", "sdpa")
+    assert serve_config([]).attention_backend == "sdpa"
+
+
 @pytest.mark.parametrize("name, value, field, want", [
     ("TANDEM_ONEDNN", "0", "onednn", False),
     ("TANDEM_FLASH_ATTN", "false", "flash_attn", False),

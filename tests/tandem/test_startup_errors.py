@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 def serve(*flags: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CLI, "serve", *flags], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *expected: str) -> str:
@@ -122,3 +123,20 @@ def test_parallel_flags_out_of_range(tiny_model_dir: pathlib.Path, flags: list[s
                                      expected: str) -> None:
     proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()), *flags)
     assert_one_line_error(proc, expected)
+
+
+def test_attention_backend_that_does_not_exist() -> None:
+    """Refused by the command line itself (the names are proto.config's, torch-free)."""
+    proc = serve("--attention-backend", "nope", "--port", str(free_port()))
+    line = assert_one_line_error(proc, "--attention-backend 'nope' is not one of auto, flash, "
+                                       "flex, sdpa")
+    assert proc.stderr.strip() == line
+
+
+@pytest.mark.slow
+def test_attention_backend_that_cannot_serve_here(tiny_model_dir: pathlib.Path) -> None:
+    """Only the gpu worker knows its device and libraries: flash on the CPU is one line from
+    it, naming the flag, the backend and why, and nothing is served."""
+    proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()), "--device", "cpu",
+                 "--attention-backend", "flash", "--log-level", "WARNING")
+    assert_one_line_error(proc, "--attention-backend flash: ", "flash_attn")
