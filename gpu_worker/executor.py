@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
-from tandem_serve.gpu_worker.attention.paged import AttentionMetadata
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights

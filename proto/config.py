@@ -284,7 +284,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # --attention-backend's values: "auto" and the names in `gpu_worker.attention.registry`'s
 # BACKENDS (a test keeps the lists equal; a new backend adds its name here too).
-ATTENTION_BACKENDS = ("auto", "flash", "flex", "sdpa")
+ATTENTION_BACKENDS = ("auto", "flash", "triton", "flex", "sdpa")
 
 # The parsers openai_api/agents/ has (tool_parsers.TOOL_PARSERS, reasoning.REASONING_PARSERS;
 # a test keeps the lists equal): proto/ imports nothing of ours.

@@ -8,6 +8,17 @@ from collections.abc import Iterator
 import pytest
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Without a CUDA device, Triton kernels run under Triton's interpreter: the tests run
+    the very kernels a GPU runs, on CPU tensors.  Triton reads TRITON_INTERPRET when a
+    kernel is decorated, its own `triton.language` helpers included, and transformers
+    imports triton as a side effect, so it is set before anything is collected."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread() -> Iterator[None]:
     """Torch at one intra-op thread for a module: its models and tensors are tiny, and on a

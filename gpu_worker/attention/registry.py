@@ -14,6 +14,7 @@ from tandem_serve.gpu_worker.attention.base import AttentionBackend, WarmUp
 from tandem_serve.gpu_worker.attention.flash import FlashBackend
 from tandem_serve.gpu_worker.attention.flex import FlexBackend
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
+from tandem_serve.gpu_worker.attention.triton_attn import TritonBackend
 from tandem_serve.ipc.process import StartupError
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 # serves everywhere, last).
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "flash": FlashBackend,
+    "triton": TritonBackend,
     "flex": FlexBackend,
     "sdpa": SdpaBackend,
 }

@@ -54,13 +54,14 @@ def test_concurrent_greedy_streams_equal_hf(tiny_model_dir: pathlib.Path,
     assert server.leftovers() == []
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
 def test_every_attention_backend_streams_the_default_tokens(
         tiny_model_dir: pathlib.Path, hf_outputs: dict[str, str], backend: str) -> None:
     """`--attention-backend NAME` reaches the gpu worker, and its streams equal HF's, as the
     default's do (the test above).  The later prompts arrive while the first decodes, so its
     steps carry their prefill: flex runs those mixed steps in one FlexAttention call (eagerly,
-    on the CPU), sdpa in its split path."""
+    on the CPU), sdpa in its split path, triton in its kernel (under Triton's interpreter
+    without a GPU: TRITON_INTERPRET=1, tests/conftest.py)."""
     server = Server(str(tiny_model_dir), "--attention-backend", backend,
                     "--max-num-batched-tokens", "8").wait_ready()
     try:

@@ -1,11 +1,13 @@
 """What every gpu worker test module shares."""
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.gpu_worker.runner_driver import checkpoint
+from tests.gpu_worker.triton_utils import interpreter, load_kernels
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -22,3 +24,12 @@ def ckpt_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def llama(ckpt_root: Path) -> str:
     """The GQA llama checkpoint most runner tests drive (built once per run)."""
     return checkpoint(ckpt_root, "llama-gqa")
+
+
+@pytest.fixture
+def triton_interpreter() -> Iterator[None]:
+    """The Triton attention backend can be built and run in this test: its kernels load
+    under Triton's interpreter when there is no CUDA device (tests/gpu_worker/triton_utils)."""
+    load_kernels()
+    with interpreter():
+        yield

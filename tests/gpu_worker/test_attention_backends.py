@@ -1,7 +1,8 @@
 """Choosing the attention backend (`gpu_worker.attention.registry`): what `auto` picks where
 (the CPU: sdpa, as before backends had names; CUDA: flash where flash_attn serves, else
-flex), a named backend that cannot serve here as one start-up error naming the flag, and a
-start-up check that fails: `auto` falls back then and says so, a named backend refuses.
+triton where Triton is installed, else flex), a named backend that cannot serve here as
+one start-up error naming the flag, and a start-up check that fails: `auto` falls back then
+and says so, a named backend refuses.
 No GPU needed: `supports` only reads the device's type, and the checks are stand-ins."""
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tandem_serve.gpu_worker.attention.flash import FlashBackend
 from tandem_serve.gpu_worker.attention.flex import FlexBackend
 from tandem_serve.gpu_worker.attention.registry import BACKENDS, check_backend, select_backend
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
+from tandem_serve.gpu_worker.attention.triton_attn import TritonBackend
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto.config import ATTENTION_BACKENDS
 
@@ -26,6 +28,13 @@ F32, BF16, FP8 = torch.float32, torch.bfloat16, torch.float8_e4m3fn
 def probe() -> WarmUp:
     cache = torch.zeros(2, 16, 1, 8)
     return WarmUp((cache, cache), 2, (None,), 0.5, F32)
+
+
+@pytest.fixture
+def no_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As if Triton were not installed (the CUDA image brings it; a bare torch may not)."""
+    monkeypatch.setattr(TritonBackend, "supports",
+                        classmethod(lambda cls, *a: "triton is not installed"))
 
 
 @pytest.fixture
@@ -57,8 +66,17 @@ def test_a_named_backend_serves_the_cpu(name: str, cls: type) -> None:
     assert type(backend) is cls and backend.name == name
 
 
-def test_auto_on_cuda_is_flex_without_flash_attn_and_flash_with_it(
-        flash_installed: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_cuda_is_flash_where_it_serves_else_triton(flash_installed: None) -> None:
+    """Triton reads the cache in place, as flash does, where flex's decode gathers it."""
+    assert type(select_backend("auto", CUDA, BF16, BF16, 256)) is FlashBackend
+    assert type(select_backend("auto", CUDA, BF16, FP8, 256)) is TritonBackend
+    assert type(select_backend("auto", CUDA, BF16, BF16, 16)) is TritonBackend
+    assert type(select_backend("auto", CUDA, F32, F32, 16, flash_attn=False)) is TritonBackend
+    assert TritonBackend.auto_skips(CPU, F32, F32, 16) is not None  # the interpreter: tests
+
+
+def test_auto_on_cuda_without_triton_is_flex_without_flash_attn_and_flash_with_it(
+        flash_installed: None, no_triton: None, monkeypatch: pytest.MonkeyPatch) -> None:
     assert type(select_backend("auto", CUDA, BF16, BF16, 256)) is FlashBackend
     # --no-flash-attn, an fp8 cache, a float32 model or blocks flash_attn cannot page:
     assert type(select_backend("auto", CUDA, BF16, BF16, 256, flash_attn=False)) is FlexBackend
@@ -98,7 +116,8 @@ def test_a_named_backend_that_cannot_serve_is_a_startup_error() -> None:
 
 
 def test_a_failed_start_up_check_falls_back_once_and_says_so(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        no_triton: None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     """FlexAttention's compile failing at start-up: auto takes sdpa then, logged; named, flex
     refuses to start.  Mixed steps never meet the failure."""
     def broken(self: FlexBackend, probe: WarmUp) -> None:
@@ -118,7 +137,7 @@ def test_a_failed_start_up_check_falls_back_once_and_says_so(
 
 
 def test_running_out_of_memory_in_the_check_is_not_a_backend_failure(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        no_triton: None, monkeypatch: pytest.MonkeyPatch) -> None:
     def oom(self: FlexBackend, probe: WarmUp) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory")
 

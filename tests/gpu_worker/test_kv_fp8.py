@@ -19,6 +19,7 @@ from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import make_runner
 from tests.gpu_worker.served import Served
 from tests.gpu_worker.sync_guard import forbid_host_sync
+from tests.gpu_worker.triton_utils import use_backend
 
 NEW = 40
 
@@ -107,15 +108,16 @@ def test_greedy_equals_hf_reading_fp8_rounded_kv(reference: dict[str, Any]) -> N
     assert reference["out"] != reference["f32"]
 
 
-@pytest.mark.parametrize("k, async_mode, flex, blocks", [
-    (1, False, False, 400), (8, True, True, 400), (8, True, False, 16), (8, False, False, 18)],
-    ids=["sync-K1", "flex", "preempt-async", "preempt-sync"])
+@pytest.mark.parametrize("k, async_mode, backend, blocks", [
+    (1, False, "auto", 400), (8, True, "flex", 400), (8, True, "auto", 16),
+    (8, False, "auto", 18), (8, True, "triton", 16)],
+    ids=["sync-K1", "flex", "preempt-async", "preempt-sync", "triton-preempt"])
 def test_the_same_tokens_however_the_work_is_cut(
-        llama: str, reference: dict[str, Any], k: int, async_mode: bool, flex: bool,
-        blocks: int) -> None:
+        request: pytest.FixtureRequest, llama: str, reference: dict[str, Any], k: int,
+        async_mode: bool, backend: str, blocks: int) -> None:
     """What attention reads is what the cache holds, whichever path wrote and reads it."""
     runner = make_runner(llama, kv_cache_dtype="fp8", num_kv_blocks=blocks,
-                         attention_backend="flex" if flex else "auto")
+                         attention_backend=use_backend(request, backend))
     runner.step_guard = forbid_host_sync
     served = Served(runner, k, async_mode, budget=20)
     assert _workload(served) == reference["out"]

@@ -20,6 +20,7 @@ from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
 from tests.gpu_worker.served import Served
 from tests.gpu_worker.sync_guard import forbid_host_sync
+from tests.gpu_worker.triton_utils import use_backend
 
 ATOL = 1e-5
 
@@ -95,14 +96,18 @@ def _workload(served: Served) -> dict[int, list[int]]:
     return served.run()
 
 
-@pytest.mark.parametrize("k, async_mode, flex, pieces", [
-    (8, True, False, False), (1, False, False, False), (4, True, False, False),
-    (8, True, True, False), (8, True, True, True), (1, False, False, True)])
+@pytest.mark.parametrize("k, async_mode, backend, pieces", [
+    (8, True, "auto", False), (1, False, "auto", False), (4, True, "auto", False),
+    (8, True, "flex", False), (8, True, "flex", True), (1, False, "auto", True),
+    (1, False, "triton", True)])
 def test_prompts_prefill_inside_the_steps_and_equal_hf(
-        llama: str, k: int, async_mode: bool, flex: bool, pieces: bool) -> None:
-    """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.graphs.piecewise`), run as
-    plain calls here, as CUDA runs them from graphs."""
-    runner = make_runner(llama, attention_backend="flex" if flex else "auto")
+        request: pytest.FixtureRequest, llama: str, k: int, async_mode: bool, backend: str,
+        pieces: bool) -> None:
+    """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.graphs.piecewise`),
+    run as plain calls here, as CUDA runs them from graphs.  `triton`: the Triton kernels
+    under the interpreter, the very kernels a GPU runs (K=8 async with preemption and
+    prefix hits: test_kv_fp8)."""
+    runner = make_runner(llama, attention_backend=use_backend(request, backend))
     if pieces:
         runner.executor.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
     runner.step_guard = forbid_host_sync

@@ -84,10 +84,11 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
 
 def _run(model: str, spec: str, k: int, per_step: bool,
          requests: list[tuple[list[int], SamplingParams]], guard: bool = False,
-         tables: tuple[GuidedTable, ...] = ()
+         tables: tuple[GuidedTable, ...] = (), attention_backend: str = "auto"
          ) -> tuple[dict[int, list[int]], dict[int, FinishReason], Driver]:
     runner = ModelRunner(WorkerConfig(model, device="cpu", dtype="float32", num_kv_blocks=400,
-                                      block_size=4, speculative=parse_speculative(spec)))
+                                      block_size=4, speculative=parse_speculative(spec),
+                                      attention_backend=attention_backend))
     if guard:
         runner.step_guard = forbid_host_sync
     d = Driver(runner)

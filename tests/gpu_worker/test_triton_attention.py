@@ -9,55 +9,20 @@ garbage too), so a read outside a row's visible keys shows up as NaN in the outp
 """
 from __future__ import annotations
 
-import contextlib
-import importlib
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tandem_serve.gpu_worker.attention.kv_cache import FP8, store_rows
+from tests.gpu_worker.triton_utils import DEVICE, interpreter, load_kernels
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@contextlib.contextmanager
-def _interpreter() -> Iterator[None]:
-    """TRITON_INTERPRET=1 inside, when there is no CUDA device; restored on exit."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
-def _load_kernels():
-    """Import the kernel module, under the interpreter when there is no CUDA device.
-
-    Triton reads TRITON_INTERPRET when a kernel is decorated (the module's import: reloaded
-    if something imported it compiled before) and again in lazy imports at the first launch,
-    so it is set around the import and around this module's tests (`_interpret`), never
-    for other modules."""
-    with _interpreter():
-        pytest.importorskip("triton", reason="triton is not installed (the `test` extra)")
-        mod = importlib.import_module("tandem_serve.gpu_worker.attention.triton_kernels")
-        if DEVICE == "cpu" and type(mod._attention_kernel).__name__ != "InterpretedFunction":
-            mod = importlib.reload(mod)
-        return mod
-
-
-ta = _load_kernels()
+ta = load_kernels()
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _interpret() -> Iterator[None]:
-    with _interpreter():
+    with interpreter():
         yield
 
 

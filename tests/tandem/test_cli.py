@@ -24,12 +24,12 @@ def test_attention_backend_flag(monkeypatch: pytest.MonkeyPatch,
     """Named on the command line or TANDEM_ATTENTION_BACKEND; a name that is not a backend,
     or flash with --no-flash-attn (auto then never picks flash), is one error line."""
     assert serve_config([]).attention_backend == "auto"
-    for name in ("auto", "sdpa", "flex", "flash"):
+    for name in ("auto", "sdpa", "flex", "flash", "triton"):
         assert serve_config(["--attention-backend", name]).attention_backend == name
     assert serve_config(["--attention-backend", "flex", "--no-flash-attn"]).flash_attn is False
     for argv, message in [
             (["--attention-backend", "nope"],
-             "--attention-backend 'nope' is not one of auto, flash, flex, sdpa"),
+             "--attention-backend 'nope' is not one of auto, flash, triton, flex, sdpa"),
             (["--attention-backend", "flash", "--no-flash-attn"],
              "--attention-backend flash contradicts --no-flash-attn")]:
         with pytest.raises(SystemExit) as exc:
