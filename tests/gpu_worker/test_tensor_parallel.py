@@ -165,6 +165,13 @@ def test_prefill_pieces_in_decode_steps_equal_hf_and_tp1(ranks: list[dict[str, A
             assert got["out"][rid] == hf_greedy(paths[RUNNER_ARCH], prompt), rid
 
 
+def test_triton_attention_equals_tp1(ranks: list[dict[str, Any]]) -> None:
+    """The Triton backend on each rank's own heads (under the interpreter without a GPU):
+    the mixed-step workload's tokens of TP=1 (test above)."""
+    assert ranks[0]["served_triton"]["out"] == ranks[1]["served_triton"]["out"] == \
+        ranks[0]["served"]["out"]
+
+
 def test_fp8_kv_cache_equals_tp1(ranks: list[dict[str, Any]], paths: dict[str, str]) -> None:
     """Each rank's fp8 cache holds its own KV heads (scale 1.0: nothing to agree on across
     ranks): the same tokens as TP=1 on an fp8 cache, on both ranks."""

@@ -119,7 +119,7 @@ def draft_spec(path: str) -> str:
 
 def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
                    kv_cache_dtype: str = "auto", speculative: str = "",
-                   always: bool = True) -> dict[str, Any]:
+                   always: bool = True, attention_backend: str = "auto") -> dict[str, Any]:
     """The real scheduler's plans (K=8, a small per-step budget: prompts prefill in pieces
     inside the decode steps of streams already running) through every rank's runner; each
     rank plans for itself, the same plans from the same counts.  `speculative`: with
@@ -128,7 +128,8 @@ def served_outputs(path: str, tp: TensorParallel | None, device: str = "cpu",
     spec = parse_speculative(speculative)
     runner = ModelRunner(WorkerConfig(path, device=device, dtype="float32", block_size=16,
                                       num_kv_blocks=400, kv_cache_dtype=kv_cache_dtype,
-                                      speculative=spec), tp)
+                                      speculative=spec, attention_backend=attention_backend),
+                         tp)
     runner.step_guard = (forbid_host_sync if device == "cpu"
                          else partial(forbid_host_sync, cuda_sync_debug=False))
     if runner.speculation is not None:
@@ -232,6 +233,9 @@ def main() -> None:
             "sync_k1": runner_outputs(spec["runner"], tp, 1, False, dev),
             "served": served_outputs(spec["runner"], tp, dev),
             "served_fp8": served_outputs(spec["runner"], tp, dev, "fp8"),
+            # Each rank's Triton kernel over its own heads (the interpreter on the CPU).
+            "served_triton": served_outputs(spec["runner"], tp, dev,
+                                            attention_backend="triton"),
             "served_spec": served_outputs(spec["runner"], tp, dev, speculative=SPEC),
             "served_spec_rule": served_outputs(spec["runner"], tp, dev, speculative=SPEC,
                                                always=False),
