@@ -129,7 +129,7 @@ def test_attention_backend_that_does_not_exist() -> None:
     """Refused by the command line itself (the names are proto.config's, torch-free)."""
     proc = serve("--attention-backend", "nope", "--port", str(free_port()))
     line = assert_one_line_error(proc, "--attention-backend 'nope' is not one of auto, flash, "
-                                       "flex, sdpa")
+                                       "triton, flex, sdpa")
     assert proc.stderr.strip() == line
 
 
