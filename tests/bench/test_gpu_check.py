@@ -177,3 +177,30 @@ def test_the_kv_fp8_stage_compares_the_caches(tmp_path: pathlib.Path,
     assert a["position_agreement"] == pytest.approx(1 - 1 / (3 * CPU_PLAN.kv_prompts))
     assert fig["fp8"]["num_kv_blocks"] == 4 * fig["auto"]["num_kv_blocks"]
     assert "fp8 / auto: 4.00x the blocks, 1.20x the TPOT." in text
+
+
+def test_the_quantized_stage_fits_the_tiny_widths_to_int4_groups(
+        tmp_path: pathlib.Path) -> None:
+    """The tiny default preset's MLP (688) takes no int4 group: the stage serves every arm a
+    shape rounded up to multiples of 128 instead (it failed the --cpu flow before)."""
+    from tandem_serve.bench.gpu_check.quantized import fitted_model, quantized_folder
+    from tandem_serve.gpu_worker.models.config import ModelArgs
+    from tandem_serve.harness.tiny_model import PRESETS
+
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    p = PRESETS["default"]
+    (tiny / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+        "hidden_size": p.hidden_size, "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}))
+    (tiny / "tokenizer.json").write_text("{}")
+    assert fitted_model(str(tiny), str(tmp_path), ("ct-fp8",)) == str(tiny)  # no groups
+    fitted = fitted_model(str(tiny), str(tmp_path), ("ct-fp8", "gptq"))
+    config = json.loads(pathlib.Path(fitted, "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["head_dim"]) == (
+        256, 768, 64)
+    assert pathlib.Path(fitted, "tokenizer.json").exists()
+    folder = quantized_folder(fitted, str(tmp_path), "gptq")
+    args = ModelArgs.from_hf_config(json.loads(pathlib.Path(folder, "config.json").read_text()))
+    assert args.quant is not None and args.quant.group_size == 128
