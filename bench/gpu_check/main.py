@@ -184,7 +184,7 @@ def run_one(name: str, fn: StageFn, plan: Plan, out: str, allowed: float, report
 
 def profile_stage(profile: dict[str, Any], plan: Plan) -> Stage:
     if not plan.profile:
-        return Stage("profile", "skipped", error="--no-profile")
+        return Stage("profile", "skipped", error="off in this run (--no-profile, or the flow)")
     if not profile:
         return Stage("profile", "skipped", error="the async arm did not run")
     if "error" in profile:
