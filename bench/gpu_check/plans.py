@@ -81,7 +81,7 @@ GPU_PLAN = Plan("cuda", "bfloat16", "llama3-8b", 1024, 512, 512, 10.0, 200, 20, 
                 512, 32, 20, 4, kv_cache_memory="free")
 CPU_PLAN = Plan("cpu", "float32", "default", 64, 32, 16, 8.0, 8, 4, "1,8", 64, 8, 6, 2,
                 kv_prompts=4, kv_tokens=16, probe_model="default", probe_batches=(1, 4),
-                probe_contexts=(64, 128), probe_steps=24,
+                probe_contexts=(64, 128), probe_steps=40,
                 stall_args=("--in-process", "--budgets", "128,256", "--rounds", "1",
                             "--streams", "2", "--prompts", "2", "--prompt-len", "256",
                             "--interval", "0.3"),
