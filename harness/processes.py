@@ -1,11 +1,15 @@
 """Processes the benchmarks and the end-to-end tests start and watch, read from /proc: free
-ports, process trees, roles by title, resident memory and CPU time."""
+ports, process trees, roles by title, resident memory and CPU time; and ending every process
+a run started, orphans included (`set_child_subreaper`, `end_processes`)."""
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
+import time
 
 # The checkout the benchmarks run from: servers start there, reports are written there.  Links
 # resolved: scripts/gpu-check imports this folder through a view's tandem_serve/harness link.
@@ -39,6 +43,82 @@ def tree_pids(root: int) -> list[int]:
             out.append(c)
             todo.append(c)
     return out
+
+
+def is_zombie(pid: int) -> bool:
+    """Whether `pid` has exited and waits to be reaped (or is gone altogether)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def descendants(root: int | None = None) -> set[int]:
+    """Every live (not zombie) descendant of `root` (default: this process), not `root`."""
+    root = os.getpid() if root is None else root
+    return {p for p in tree_pids(root)[1:] if not is_zombie(p)}
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the parent of its descendants' orphans (Linux): a process whose
+    parent dies while it runs (a server whose `tandem bench` was killed) then stays in this
+    process's tree, where `descendants` finds it, instead of moving to init. False where the
+    kernel offers no such thing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def reap_zombies(pids: set[int] | list[int]) -> None:
+    """Collect the exit status of those of `pids` that are this process's exited children
+    (an orphan adopted by a subreaper has no `Popen` to do it)."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):
+            pass
+
+
+def end_processes(pids: set[int], grace_s: float = 10.0, rescan: int | None = None
+                  ) -> set[int]:
+    """End `pids`: SIGTERM (their own clean-up: a server stops its roles), then SIGKILL for
+    whatever is still alive after `grace_s`. With `rescan` (a root pid, usually this one),
+    descendants of `rescan` that appear meanwhile and were not alive before are ended too
+    (a launcher's children orphaned by its death, moved to a subreaper).  Returns every pid
+    that was signalled."""
+    seen = set(pids)
+    before = descendants(rescan) - seen if rescan is not None else set()
+
+    def alive() -> set[int]:
+        now = {p for p in seen if not is_zombie(p)}
+        if rescan is not None:
+            fresh = descendants(rescan) - before
+            seen.update(fresh)
+            now |= fresh
+        return now
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        targets = alive()
+        if not targets:
+            break
+        for pid in targets:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            reap_zombies(seen)
+            if not alive():
+                break
+            time.sleep(0.05)
+    reap_zombies(seen)
+    return seen
 
 
 def role_of(pid: int) -> str:

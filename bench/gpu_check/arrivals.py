@@ -1,5 +1,6 @@
 """The arrivals stage of `scripts/gpu-check`: issue R's arrival workload on the experiment's
-model (Poisson arrivals of 1,024-token prompts, 128 output tokens), async K=8 with mixed
+model and servers (Poisson arrivals of 1,024-token prompts, 128 output tokens; the `--cpu`
+flow's are shorter), async K=8 with mixed
 steps against the same server with `--prefill-phase`, each arm on a fresh server, arms
 alternating over the plan's repeats; per arm the medians over repeats, then mixed steps'
 ITL/TPOT p50 and p99, TTFT and throughput over the baseline's."""
@@ -9,7 +10,7 @@ import statistics
 from typing import Any
 
 from tandem_serve.bench.ab.tables import prefill_ratios
-from tandem_serve.bench.gpu_check.models import experiment_model
+from tandem_serve.bench.gpu_check.models import serve_flags
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, say
 from tandem_serve.bench.serve.config import BenchConfig
@@ -27,11 +28,10 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def stage_arrivals(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
-    model, flags = experiment_model(plan, out)
-    flags = [*flags, "--device", plan.device, "--dtype", plan.dtype, *plan.server_args]
-    bench = BenchConfig(model=model, num_prompts=plan.arrival_prompts, input_len=1024,
-                        output_len=128, request_rate=plan.arrival_rate, seed=0, warmup=4,
-                        progress=False)
+    model, flags = serve_flags(plan, out)
+    bench = BenchConfig(model=model, num_prompts=plan.arrival_prompts,
+                        input_len=plan.arrival_input_len, output_len=plan.arrival_output_len,
+                        request_rate=plan.arrival_rate, seed=0, warmup=4, progress=False)
     work = Workload.build(bench)
     runs: dict[str, list[dict[str, Any]]] = {arm.name: [] for arm in ARMS}
     for repeat in range(plan.arrival_repeats):
@@ -44,8 +44,9 @@ def stage_arrivals(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any]
             f"{f['p99_tpot_ms']:.2f} | {f['median_itl_ms']:.2f} / {f['p99_itl_ms']:.2f} | "
             f"{f['output_throughput']:.1f} |" for name, f in fig.items()]
     fig.update(num_prompts=plan.arrival_prompts, request_rate=plan.arrival_rate,
-               repeats=plan.arrival_repeats)
-    return fig, (f"{plan.arrival_prompts} prompts of 1,024 tokens at {plan.arrival_rate:g} "
-                 f"req/s (Poisson), 128 output tokens, medians of {plan.arrival_repeats} "
+               repeats=plan.arrival_repeats, server_flags=flags)
+    return fig, (f"{plan.arrival_prompts} prompts of {plan.arrival_input_len:,} tokens at "
+                 f"{plan.arrival_rate:g} req/s (Poisson), {plan.arrival_output_len} output "
+                 f"tokens, medians of {plan.arrival_repeats} "
                  "run(s) per arm.\n\n| arm | TTFT ms | TPOT ms p50 / p99 | ITL ms p50 / p99 | "
                  "out tok/s |\n|---|---|---|---|---|\n" + "\n".join(rows) + f"\n\n{ratios}\n")

@@ -17,7 +17,7 @@ from typing import Any
 from tandem_serve.bench.gpu_check.models import tiny_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
-from tandem_serve.bench.gpu_check.stages import tandem
+from tandem_serve.bench.gpu_check.supervise import tandem
 
 QWEN3_MOE: dict[str, Any] = {  # Qwen3-30B-A3B, as its config.json spells it
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",

@@ -83,15 +83,13 @@ def peft_greedy(model: str, adapter: str, device: str) -> list[str]:
     return list(tok.convert_ids_to_tokens(out[0, len(prompt):].tolist()))
 
 
-def served(model: str, flags: list[str], *, regex: str | None = None,
-           adapter_id: str = "") -> list[str]:
+def served(client: Any, *, regex: str | None = None, adapter_id: str = "") -> list[str]:
     from tandem_serve.rpc.client import GenerateOptions
 
     opts = GenerateOptions(max_new_tokens=NEW, generated_tokens=True, regex=regex,
                            min_new_tokens=0 if regex else NEW)
-    with arm_server(model, Arm(8, True), flags) as served:
-        return [t.text for r in served.client.stream(PROMPT, opts, adapter_id=adapter_id)
-                for t in r.tokens]
+    return [t.text for r in client.stream(PROMPT, opts, adapter_id=adapter_id)
+            for t in r.tokens]
 
 
 def check_features(model: str, device: str, out: str) -> tuple[dict[str, Any], str]:
@@ -103,13 +101,14 @@ def check_features(model: str, device: str, out: str) -> tuple[dict[str, Any], s
     write_adapter(os.path.join(cache, "check"), model_shapes(model), rank=8, seed=7)
     flags = ["--device", device, "--dtype", "float32", "--adapter-cache", cache]
     fig: dict[str, Any] = {}
-    got = served(model, flags, regex=REGEX)
+    with arm_server(model, Arm(8, True), flags) as server:  # one server answers both
+        guided = served(server.client, regex=REGEX)
+        adapted = served(server.client, adapter_id="check")
     want = hf_regex(model, device)
     # The served tokens include the final EOS's text when the constraint ended it.
-    fig["guided_regex"] = {"equal": got[:len(want)] == want, "tokens": len(want)}
-    got = served(model, flags, adapter_id="check")
-    fig["lora"] = {"equal": got == peft_greedy(model, os.path.join(cache, "check"), device),
-                   "tokens": len(got)}
+    fig["guided_regex"] = {"equal": guided[:len(want)] == want, "tokens": len(want)}
+    fig["lora"] = {"equal": adapted == peft_greedy(model, os.path.join(cache, "check"),
+                                                   device), "tokens": len(adapted)}
     if device == "cuda" and torch.cuda.device_count() >= 2:
         jobs = PARITY_PROMPTS[:2]
         tp = served_tokens(model, ["--device", "cuda", "--dtype", "float32",

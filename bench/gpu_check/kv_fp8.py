@@ -6,6 +6,10 @@
 * the seed's workload (the experiment's model and flags) served async K=8 on each cache:
   the blocks the server allocated in the same `--kv-cache-memory` and the TPOT.
 
+Where both are the same server (the `--cpu` flow: the experiment's model is the tiny one in
+float32), each cache's server does both, the agreement after the workload: two servers, not
+four.
+
 Random weights make a hard case: their attention is nearly as sensitive to a rounded key as
 it can be, so agreement here is a floor, not what a trained checkpoint shows.
 """
@@ -13,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_serve.bench.gpu_check.models import experiment_model, tiny_model
-from tandem_serve.bench.gpu_check.parity import agreement, served_tokens
+from tandem_serve.bench.gpu_check.models import serve_flags, tiny_model
+from tandem_serve.bench.gpu_check.parity import agreement, client_tokens, served_tokens
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, say
 from tandem_serve.bench.gpu_check.stages import num_prompts
@@ -39,24 +43,37 @@ def position_agreement(got: list[list[str]], want: list[list[str]]) -> float:
     return same / max(sum(len(w) for w in want), 1)
 
 
-def check_agreement(plan: Plan, out: str) -> dict[str, Any]:
-    model = tiny_model(out, plan.parity_model)
-    jobs = [(p, plan.kv_tokens) for p in AGREEMENT_PROMPTS[:plan.kv_prompts]]
-    base = ["--device", plan.device, "--dtype", "float32"]
-    ref = served_tokens(model, [*base, "--kv-cache-dtype", "auto"], jobs)
-    got = served_tokens(model, [*base, "--kv-cache-dtype", "fp8"], jobs)
+def agreement_figures(plan: Plan, got: list[list[str]], ref: list[list[str]]
+                      ) -> dict[str, Any]:
     exact, prefix = agreement(got, ref)
-    return {"prompts": len(jobs), "tokens": plan.kv_tokens, "exact_prompts": exact,
+    return {"prompts": len(ref), "tokens": plan.kv_tokens, "exact_prompts": exact,
             "position_agreement": position_agreement(got, ref), "prefix_agreement": prefix}
 
 
+def tokens_at(port: int, jobs: list[tuple[str, int]]) -> list[list[str]]:
+    from tandem_serve.rpc.client import TandemClient
+
+    client = TandemClient(f"127.0.0.1:{port}")
+    try:
+        return client_tokens(client, jobs)
+    finally:
+        client.close()
+
+
 def stage_kv_fp8(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
-    say("kv fp8: greedy agreement with a float32 cache")
-    fig: dict[str, Any] = {"agreement": check_agreement(plan, out)}
-    model, flags = experiment_model(plan, out)
-    flags = [*flags, "--device", plan.device, "--dtype", plan.dtype, *plan.server_args]
+    fig: dict[str, Any] = {}
+    model, flags = serve_flags(plan, out)
     if "--kv-cache-memory" not in flags:  # the default sizes by sequences, not by memory
         flags += ["--kv-cache-memory", "0.25"]
+    tiny = tiny_model(out, plan.parity_model)
+    jobs = [(p, plan.kv_tokens) for p in AGREEMENT_PROMPTS[:plan.kv_prompts]]
+    shared = tiny == model and plan.dtype == "float32"
+    tokens: dict[str, list[list[str]]] = {}
+    if not shared:
+        say("kv fp8: greedy agreement with a float32 cache")
+        base = ["--device", plan.device, "--dtype", "float32"]
+        for kv in KV_DTYPES:
+            tokens[kv] = served_tokens(tiny, [*base, "--kv-cache-dtype", kv], jobs)
     n = num_prompts(plan, budget, len(KV_DTYPES), 60.0 if plan.device == "cuda" else 10.0)
     work = Workload.build(BenchConfig(
         model=model, num_prompts=n, input_len=plan.input_len, prefix_len=plan.prefix_len,
@@ -66,8 +83,11 @@ def stage_kv_fp8(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], 
         say(f"kv fp8: the seed workload, --kv-cache-dtype {kv}")
         blocks: dict[str, int] = {}
 
-        def read_blocks(port: int, into: dict[str, int] = blocks) -> None:
+        def read_blocks(port: int, into: dict[str, int] = blocks, kv: str = kv) -> None:
             into["n"] = total_blocks(port)
+            if shared:
+                say(f"kv fp8: greedy agreement, --kv-cache-dtype {kv}")
+                tokens[kv] = tokens_at(port, jobs)
 
         result = run_arm(model, Arm(8, True), work, [*flags, "--kv-cache-dtype", kv],
                          read_blocks)
@@ -75,6 +95,8 @@ def stage_kv_fp8(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], 
                    "completed": result["completed"],
                    "output_throughput": result["output_throughput"]}
     fig["num_prompts"] = n
+    fig["agreement"] = agreement_figures(plan, tokens["fp8"], tokens["auto"])
+    fig["shared_servers"] = shared
     return fig, kv_table(fig)
 
 

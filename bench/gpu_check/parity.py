@@ -33,15 +33,20 @@ def hf_greedy(model: str, device: str, dtype: str,
 
 
 def served_tokens(model: str, flags: list[str], jobs: list[tuple[str, int]]) -> list[list[str]]:
+    """Greedy tokens of a fresh async K=8 server of `model` with `flags` for each job."""
+    with arm_server(model, Arm(8, True), flags) as served:
+        return client_tokens(served.client, jobs)
+
+
+def client_tokens(client: Any, jobs: list[tuple[str, int]]) -> list[list[str]]:
+    """Greedy tokens (as token strings) of the server behind `client`, one job at a time."""
     from tandem_serve.rpc.client import GenerateOptions
 
-    with arm_server(model, Arm(8, True), flags) as served:
-        client = served.client
-        out = []
-        for text, n in jobs:
-            opts = GenerateOptions(max_new_tokens=n, min_new_tokens=n, generated_tokens=True)
-            out.append([t.text for r in client.stream(text, opts) for t in r.tokens])
-        return out
+    out = []
+    for text, n in jobs:
+        opts = GenerateOptions(max_new_tokens=n, min_new_tokens=n, generated_tokens=True)
+        out.append([t.text for r in client.stream(text, opts) for t in r.tokens])
+    return out
 
 
 def agreement(got: list[list[str]], want: list[list[str]]) -> tuple[int, float]:

@@ -20,7 +20,7 @@ from typing import Any
 from tandem_serve.bench.gpu_check.models import experiment_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
-from tandem_serve.bench.gpu_check.stages import tandem
+from tandem_serve.bench.gpu_check.supervise import tandem
 
 # The configs as the published checkpoints spell them (Qwen3-FP8; llm-compressor's
 # FP8-dynamic; AutoGPTQ's), for a model whose widths are multiples of 128.
@@ -38,6 +38,35 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "gptq": {"bits": 4, "group_size": 128, "desc_act": False, "sym": True,
              "true_sequential": True, "damp_percent": 0.1, "quant_method": "gptq"},
 }
+
+
+GROUP = 128  # GPTQ's usual group; the fitted widths are multiples of it
+
+
+def fitted_model(model: str, out: str, formats: tuple[str, ...]) -> str:
+    """`model`, or where a format of `formats` takes int4 groups and the model's widths take
+    none (the tiny default preset's MLP is 688 wide: no multiple of 32), a copy of its folder
+    with the hidden and MLP widths rounded up to multiples of 128.  Every arm then serves
+    that one shape with dummy weights, the plain one too, so they still compare."""
+    if not any("group_size" in CONFIGS[f] for f in formats):
+        return model
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    widths = {k: int(config[k]) for k in ("hidden_size", "intermediate_size")}
+    fitted = {k: -(-v // GROUP) * GROUP for k, v in widths.items()}
+    if fitted == widths:
+        return model
+    if "head_dim" not in config:  # keep the heads' width where it was derived from hidden
+        config["head_dim"] = widths["hidden_size"] // int(config["num_attention_heads"])
+    config.update(fitted)
+    path = os.path.join(out, "models", f"{os.path.basename(model.rstrip('/'))}-w{GROUP}")
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(model):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(model, name), path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
 
 
 def quantized_folder(model: str, out: str, fmt: str) -> str:
@@ -63,7 +92,7 @@ def quantized_folder(model: str, out: str, fmt: str) -> str:
 
 
 def stage_quantized(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
-    model, _ = experiment_model(plan, out)
+    model = fitted_model(experiment_model(plan, out)[0], out, plan.quant_formats)
     arms = {plan.dtype: model, **{f: quantized_folder(model, out, f)
                                    for f in plan.quant_formats}}
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -78,7 +107,11 @@ def stage_quantized(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any
             raise RuntimeError(f"bench step ({arm}) failed: {proc.stderr[-800:]}")
         with open(path) as f:
             rows[arm] = json.load(f)["rows"]
-    return {"rows": rows}, quant_table(rows, plan.dtype)
+    note = "" if model == experiment_model(plan, out)[0] else (
+        f"The model's widths rounded up to multiples of {GROUP} for int4 groups "
+        f"({os.path.basename(model)}), every arm alike.\n\n")
+    return {"rows": rows, "model": os.path.basename(model)}, note + quant_table(rows,
+                                                                                 plan.dtype)
 
 
 def quant_table(rows: dict[str, list[dict[str, Any]]], base: str) -> str:

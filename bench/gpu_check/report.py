@@ -73,12 +73,16 @@ class Report:
         lines = [f"# {self.title}", ""]
         lines += [f"- {k}: {v}" for k, v in self.settings.items()]
         lines += ["", "| stage | status | seconds |", "|---|---|---:|"]
-        lines += [f"| {s.name} | {s.status}{': ' + s.error if s.error else ''} | "
+        lines += [f"| {s.name} | {s.status}{': ' + _one_line(s.error) if s.error else ''} | "
                   f"{s.seconds:.0f} |" for s in self.stages]
         for s in self.stages:
             if s.markdown:
                 lines += ["", f"## {s.name}", "", s.markdown.rstrip()]
         return "\n".join(lines) + "\n"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split()).replace("|", "/")
 
 
 def _atomic(path: str, text: str) -> None:
@@ -113,13 +117,13 @@ def experiment_table(arms: dict[str, dict[str, Any]], with_seed: bool) -> str:
     return "\n".join(lines)
 
 
-def step_table(rows: list[dict[str, Any]], bound_ms: float | None) -> str:
+def step_table(rows: list[dict[str, Any]]) -> str:
+    """`bench step`'s rows with each row's bandwidth bound (`bound_ms`, bound.py)."""
     lines = ["| batch | ours ms/step | HF generate() ms/step | ours / HF | bandwidth bound ms |"
              " ours / bound |", "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ours = r.get("ours_ms")
-        over = ours / bound_ms if bound_ms and ours else None
+        ours, bound = r.get("ours_ms"), r.get("bound_ms")
+        over = ours / bound if bound and ours else None
         lines.append(f"| {r['batch']} | {_fmt(ours)} | {_fmt(r.get('hf_ms'))} | "
-                     f"{_fmt(r.get('ratio'))} | {_fmt(bound_ms, 3)} | "
-                     f"{_fmt(over)} |")
+                     f"{_fmt(r.get('ratio'))} | {_fmt(bound, 3)} | {_fmt(over)} |")
     return "\n".join(lines)

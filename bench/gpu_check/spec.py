@@ -8,7 +8,7 @@ from typing import Any
 
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, say
-from tandem_serve.bench.gpu_check.stages import tandem
+from tandem_serve.bench.gpu_check.supervise import tandem
 
 # `tandem bench spec --spec-config` names, one arm each; a method the tree does not serve
 # yet (proto/speculative.py's METHODS) is left out and named in the report.

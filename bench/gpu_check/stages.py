@@ -1,6 +1,6 @@
-"""The stages of `scripts/gpu-check` beside parity and features: the environment, the
-`gpu`-marked tests, the seed's experiment (with a `tandem profile` of its async arm) and
-decode ms/step next to the memory-bandwidth bound. Each returns (figures, markdown)."""
+"""The stages of `scripts/gpu-check` beside the others: the environment, the `gpu`-marked
+tests, the seed's experiment (with a `tandem profile` of its async arm) and decode ms/step
+next to the memory-bandwidth bound. Each returns (figures, markdown)."""
 from __future__ import annotations
 
 import json
@@ -15,19 +15,20 @@ from importlib import metadata
 from typing import Any
 
 from tandem_serve.bench.ab.tables import prefill_ratios
-from tandem_serve.bench.gpu_check.models import decode_weight_bytes, experiment_model
-from tandem_serve.bench.gpu_check.plans import Plan
+from tandem_serve.bench.gpu_check.bound import ideal_step_ms, read_bandwidth_gbs, step_read_bytes
+from tandem_serve.bench.gpu_check.models import (
+    decode_weight_bytes,
+    experiment_model,
+    kv_bytes_per_token,
+    serve_flags,
+)
+from tandem_serve.bench.gpu_check.plans import Plan, experiment_arm
 from tandem_serve.bench.gpu_check.report import Budget, experiment_table, say, step_table
+from tandem_serve.bench.gpu_check.supervise import run_tree, tandem
 from tandem_serve.bench.serve.config import BenchConfig
 from tandem_serve.bench.serve.workload import Workload
 from tandem_serve.harness.arms import Arm, run_arm
 from tandem_serve.harness.processes import REPO_ROOT
-from tandem_serve.ipc.process import CLI
-
-
-def tandem(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], cwd=REPO_ROOT, text=True,
-                          capture_output=True, timeout=max(timeout, 1.0))
 
 
 def stage_environment(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
@@ -59,18 +60,33 @@ def stage_environment(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, A
     return fig, f"| | |\n|---|---|\n{rows}\n\nPackages: {pkgs}"
 
 
+def gpu_test_files() -> list[str]:
+    """The test files that mark tests `gpu` (collecting only them keeps the stage short on
+    a GPU host, and seconds on the CPU, where every one is skipped)."""
+    found = []
+    for folder, dirs, files in os.walk(os.path.join(REPO_ROOT, "tests")):
+        dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "deploy"))
+        for name in sorted(files):
+            if name.startswith("test_") and name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if "mark.gpu" in f.read():
+                        found.append(os.path.relpath(path, REPO_ROOT))
+    return found
+
+
 def stage_gpu_tests(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
-    # tests/deploy needs kubernetes-validate, which a GPU host lacks, and has no GPU test.
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
-                           "no:cacheprovider", "tests", "--ignore=tests/deploy"],
-                          cwd=REPO_ROOT, text=True, capture_output=True,
-                          timeout=max(budget.left - 60, 30))
+    files = gpu_test_files()
+    proc = run_tree([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                     "no:cacheprovider", *plan.gpu_test_args, *files],
+                    timeout=max(budget.left - 5, 10))
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     with open(os.path.join(out, "gpu_tests.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode not in (0, 5):  # 5: nothing collected
         raise RuntimeError(f"pytest -m gpu: {tail}")
-    return {"summary": tail, "returncode": proc.returncode}, f"`pytest -m gpu`: {tail}"
+    return ({"summary": tail, "returncode": proc.returncode, "files": files},
+            f"`pytest -m gpu` over the {len(files)} files that mark tests `gpu`: {tail}")
 
 
 def num_prompts(plan: Plan, budget: Budget, arms: int, startup_s: float) -> int:
@@ -80,35 +96,53 @@ def num_prompts(plan: Plan, budget: Budget, arms: int, startup_s: float) -> int:
     return int(max(plan.min_prompts, min(plan.max_prompts, per_arm * plan.request_rate)))
 
 
+def experiment_prompts(plan: Plan, budget: Budget, arms: int) -> tuple[int, str]:
+    """Prompts per arm, and why that many: the plan's count, or the budget's choice."""
+    if plan.experiment_prompts:
+        return plan.experiment_prompts, "as asked (--experiment-prompts)"
+    n = num_prompts(plan, budget, arms, 60.0 if plan.device == "cuda" else 10.0)
+    why = ("the budget's floor: the time left was short" if n == plan.min_prompts
+           else "the plan's most" if n == plan.max_prompts
+           else "as many as the time left allowed")
+    return n, f"{why} ({plan.min_prompts}-{plan.max_prompts}; --experiment-prompts N fixes it)"
+
+
+def named_arm(name: str) -> Arm:
+    """The `--experiment-arms` name's arm (paced, over gRPC, as `bench ab` runs it)."""
+    k, async_mode, prefill_phase = experiment_arm(name)
+    return Arm(k, async_mode, prefill_phase=prefill_phase)
+
+
 def stage_experiment(plan: Plan, out: str, budget: Budget,
                      profile: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    model, flags = experiment_model(plan, out)
-    flags = [*flags, "--device", plan.device, "--dtype", plan.dtype, *plan.server_args]
-    n = num_prompts(plan, budget, 4, 60.0 if plan.device == "cuda" else 10.0)
+    model, flags = serve_flags(plan, out)
+    arms = {arm.name: arm for arm in map(named_arm, plan.experiment_arms)}
+    n, why = experiment_prompts(plan, budget, len(arms))
     bench = BenchConfig(model=model, num_prompts=n, input_len=plan.input_len,
                         prefix_len=plan.prefix_len, output_len=plan.output_len,
                         request_rate=plan.request_rate, seed=0, warmup=4, progress=False)
     work = Workload.build(bench)
-    say(f"experiment: {n} prompts per arm on {os.path.basename(model)}")
-    # The last arm: each plan's prefill in a forward of its own, the baseline of mixed steps.
-    arms = {"sync K=1": Arm(1, False), "sync K=8": Arm(8, False), "async K=8": Arm(8, True),
-            "async K=8 prefill-phase": Arm(8, True, prefill_phase=True)}
-    results: dict[str, dict[str, Any]] = {}
-    for name, arm in arms.items():
-        say(f"experiment: {name}")
-        hook = profile_hook(plan, out, work, profile) if arm == Arm(8, True) else None
-        results[name] = run_arm(model, arm, work, flags, hook)
+    say(f"experiment: {n} prompts per arm on {os.path.basename(model)} ({why})")
     keys = ("mean_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
             "p99_itl_ms",
             "output_throughput", "request_throughput", "completed", "duration",
             "device_idle_pct", "steady_idle_pct", "forward_ms_per_plan", "postproc_ms_per_plan")
-    fig: dict[str, Any] = {name: {k: r.get(k) for k in keys} for name, r in results.items()}
-    fig["num_prompts"] = n
+    fig: dict[str, Any] = {}
+    for name, arm in arms.items():
+        say(f"experiment: {name}")
+        hook = (profile_hook(plan, out, work, profile)
+                if plan.profile and arm == Arm(8, True) else None)
+        r = run_arm(model, arm, work, flags, hook)
+        fig[name] = {k: r.get(k) for k in keys}
+        with open(os.path.join(out, "experiment.json"), "w") as f:  # what a cut run leaves
+            json.dump(fig, f, indent=2)
+    fig.update(num_prompts=n, num_prompts_why=why, server_flags=flags)
     text = experiment_table(fig_arms(fig), with_seed=plan.experiment_model == "llama3-8b")
     mixed = prefill_ratios(fig_arms(fig))
-    return fig, f"{n} prompts per arm, {plan.request_rate:g} req/s, {plan.input_len}-token " \
-                f"prompts ({plan.prefix_len} shared), {plan.output_len} output tokens.\n\n{text}" \
-                f"\n\n{mixed}\n"
+    return fig, (f"{n} prompts per arm ({why}), {plan.request_rate:g} req/s, "
+                 f"{plan.input_len}-token prompts ({plan.prefix_len} shared), "
+                 f"{plan.output_len} output tokens; servers: `{' '.join(flags)}`.\n\n{text}"
+                 f"\n\n{mixed}\n")
 
 
 def fig_arms(fig: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -145,26 +179,9 @@ def profile_hook(plan: Plan, out: str, work: Any,
     return run
 
 
-def bandwidth_gbs(device: str) -> float:
-    """Measured copy bandwidth (bytes read + written per second) of the device, in GB/s."""
-    import torch
-
-    n = (1 << 30) if device == "cuda" else (1 << 27)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n / best / 1e9
-
-
-def stage_step(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
+def stage_step(plan: Plan, out: str, budget: Budget,
+               read_gbs: Callable[[str], float] = read_bandwidth_gbs
+               ) -> tuple[dict[str, Any], str]:
     model, flags = experiment_model(plan, out)
     path = os.path.join(out, "step.json")
     args = ["bench", "step", "--model", model, "--device", plan.device, "--dtype", plan.dtype,
@@ -176,11 +193,18 @@ def stage_step(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], st
     with open(path) as f:
         rows = json.load(f)["rows"]
     weight_bytes = decode_weight_bytes(model, plan.dtype)
-    bw = bandwidth_gbs(plan.device)
-    bound_ms = weight_bytes / (bw * 1e9 / 2) * 1e3  # the copy moved 2 bytes per byte read
-    fig = {"rows": rows, "weight_bytes": weight_bytes, "read_bandwidth_gbs": bw / 2,
-           "bandwidth_bound_ms": bound_ms}
-    text = (f"Weights {weight_bytes / 2**30:.2f} GiB; measured read bandwidth "
-            f"{bw / 2:.0f} GB/s, so one decode step reads them in at least {bound_ms:.3f} "
-            f"ms.\n\n" + step_table(rows, bound_ms))
+    kv = kv_bytes_per_token(model, plan.dtype)
+    bw = read_gbs(plan.device)
+    # The timed steps attend to prompt + 1 .. prompt + steps tokens: their mean.
+    context = plan.step_prompt_len + (plan.step_steps + 1) / 2
+    for r in rows:
+        r["bound_ms"] = ideal_step_ms(step_read_bytes(weight_bytes, kv, r["batch"], context),
+                                      bw)
+    fig = {"rows": rows, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv,
+           "read_bandwidth_gbs": bw, "mean_context": context,
+           "bandwidth_bound_ms": ideal_step_ms(weight_bytes, bw)}
+    text = (f"Weights {weight_bytes / 2**30:.2f} GiB, K and V {kv / 1024:g} KiB per token; "
+            f"read bandwidth {bw:.0f} GB/s (a reduction over a large tensor), so a step of "
+            f"batch B at a mean context of {context:g} tokens reads its bytes in at least "
+            "(weights + B x context x KV per token) / bandwidth.\n\n" + step_table(rows))
     return fig, text

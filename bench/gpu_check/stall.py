@@ -12,7 +12,7 @@ from typing import Any
 from tandem_serve.bench.gpu_check.models import experiment_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, say
-from tandem_serve.bench.gpu_check.stages import tandem
+from tandem_serve.bench.gpu_check.supervise import tandem
 
 BASELINE = "prefill-phase"
 

@@ -98,7 +98,7 @@ def test_the_gpu_check_stage_runs_the_sweep_and_reports_its_frontier(
     fig, text = stage.stage_stall(GPU_PLAN, str(tmp_path), Budget(600))
     args = seen[0]
     assert args[:4] == ("bench", "stall", "--model", "/m/llama3-8b-shaped")
-    assert args[4:8] == ("--budgets", "256,512", "--rounds", "3")
+    assert args[4:8] == ("--budgets", "256,512", "--rounds", "3")  # the full flow's
     server = [a.removeprefix("--server-arg=") for a in args if a.startswith("--server-arg=")]
     assert server == ["--load-format", "dummy", "--device", "cuda", "--dtype", "bfloat16",
                       "--kv-cache-memory", "4"]
