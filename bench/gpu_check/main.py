@@ -40,11 +40,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from tandem_serve.bench.gpu_check.arrivals import stage_arrivals
-from tandem_serve.bench.gpu_check.families import stage_families
-from tandem_serve.bench.gpu_check.features import stage_features
-from tandem_serve.bench.gpu_check.kv_fp8 import stage_kv_fp8
-from tandem_serve.bench.gpu_check.parity import stage_parity
+from tandem_serve.bench.gpu_check.checks.arrivals import stage_arrivals
+from tandem_serve.bench.gpu_check.checks.families import stage_families
+from tandem_serve.bench.gpu_check.checks.features import stage_features
+from tandem_serve.bench.gpu_check.checks.kv_fp8 import stage_kv_fp8
+from tandem_serve.bench.gpu_check.checks.parity import stage_parity
+from tandem_serve.bench.gpu_check.checks.probe import stage_probe
+from tandem_serve.bench.gpu_check.checks.quantized import stage_quantized
+from tandem_serve.bench.gpu_check.checks.spec import stage_spec
+from tandem_serve.bench.gpu_check.checks.stall import stage_stall
 from tandem_serve.bench.gpu_check.plans import (
     CPU_PLAN,
     FLOWS,
@@ -54,18 +58,14 @@ from tandem_serve.bench.gpu_check.plans import (
     STAGES,
     Plan,
 )
-from tandem_serve.bench.gpu_check.probe import stage_probe
-from tandem_serve.bench.gpu_check.quantized import stage_quantized
 from tandem_serve.bench.gpu_check.report import Budget, Report, Stage, say
-from tandem_serve.bench.gpu_check.spec import stage_spec
 from tandem_serve.bench.gpu_check.stages import (
     stage_environment,
     stage_experiment,
     stage_gpu_tests,
     stage_step,
 )
-from tandem_serve.bench.gpu_check.stall import stage_stall
-from tandem_serve.bench.gpu_check.supervise import StageTimeout, Supervisor
+from tandem_serve.bench.gpu_check.supervise import StageSupervisor, StageTimeout
 
 __all__ = ["FLOWS", "STAGES", "make_plan", "run", "run_stages"]
 
@@ -120,10 +120,10 @@ def run(out: str, budget_s: float, cpu: bool, quick: bool = False,
 def run_stages(stages: list[tuple[str, StageFn]], plan: Plan, out: str, budget: Budget,
                report: Report, only: tuple[str, ...] = (), in_flow: set[str] | None = None,
                flow: str = "full", after: dict[str, Callable[[], None]] | None = None,
-               supervisor: Supervisor | None = None) -> int:
+               supervisor: StageSupervisor | None = None) -> int:
     """Run `stages` in order under `supervisor`, each within the budget left and its cap
     (`plan.stage_caps`); how many failed."""
-    supervisor = supervisor or Supervisor()
+    supervisor = supervisor or StageSupervisor()
     if only:  # the named stages first, in the order named; the others are reported skipped
         stages = sorted(stages, key=lambda s: only.index(s[0]) if s[0] in only else len(only))
     failed = 0
@@ -154,7 +154,7 @@ def run_stages(stages: list[tuple[str, StageFn]], plan: Plan, out: str, budget: 
 
 
 def run_one(name: str, fn: StageFn, plan: Plan, out: str, allowed: float, report: Report,
-            supervisor: Supervisor) -> int:
+            supervisor: StageSupervisor) -> int:
     """One stage, supervised: 1 when it failed (or timed out), else 0."""
     t0 = time.monotonic()
     fig: dict[str, Any] = {}

@@ -56,15 +56,15 @@ class Plan:
     probe_contexts: tuple[int, ...] = (1024, 4096)
     probe_steps: int = 16  # timed steps per cell (plans of 8), after one warm-up plan
     probe_backends: tuple[str, ...] = ()  # --attention-backend names; (): the device's
-    # The quantized stage's formats (bench/gpu_check/quantized.py), beside the plain dtype.
+    # The quantized stage's formats (bench/gpu_check/checks/quantized.py), beside the plain dtype.
     quant_formats: tuple[str, ...] = ("ct-fp8", "fp8-block", "gptq")
-    # `tandem bench spec`'s sizes (the speculation stage, bench/gpu_check/spec.py)
+    # `tandem bench spec`'s sizes (the speculation stage, bench/gpu_check/checks/spec.py)
     spec_args: tuple[str, ...] = ("--preset", "fast")
-    # `tandem bench stall`'s sweep (the stall stage, bench/gpu_check/stall.py): budgets per
+    # `tandem bench stall`'s sweep (the stall stage, bench/gpu_check/checks/stall.py): budgets per
     # step for the mixed arms (the CUDA default is 512), and each server's KV cache in GiB
     stall_args: tuple[str, ...] = ("--budgets", "256,512", "--rounds", "3")
     stall_kv_cache_memory: str = "4"
-    # The arrivals stage (bench/gpu_check/arrivals.py): Poisson rate, prompts, runs per arm
+    # The arrivals stage (bench/gpu_check/checks/arrivals.py): Poisson rate, prompts, runs per arm
     arrival_rate: float = 10.0
     arrival_prompts: int = 150
     arrival_repeats: int = 1

@@ -7,7 +7,7 @@ models in memory.  So:
 
 * gpu-check makes itself the *subreaper* of its descendants (Linux): an orphan moves into its
   tree rather than to init, and a sweep of its descendants finds it;
-* each stage runs under `Supervisor.stage`: what it starts is every descendant that was not
+* each stage runs under `StageSupervisor.stage`: what it starts is every descendant that was not
   there before it; at its deadline the guard ends that process tree (SIGTERM, then SIGKILL)
   and raises `StageTimeout` in the main thread (a signal to that thread, so a blocking wait
   is interrupted too); when the stage ends in any way, whatever it left running is ended
@@ -63,7 +63,7 @@ class StageRun:
         return time.monotonic() - self.started
 
 
-class Supervisor:
+class StageSupervisor:
     """Subreaper, stage guards, and the sweep at exit (one per gpu-check run)."""
 
     def __init__(self) -> None:

@@ -69,9 +69,9 @@ def test_stages_the_budget_cannot_hold_are_skipped_and_named(tmp_path: pathlib.P
 def test_the_gpu_plan_s_quantized_folders_are_served_formats(tmp_path: pathlib.Path) -> None:
     """What the GPU run's quantized stage asks for on the seed's Llama-3-8B shape: every
     format parses, takes group 128, and fits the shape (checked here: no GPU needed)."""
+    from tandem_serve.bench.gpu_check.checks.quantized import quantized_folder
     from tandem_serve.bench.gpu_check.models import LLAMA3_8B
     from tandem_serve.bench.gpu_check.plans import GPU_PLAN
-    from tandem_serve.bench.gpu_check.quantized import quantized_folder
     from tandem_serve.gpu_worker.models.config import ModelArgs
     from tandem_serve.gpu_worker.models.quant.split import split_problems
 
@@ -111,8 +111,8 @@ def test_the_arrivals_stage_sets_mixed_steps_against_the_baseline(
     (the --cpu flow and the GPU run serve it for real)."""
     import types
 
-    from tandem_serve.bench.gpu_check import arrivals as stage
     from tandem_serve.bench.gpu_check import models
+    from tandem_serve.bench.gpu_check.checks import arrivals as stage
     from tandem_serve.bench.gpu_check.plans import GPU_PLAN
     from tandem_serve.bench.gpu_check.report import Budget
 
@@ -147,7 +147,7 @@ def test_the_kv_fp8_stage_compares_the_caches(tmp_path: pathlib.Path,
     `tests/e2e` prove the fp8 cache itself)."""
     import types
 
-    from tandem_serve.bench.gpu_check import kv_fp8 as stage
+    from tandem_serve.bench.gpu_check.checks import kv_fp8 as stage
     from tandem_serve.bench.gpu_check.plans import CPU_PLAN, GPU_PLAN
     from tandem_serve.bench.gpu_check.report import Budget
 
@@ -273,7 +273,7 @@ def test_the_quantized_stage_fits_the_tiny_widths_to_int4_groups(
         tmp_path: pathlib.Path) -> None:
     """The tiny default preset's MLP (688) takes no int4 group: the stage serves every arm a
     shape rounded up to multiples of 128 instead (it failed the --cpu flow before)."""
-    from tandem_serve.bench.gpu_check.quantized import fitted_model, quantized_folder
+    from tandem_serve.bench.gpu_check.checks.quantized import fitted_model, quantized_folder
     from tandem_serve.gpu_worker.models.config import ModelArgs
     from tandem_serve.harness.tiny_model import PRESETS
 

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tandem_serve.bench.gpu_check import bound, probe
+from tandem_serve.bench.gpu_check import bound
+from tandem_serve.bench.gpu_check.checks import probe
 from tandem_serve.bench.gpu_check.models import LLAMA3_8B, LLAMA3_VOCAB
 from tandem_serve.bench.gpu_check.plans import GPU_PLAN
 from tandem_serve.bench.gpu_check.report import Budget

@@ -150,7 +150,7 @@ def test_ratios_are_paired_within_a_repeat_and_judged() -> None:
 
 
 def test_the_gpu_check_arms_are_the_methods_the_tree_serves() -> None:
-    from tandem_serve.bench.gpu_check.spec import SPEC_ARMS, spec_arms
+    from tandem_serve.bench.gpu_check.checks.spec import SPEC_ARMS, spec_arms
     from tandem_serve.proto.speculative import METHODS
 
     served, missing = spec_arms()
@@ -169,7 +169,7 @@ def test_the_gpu_check_stage_runs_the_bench_and_reports_it(
     servers: the --cpu flow and the GPU run do that)."""
     import subprocess
 
-    from tandem_serve.bench.gpu_check import spec as stage
+    from tandem_serve.bench.gpu_check.checks import spec as stage
     from tandem_serve.bench.gpu_check.plans import CPU_PLAN
     from tandem_serve.bench.gpu_check.report import Budget
 

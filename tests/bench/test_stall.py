@@ -77,7 +77,7 @@ def test_the_gpu_check_stage_runs_the_sweep_and_reports_its_frontier(
     import subprocess
     from dataclasses import asdict
 
-    from tandem_serve.bench.gpu_check import stall as stage
+    from tandem_serve.bench.gpu_check.checks import stall as stage
     from tandem_serve.bench.gpu_check.plans import GPU_PLAN
     from tandem_serve.bench.gpu_check.report import Budget
 

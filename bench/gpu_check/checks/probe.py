@@ -3,7 +3,7 @@ weights made on the device, Llama 3's 128,256-token vocabulary) per attention ba
 batch and context, next to the step's memory-bandwidth bound (`bound.py`), with attention's
 share of the step.
 
-Each arm is a process of its own (`python -m tandem_serve.bench.gpu_check.probe`): one
+Each arm is a process of its own (`python -m tandem_serve.bench.gpu_check.checks.probe`): one
 `ModelRunner` (`--attention-backend NAME`, CUDA graphs on, as a server runs it) and, for
 every context and batch, fresh requests whose prompts are already in the KV cache but for
 their last token (`num_cached_tokens`; the cache holds whatever it was allocated with, which
@@ -143,7 +143,7 @@ def worker_config(args: argparse.Namespace, max_batch: int, per_req: int) -> Any
 
 
 def child(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tandem_serve.bench.gpu_check.probe")
+    p = argparse.ArgumentParser(prog="python -m tandem_serve.bench.gpu_check.checks.probe")
     p.add_argument("--model", required=True)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -224,7 +224,7 @@ ArmRunner = Callable[[str, list[str], float, str], dict[str, Any]]
 def run_arm(arm: str, args: list[str], timeout: float, path: str) -> dict[str, Any]:
     """One arm's process; its figures (the cells it finished, even when it failed or ran out
     of time, with `error` saying so)."""
-    cmd = [sys.executable, "-m", "tandem_serve.bench.gpu_check.probe", *args, "--json", path]
+    cmd = [sys.executable, "-m", "tandem_serve.bench.gpu_check.checks.probe", *args, "--json", path]
     error = ""
     try:
         proc = run_tree(cmd, timeout)

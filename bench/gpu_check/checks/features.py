@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from tandem_serve.bench.gpu_check.checks.parity import PARITY_PROMPTS, hf_greedy, served_tokens
 from tandem_serve.bench.gpu_check.models import tiny_model
-from tandem_serve.bench.gpu_check.parity import PARITY_PROMPTS, hf_greedy, served_tokens
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
 from tandem_serve.harness.arms import Arm, arm_server

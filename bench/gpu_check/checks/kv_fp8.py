@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem_serve.bench.gpu_check.checks.parity import agreement, client_tokens, served_tokens
 from tandem_serve.bench.gpu_check.models import serve_flags, tiny_model
-from tandem_serve.bench.gpu_check.parity import agreement, client_tokens, served_tokens
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget, say
 from tandem_serve.bench.gpu_check.stages import num_prompts
