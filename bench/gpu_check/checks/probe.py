@@ -24,7 +24,6 @@ choice, `auto`).  On the CPU the same code runs the tiny model with tiny sizes.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -130,16 +129,10 @@ def stub_attention() -> None:
 def worker_config(args: argparse.Namespace, max_batch: int, per_req: int) -> Any:
     from tandem_serve.proto.config import WorkerConfig
 
-    extra: dict[str, Any] = {}
-    if args.attention_backend != "auto":
-        if "attention_backend" not in {f.name for f in dataclasses.fields(WorkerConfig)}:
-            raise SystemExit(f"probe: --attention-backend {args.attention_backend}: this "
-                             "tree's WorkerConfig has no attention_backend yet")
-        extra["attention_backend"] = args.attention_backend
     return WorkerConfig(args.model, device=args.device, dtype=args.dtype, block_size=BLOCK,
                         num_kv_blocks=max_batch * per_req, max_num_seqs=max_batch,
                         max_model_len=per_req * BLOCK, load_format=args.load_format,
-                        **extra)
+                        attention_backend=args.attention_backend)
 
 
 def child(argv: list[str] | None = None) -> int:
@@ -201,20 +194,17 @@ def _write(path: str, data: dict[str, Any]) -> None:
 
 
 def device_backends(device: str, dtype: str) -> tuple[list[str], str]:
-    """The attention backends that serve `device` and `dtype` at the server's block size,
-    and a note when that could not be asked (then the worker's own choice, `auto`)."""
-    try:
-        from tandem_serve.gpu_worker.attention import registry  # type: ignore[attr-defined]
-    except ImportError:
-        return ["auto"], "this tree has no attention backend choice: the worker's own"
-    try:
-        import torch
+    """The attention backends that serve `device` and `dtype` at the server's block size
+    (`gpu_worker.attention.registry`; a backend `auto` passes over there, such as Triton's
+    interpreter on the CPU, is left out), and a note when none does (then `auto`)."""
+    import torch
 
-        dev, dt = torch.device(device), getattr(torch, dtype)
-        names = [name for name, cls in registry.BACKENDS.items()
-                 if cls.supports(dev, dt, dt, BLOCK) is None]
-    except Exception as exc:  # noqa: BLE001 - the registry's API moved: say so, run auto
-        return ["auto"], f"asking the backends failed ({type(exc).__name__}: {exc})"
+    from tandem_serve.gpu_worker.attention import registry
+
+    dev, dt = torch.device(device), getattr(torch, dtype)
+    names = [name for name, cls in registry.BACKENDS.items()
+             if cls.auto_skips(dev, dt, dt, BLOCK) is None
+             or (dev.type == "cuda" and cls.supports(dev, dt, dt, BLOCK) is None)]
     return (names, "") if names else (["auto"], "no backend says it serves here")
 
 
