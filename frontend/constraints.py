@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem_serve.frontend import metrics
-from tandem_serve.proto.messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
 
 Compiled = GuidedTable | GuidedGrammar
 

@@ -26,29 +26,26 @@ from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import (
-    AbortRequest,
-    AddRequest,
+from tandem_serve.proto.control_messages import Ready
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable, GuidedWanted
+from tandem_serve.proto.monitor_messages import (
     EngineStats,
-    FinishReason,
-    ForgetRequest,
-    GuidedGrammar,
-    GuidedTable,
-    GuidedWanted,
     Heartbeat,
-    OutputBatch,
-    OutputDelta,
-    OutputOptions,
     PostprocStats,
     ProfileControl,
     ProfileData,
-    Ready,
+)
+from tandem_serve.proto.plan_messages import WorkerReady
+from tandem_serve.proto.request_messages import (
+    AbortRequest,
+    AddRequest,
+    ForgetRequest,
     RegisterRequest,
     RequestFailed,
     RequestRejected,
-    SamplingParams,
-    WorkerReady,
 )
+from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.token_messages import OutputBatch, OutputDelta
 
 log = logging.getLogger("tandem.frontend")
 

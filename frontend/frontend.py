@@ -24,7 +24,7 @@ from tandem_serve.frontend.validation import Limits, ValidatedRequest
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import OutputDelta
+from tandem_serve.proto.token_messages import OutputDelta
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.frontend")

@@ -15,7 +15,8 @@ from tandem_serve.guided.service import CompileBusy, GuidedCompiler, GuidedSetti
 from tandem_serve.guided.spec import GuidedSpec
 from tandem_serve.guided.vocab import UnsupportedTokenizer
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_params import GuidedKind, SamplingParams
 
 Compiled = GuidedTable | GuidedGrammar
 

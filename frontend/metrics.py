@@ -14,7 +14,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics_core import Metric
 
-from tandem_serve.proto.messages import EngineStats, PostprocStats
+from tandem_serve.proto.monitor_messages import EngineStats, PostprocStats
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 # A request that finds room waits for the next plan only: milliseconds, so finer low buckets.

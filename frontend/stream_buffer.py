@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 
 FOLD_AFTER = 16  # queued deltas before new ones fold into the last
 _LISTS = ("token_ids", "token_texts", "logprobs", "ranks", "top_ids", "top_texts",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem_serve.guided.spec import GuidedSpec
-from tandem_serve.proto.messages import OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 
 MAX_STOP_SEQUENCES = 6
 MAX_STOP_SEQUENCE_BYTES = 240

@@ -31,7 +31,10 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tandem_serve.proto.messages import EngineStats, FinishReason, OutputDelta, WorkerReady
+from tandem_serve.proto.monitor_messages import EngineStats
+from tandem_serve.proto.plan_messages import WorkerReady
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 
 # vLLM's finish_reason strings; the HTTP API answers the same (openai_api/chat/shapes.py).
 FINISH_REASON = {FinishReason.EOS_TOKEN: "stop", FinishReason.STOP_SEQUENCE: "stop",

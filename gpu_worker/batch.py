@@ -13,7 +13,7 @@ import torch
 
 from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingBatch, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.proto.messages import PromptDetail
+from tandem_serve.proto.token_messages import PromptDetail
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.constrain.tables import GuidedBatch, GuidedRegistry

@@ -31,7 +31,8 @@ from tandem_serve.gpu_worker.steps import (
     prefill_inputs,
     prefill_metadata,
 )
-from tandem_serve.proto.messages import FinishReason, PromptDetail
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import PromptDetail
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.graphs.decode import GraphStep

@@ -32,7 +32,9 @@ from tandem_serve.ipc.fanout import subscribe
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
 from tandem_serve.ipc.role_loop import RoleLoop
 from tandem_serve.proto.config import ServerConfig, plans_address
-from tandem_serve.proto.messages import ProfileControl, PromptDetail, StepPlan
+from tandem_serve.proto.monitor_messages import ProfileControl
+from tandem_serve.proto.plan_messages import StepPlan
+from tandem_serve.proto.token_messages import PromptDetail
 
 log = logging.getLogger("tandem.gpu_worker")
 

@@ -28,7 +28,8 @@ from tandem_serve.ipc.role_loop import Announce, RoleLoop
 from tandem_serve.ipc.token_channel import TokenWriter
 from tandem_serve.ipc.tracing import TRACER, on_plan_done
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import PlanEnding, ProfileControl, StepPlan, WorkerReady
+from tandem_serve.proto.monitor_messages import ProfileControl
+from tandem_serve.proto.plan_messages import PlanEnding, StepPlan, WorkerReady
 
 log = logging.getLogger("tandem.gpu_worker")
 

@@ -38,7 +38,8 @@ from tandem_serve.ipc.fanout import Fanout
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, START_GRACE
 from tandem_serve.ipc.process import PeerDied, StartupError
 from tandem_serve.proto.config import ServerConfig, dist_host_port, plans_address
-from tandem_serve.proto.messages import Heartbeat, Shutdown
+from tandem_serve.proto.control_messages import Shutdown
+from tandem_serve.proto.monitor_messages import Heartbeat
 
 log = logging.getLogger("tandem.gpu_worker")
 

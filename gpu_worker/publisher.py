@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
-from tandem_serve.proto.messages import PromptDetail, StepPlan, TokenBatch
+from tandem_serve.proto.plan_messages import StepPlan
+from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 
 Message = TokenBatch | PromptDetail
 Sink = Callable[[Message], None]

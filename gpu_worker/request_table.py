@@ -15,13 +15,10 @@ from tandem_serve.gpu_worker.lora import LoraWeights
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.spec.proposer import Proposer
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.proto.messages import (
-    AdapterFailed,
-    FinishReason,
-    NewRequest,
-    PromptDetail,
-    StepPlan,
-)
+from tandem_serve.proto.adapter_messages import AdapterFailed
+from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import PromptDetail
 
 log = logging.getLogger(__name__)
 

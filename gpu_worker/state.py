@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 
 
 @dataclass

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from tandem_serve.proto.messages import ProfileControl
+from tandem_serve.proto.monitor_messages import ProfileControl
 
 log = logging.getLogger("tandem.gpu_worker")
 

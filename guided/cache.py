@@ -26,7 +26,7 @@ from typing import BinaryIO
 import numpy as np
 
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 
 log = logging.getLogger("tandem.guided")
 

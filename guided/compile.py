@@ -15,7 +15,7 @@ from tandem_serve.guided.forms import FormError, explain_regex, grammar_lark, sp
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.guided.table import NoOutput, build_table
 from tandem_serve.guided.vocab import TokenVocabulary, ll_tokenizer
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from tandem_serve.guided.compile import CompileError
 from tandem_serve.guided.spec import GuidedSpec
 from tandem_serve.guided.wire import compiled_from, frame, spec_message, unframe_length, unpack
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 
 log = logging.getLogger("tandem.guided")
 

@@ -1,6 +1,6 @@
 """A token automaton (outlines-core's `Index` transitions) -> the table the gpu worker steps.
 
-`GuidedTable` semantics (proto/messages.py): states renumbered so the start is 0, row S is
+`GuidedTable` semantics (proto/guided_messages.py): states renumbered so the start is 0, row S is
 DONE, entry -1 = not allowed; tokens whose column is the same in every state share a class;
 the EOS ids' class is allowed only in final states and leads to DONE, which allows only EOS.
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 
 from tandem_serve.guided.vocab import TokenVocabulary
-from tandem_serve.proto.messages import GuidedTable
+from tandem_serve.proto.guided_messages import GuidedTable
 
 Rows = list[tuple[np.ndarray, np.ndarray]]  # per new state: (token ids, next new states)
 

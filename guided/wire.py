@@ -13,7 +13,7 @@ import msgpack
 import numpy as np
 
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 1 << 30

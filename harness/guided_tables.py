@@ -17,7 +17,7 @@ from tandem_serve.guided.compile import Compiler
 from tandem_serve.guided.forms import choice_regex as _choice_regex
 from tandem_serve.guided.forms import schema_regex
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.proto.messages import GuidedTable
+from tandem_serve.proto.guided_messages import GuidedTable
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 

@@ -24,7 +24,7 @@ from typing import Any, Generic, TypeVar
 import zmq
 
 from tandem_serve.proto import codec
-from tandem_serve.proto.messages import Heartbeat
+from tandem_serve.proto.monitor_messages import Heartbeat
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem_serve.ipc.channels import Sender, set_epoch
-from tandem_serve.proto.messages import Heartbeat
+from tandem_serve.proto.monitor_messages import Heartbeat
 
 if TYPE_CHECKING:
     from tandem_serve.proto.config import ServerConfig

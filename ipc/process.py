@@ -29,7 +29,7 @@ import threading
 import time
 
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import ProcessFailed, WorkerHung
+from tandem_serve.proto.control_messages import ProcessFailed, WorkerHung
 
 log = logging.getLogger("tandem.process")
 

@@ -33,7 +33,8 @@ from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, peer_name, role_watch
 from tandem_serve.ipc.tracing import ProfileExtra, on_profile_control, set_role
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import Heartbeat, ProfileControl, Shutdown
+from tandem_serve.proto.control_messages import Shutdown
+from tandem_serve.proto.monitor_messages import Heartbeat, ProfileControl
 
 Handler = Callable[[Any], None]
 # Under the launcher nothing but the role's own idle work needs a timely wake-up.

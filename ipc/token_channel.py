@@ -14,7 +14,7 @@ import numpy as np
 from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.proto import codec
 from tandem_serve.proto.config import Addresses
-from tandem_serve.proto.messages import PromptDetail, TokenBatch
+from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 
 
 def owner(request_id: int, num_workers: int) -> int:

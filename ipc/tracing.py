@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from tandem_serve.ipc.channels import Sender
-    from tandem_serve.proto.messages import ProfileControl
+    from tandem_serve.proto.monitor_messages import ProfileControl
 
 MAX_SPANS = 500_000
 
@@ -157,7 +157,7 @@ def on_plan_done(reply: Sender, extra: ProfileExtra | None = None) -> None:
 
 
 def _send_profile(reply: Sender, extra: ProfileExtra | None) -> None:
-    from tandem_serve.proto.messages import ProfileData
+    from tandem_serve.proto.monitor_messages import ProfileData
 
     data = TRACER.stop()
     torch_trace, torch_error = extra.stop() if extra is not None else ("", "")

@@ -3,7 +3,7 @@ counter and the frontend's gauge (`PostprocStats`)."""
 from __future__ import annotations
 
 from tandem_serve.ipc.tracing import TRACER
-from tandem_serve.proto.messages import PostprocStats
+from tandem_serve.proto.monitor_messages import PostprocStats
 
 STATS_INTERVAL = 0.2  # seconds between PostprocStats at most, as the scheduler's EngineStats
 

@@ -20,16 +20,14 @@ from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.postproc_worker.lag import LagMeter
 from tandem_serve.postproc_worker.postprocessor import Postprocessor
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import (
-    FinishReason,
-    ForgetRequest,
+from tandem_serve.proto.control_messages import Ready, Shutdown
+from tandem_serve.proto.request_messages import ForgetRequest, RegisterRequest
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import (
     OutputBatch,
     OutputDelta,
     PlanProcessed,
     PromptDetail,
-    Ready,
-    RegisterRequest,
-    Shutdown,
     StopHit,
     TokenBatch,
 )

@@ -11,13 +11,9 @@ import numpy as np
 
 from tandem_serve.postproc_worker.detokenizer import IncrementalDetokenizer
 from tandem_serve.postproc_worker.stops import StopChecker
-from tandem_serve.proto.messages import (
-    FinishReason,
-    OutputDelta,
-    PromptDetail,
-    RegisterRequest,
-    TokenBatch,
-)
+from tandem_serve.proto.request_messages import RegisterRequest
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta, PromptDetail, TokenBatch
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 

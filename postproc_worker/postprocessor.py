@@ -7,13 +7,9 @@ import logging
 import time
 
 from tandem_serve.postproc_worker.output import RequestOutput, Row, RowDetail, row_detail
-from tandem_serve.proto.messages import (
-    FinishReason,
-    OutputDelta,
-    PromptDetail,
-    RegisterRequest,
-    TokenBatch,
-)
+from tandem_serve.proto.request_messages import RegisterRequest
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta, PromptDetail, TokenBatch
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 log = logging.getLogger("tandem.postproc")

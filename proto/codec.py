@@ -33,7 +33,7 @@ class CodecError(ValueError):
 
 
 def _enum_fields(cls: type) -> dict[int, type[IntEnum]]:
-    hints = typing.get_type_hints(cls, vars(messages))
+    hints = typing.get_type_hints(cls)  # resolved in the module that defines it
     out: dict[int, type[IntEnum]] = {}
     for i, f in enumerate(dataclasses.fields(cls)):
         hint = hints[f.name]

@@ -23,7 +23,7 @@ from tandem_serve.frontend.validation import (
 from tandem_serve.guided.forms import FormError, parse_schema
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.proto import generation_pb2 as pb
-from tandem_serve.proto.messages import OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 
 LENGTH_PENALTY_DECAY_RANGE = (1.0, 10.0)
 # A constraint's text (regex, schema, grammar, all choices together); compiling a long one

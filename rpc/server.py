@@ -30,7 +30,8 @@ from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto import admin_pb2, admin_pb2_grpc
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto import generation_pb2_grpc as pb_grpc
-from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 from tandem_serve.rpc.params import UnsupportedError, check_unsupported, validate_params
 
 SERVICE_NAME = "fmaas.GenerationService"

@@ -21,24 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    AdapterFailed,
-    AdapterLoad,
-    AddRequest,
+from tandem_serve.proto.adapter_messages import AdapterFailed, AdapterLoad
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable
+from tandem_serve.proto.plan_messages import (
     ContinueRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedLost,
-    GuidedTable,
     NewRequest,
     PlanEnding,
-    PlanProcessed,
-    RequestFailed,
-    RequestRejected,
     StepDone,
     StepPlan,
-    StopHit,
 )
+from tandem_serve.proto.request_messages import AddRequest, RequestFailed, RequestRejected
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
 from tandem_serve.scheduler.guided import constraint_id

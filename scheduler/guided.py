@@ -33,13 +33,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    AddRequest,
-    GuidedGrammar,
-    GuidedKind,
-    GuidedTable,
-    SamplingParams,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import GuidedKind, SamplingParams
 
 Constraint = GuidedTable | GuidedGrammar
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from tandem_serve.proto.messages import AdapterLoad
+from tandem_serve.proto.adapter_messages import AdapterLoad
 
 
 class LoraSlots:

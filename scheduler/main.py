@@ -17,23 +17,14 @@ from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.ipc.process import PlanWatchdog
 from tandem_serve.ipc.role_loop import Handler, Inbox, RoleLoop
 from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import (
-    AbortRequest,
-    AdapterFailed,
-    AddRequest,
-    GuidedGrammar,
-    GuidedLost,
-    GuidedTable,
-    GuidedWanted,
-    PlanEnding,
-    PlanProcessed,
-    ProfileControl,
-    StepDone,
-    StopHit,
-    WorkerReady,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
+from tandem_serve.proto.monitor_messages import ProfileControl
+from tandem_serve.proto.plan_messages import PlanEnding, StepDone, WorkerReady
+from tandem_serve.proto.request_messages import AbortRequest, AddRequest
 from tandem_serve.proto.speculative import parse_speculative
+from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports

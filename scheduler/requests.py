@@ -13,7 +13,7 @@ from enum import Enum
 
 import numpy as np
 
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 
 
 class RequestStatus(Enum):

@@ -15,7 +15,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from tandem_serve.proto.messages import FinishReason, GuidedKind, RequestFailed, RequestRejected
+from tandem_serve.proto.request_messages import RequestFailed, RequestRejected
+from tandem_serve.proto.request_params import FinishReason, GuidedKind
 from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
 from tandem_serve.scheduler.lora_slots import LoraSlots

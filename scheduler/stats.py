@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 
 from tandem_serve.ipc.channels import Sender
-from tandem_serve.proto.messages import EngineStats, PlanProcessed, StepDone
+from tandem_serve.proto.monitor_messages import EngineStats
+from tandem_serve.proto.plan_messages import StepDone
+from tandem_serve.proto.token_messages import PlanProcessed
 from tandem_serve.scheduler.core import Scheduler
 
 log = logging.getLogger("tandem.scheduler")

@@ -33,7 +33,7 @@ from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import AsyncReceiver
 from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
-from tandem_serve.proto.messages import ProcessFailed, WorkerHung
+from tandem_serve.proto.control_messages import ProcessFailed, WorkerHung
 from tandem_serve.tandem import serve as frontend_process
 from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
 from tandem_serve.tandem.tp_node import free_local_addr

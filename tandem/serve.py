@@ -42,7 +42,7 @@ from tandem_serve.frontend.standalone import SetKeeper
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 from tandem_serve.rpc.grpc_server import add_services, bound_grpc_server, set_health
 from tandem_serve.rpc.server import SERVICE_NAME
 from tandem_serve.tokenization.tokenizer import Tokenizer

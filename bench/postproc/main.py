@@ -17,7 +17,9 @@ import time
 import numpy as np
 
 from tandem_serve.postproc_worker.postprocessor import Postprocessor
-from tandem_serve.proto.messages import OutputOptions, RegisterRequest, TokenBatch
+from tandem_serve.proto.request_messages import RegisterRequest
+from tandem_serve.proto.request_params import OutputOptions
+from tandem_serve.proto.token_messages import TokenBatch
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 TEXT = ("Tandem runs the model while the detokenizer works. 東京は日本の首都です。 "
@@ -58,7 +60,8 @@ def decode_rate(model_dir: str, batch: int, prompt_len: int, plans: int, steps: 
 
     from tandem_serve.gpu_worker.runner import ModelRunner
     from tandem_serve.proto.config import WorkerConfig
-    from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
+    from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+    from tandem_serve.proto.request_params import SamplingParams
 
     if threads:
         torch.set_num_threads(threads)

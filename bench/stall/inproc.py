@@ -41,7 +41,8 @@ def run(model: str, tokenizer: Any, work: StallWorkload, seed: int, num_steps: i
     from tandem_serve.gpu_worker.runner import ModelRunner
     from tandem_serve.gpu_worker.steps import attention_tokens
     from tandem_serve.proto.config import WorkerConfig
-    from tandem_serve.proto.messages import PlanProcessed, SamplingParams, TokenBatch
+    from tandem_serve.proto.request_params import SamplingParams
+    from tandem_serve.proto.token_messages import PlanProcessed, TokenBatch
     from tandem_serve.scheduler.budget import default_tokens
     from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
@@ -102,7 +103,7 @@ def run(model: str, tokenizer: Any, work: StallWorkload, seed: int, num_steps: i
 
 
 def _request(rid: int, ids: np.ndarray, sampling: Any) -> Any:
-    from tandem_serve.proto.messages import AddRequest
+    from tandem_serve.proto.request_messages import AddRequest
 
     return AddRequest(rid, ids, sampling, 0.0)
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from tandem_serve.bench.step.runner import Ours, progress, random_prompts
 from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex, regex_table
-from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_params import GuidedKind, SamplingParams
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
 REGEX = r"(\d{4}-\d{2}-\d{2}|[A-Z][a-z]+ [0-9]{1,2}, [0-9]{4})(; [A-Za-z ,.]{1,40})*"

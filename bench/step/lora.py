@@ -25,8 +25,10 @@ def step_table(model: str, cache: str, ids: list[str], rank: int, batch: int = 3
 
     from tandem_serve.gpu_worker.publisher import TokenPublisher
     from tandem_serve.gpu_worker.runner import ModelRunner
+    from tandem_serve.proto.adapter_messages import AdapterLoad
     from tandem_serve.proto.config import WorkerConfig
-    from tandem_serve.proto.messages import AdapterLoad, NewRequest, SamplingParams, StepPlan
+    from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+    from tandem_serve.proto.request_params import SamplingParams
 
     torch.set_num_threads(1)
     per_req = -(-(prompt_len + steps + 1) // 16)

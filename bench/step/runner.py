@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
+from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+from tandem_serve.proto.request_params import SamplingParams
 
 if TYPE_CHECKING:
     from tandem_serve.bench.step.tp_ranks import RankGroup

@@ -16,7 +16,8 @@ from typing import Any
 
 from tandem_serve.ipc.process import CLI
 from tandem_serve.proto.config import Addresses, ServerConfig
-from tandem_serve.proto.messages import Shutdown, StepPlan
+from tandem_serve.proto.control_messages import Shutdown
+from tandem_serve.proto.plan_messages import StepPlan
 
 STOP_TIMEOUT_S = 10.0
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tandem_serve.proto.messages import GuidedGrammar
+from tandem_serve.proto.guided_messages import GuidedGrammar
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.state import RequestState

@@ -30,7 +30,8 @@ from torch import Tensor
 
 from tandem_serve.gpu_worker.constrain.grammar import GrammarRegistry, GrammarRows
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_params import GuidedKind
 
 # The live-token path pays while at most this share of the vocabulary is live: at V/3 its
 # broadcast add plus gather and index_add cost what the full gather does (measured on a CPU).

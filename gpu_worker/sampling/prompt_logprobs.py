@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tandem_serve.proto.messages import PromptDetail
+from tandem_serve.proto.token_messages import PromptDetail
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.models.decoder import CausalLM

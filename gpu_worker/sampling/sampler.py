@@ -129,7 +129,8 @@ class SamplerHints:
 
     @classmethod
     def from_params(cls, params: Sequence[RowParams]) -> SamplerHints:
-        """``for_rows`` from per-row parameter objects (e.g. ``proto.messages.SamplingParams``)."""
+        """``for_rows`` from per-row parameter objects (``proto.request_params.SamplingParams``,
+        say)."""
         return cls.for_rows([p.temperature for p in params], [p.top_k for p in params],
                             [p.top_p for p in params], [p.typical_p for p in params],
                             [p.min_p for p in params], [p.min_new_tokens for p in params],

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer
 from tandem_serve.gpu_worker.state import RequestState
-from tandem_serve.proto.messages import FinishReason, GuidedKind
+from tandem_serve.proto.request_params import FinishReason, GuidedKind
 from tandem_serve.proto.speculative import SpeculativeConfig
 
 

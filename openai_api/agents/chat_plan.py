@@ -23,7 +23,7 @@ from tandem_serve.openai_api.agents.tool_parsers import tool_parser
 from tandem_serve.openai_api.agents.tool_parsers.base import ToolParser
 from tandem_serve.openai_api.agents.tools import AgentSettings, ToolPlan, plan, template_message
 from tandem_serve.openai_api.protocol import ChatCompletionRequest
-from tandem_serve.proto.messages import OutputOptions
+from tandem_serve.proto.request_params import OutputOptions
 
 
 @dataclass

@@ -29,7 +29,7 @@ from tandem_serve.frontend.validation import (
 )
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from tandem_serve.proto.messages import OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 
 MAX_N = 128  # OpenAI's limit on choices per request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty / frequency_penalty

@@ -32,7 +32,7 @@ from tandem_serve.openai_api.chat.shapes import ChatShape, Choice, CompletionSha
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.models import Models, Target
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
-from tandem_serve.proto.messages import OutputDelta
+from tandem_serve.proto.token_messages import OutputDelta
 
 T = TypeVar("T")
 Shape = CompletionShape | ChatShape

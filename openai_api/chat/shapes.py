@@ -13,7 +13,8 @@ from tandem_serve.frontend.frontend import Prepared
 from tandem_serve.frontend.vllm_metrics import FINISH_REASON
 from tandem_serve.openai_api.agents.message import MessageStream, Output, message_deltas
 from tandem_serve.openai_api.chat.logprobs import CompletionLogprobs, TokenPieces, chat_logprobs
-from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 
 # OpenAI has "stop" and "length"; vLLM adds "abort" for requests ended from outside. The same
 # strings label vllm:request_success_total.

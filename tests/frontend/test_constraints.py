@@ -17,17 +17,10 @@ from tandem_serve.guided.compile import Compiler
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.proto import codec
 from tandem_serve.proto.config import Addresses, ServerConfig
-from tandem_serve.proto.messages import (
-    AddRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedLost,
-    GuidedTable,
-    GuidedWanted,
-    OutputDelta,
-    OutputOptions,
-    SamplingParams,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.token_messages import OutputDelta
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir
 

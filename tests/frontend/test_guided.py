@@ -14,7 +14,8 @@ from tandem_serve.guided.pool import CompilerUnavailable, CompileTimeout
 from tandem_serve.guided.service import CompileBusy
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.guided.vocab import UnsupportedTokenizer
-from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_params import GuidedKind, SamplingParams
 from tandem_serve.rpc.client import GenerateOptions
 
 SPEC = GuidedSpec(SpecKind.REGEX, "(", field="params.decoding.regex")

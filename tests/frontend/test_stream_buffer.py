@@ -4,7 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from tandem_serve.frontend.stream_buffer import FOLD_AFTER, StreamBuffer, payload_bytes
-from tandem_serve.proto.messages import FinishReason, OutputDelta
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 
 
 def delta(i: int, detail: bool = False) -> OutputDelta:

@@ -13,7 +13,10 @@ from tandem_serve.frontend.vllm_metrics import (
     TTFT_BUCKETS,
     VllmMetrics,
 )
-from tandem_serve.proto.messages import EngineStats, FinishReason, OutputDelta, WorkerReady
+from tandem_serve.proto.monitor_messages import EngineStats
+from tandem_serve.proto.plan_messages import WorkerReady
+from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.token_messages import OutputDelta
 
 # Exposition name (prometheus_client drops a counter's _total from the family) -> type.
 FAMILIES = {

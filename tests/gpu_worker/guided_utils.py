@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from tandem_serve.harness.guided_tables import regex_table, vocabulary
-from tandem_serve.proto.messages import GuidedGrammar, GuidedKind, GuidedTable, SamplingParams
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.request_params import GuidedKind, SamplingParams
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.model_utils import EOS_ID, make_tiny_checkpoint
 

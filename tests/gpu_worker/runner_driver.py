@@ -18,20 +18,12 @@ import numpy as np
 
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.adapter_messages import AdapterLoad
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import (
-    AdapterLoad,
-    ContinueRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedTable,
-    NewRequest,
-    PromptDetail,
-    SamplingParams,
-    StepDone,
-    StepPlan,
-    TokenBatch,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.plan_messages import ContinueRequest, NewRequest, StepDone, StepPlan
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, make_tiny_checkpoint, random_prompts
 
 NEW_TOKENS = 24

@@ -16,15 +16,10 @@ import numpy as np
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.steps import attention_tokens
-from tandem_serve.proto.messages import (
-    AddRequest,
-    PlanProcessed,
-    PromptDetail,
-    SamplingParams,
-    StepDone,
-    StepPlan,
-    TokenBatch,
-)
+from tandem_serve.proto.plan_messages import StepDone, StepPlan
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed, PromptDetail, TokenBatch
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
 

@@ -17,7 +17,7 @@ from tandem_serve.gpu_worker.attention.kv_cache import FP8, allocate_kv_cache
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.gpu_worker.models.loader import load_model
 from tandem_serve.gpu_worker.spec import policy
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker.family_utils import checkpoint
 from tests.gpu_worker.model_utils import (
     EOS_ID,

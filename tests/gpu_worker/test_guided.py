@@ -22,7 +22,8 @@ from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.harness.guided_tables import choice_regex, json_schema_regex
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.token_messages import TokenBatch
 from tests.gpu_worker.guided_utils import (
     VOCAB,
     grammar,

@@ -17,7 +17,8 @@ import jsonschema
 from tandem_serve.guided.compile import Compiler
 from tandem_serve.guided.forms import spec_regex
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.proto.messages import FinishReason, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedTable
+from tandem_serve.proto.request_params import FinishReason
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.guided_utils import guided, hf_guided
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner

@@ -14,7 +14,8 @@ import jsonschema
 import llguidance
 import pytest
 
-from tandem_serve.proto.messages import FinishReason, GuidedGrammar
+from tandem_serve.proto.guided_messages import GuidedGrammar
+from tandem_serve.proto.request_params import FinishReason
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.gpu_worker.guided_utils import (
     grammar,

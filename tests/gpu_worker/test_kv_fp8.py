@@ -14,7 +14,7 @@ import torch
 from tandem_serve.gpu_worker.attention.kv_cache import FP8
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import make_runner
 from tests.gpu_worker.served import Served

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem_serve.proto.messages import FinishReason
+from tandem_serve.proto.request_params import FinishReason
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
 from tests.gpu_worker.sync_guard import forbid_host_sync
@@ -69,7 +69,7 @@ def run_mix(d: Driver) -> None:
 
 
 def sampling(n: int = NEW) -> Any:
-    from tandem_serve.proto.messages import SamplingParams
+    from tandem_serve.proto.request_params import SamplingParams
 
     return SamplingParams(max_new_tokens=n, min_new_tokens=n, stop_token_ids=[EOS_ID])
 
@@ -225,7 +225,8 @@ def test_seeded_sampling_and_logprobs_under_an_adapter_ignore_the_batch(model: s
                                                                        cache: Path) -> None:
     """A seeded sampled request on an adapter draws the same tokens alone and in a mixed
     batch, and its logprobs come from its adapter's distribution (rank 1 when greedy)."""
-    from tandem_serve.proto.messages import SamplingParams, TokenBatch
+    from tandem_serve.proto.request_params import SamplingParams
+    from tandem_serve.proto.token_messages import TokenBatch
     from tests.gpu_worker.runner_driver import sampled
 
     def run(mixed: bool) -> tuple[list[int], list[TokenBatch]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tandem_serve.harness.guided_tables import choice_regex
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 from tests.gpu_worker.guided_utils import guided, guided_checkpoint, hf_guided, table, text
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, make_runner

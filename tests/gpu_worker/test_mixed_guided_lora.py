@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker.guided_utils import guided, guided_checkpoint, table, text
 from tests.gpu_worker.model_utils import EOS_ID
 from tests.gpu_worker.runner_driver import make_runner

@@ -15,7 +15,9 @@ from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.gpu_worker.batch import build_decode_batch
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs
 from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
-from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan, TokenBatch
+from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.token_messages import TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, hf_greedy, make_runner, sampled
 from tests.gpu_worker.served import Served

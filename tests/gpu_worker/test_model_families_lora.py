@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from tandem_serve.adapters.peft import AdapterError, ModelShapes, read_adapter
 from tandem_serve.gpu_worker.models.loader import load_model_args
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 from tests.gpu_worker.family_utils import checkpoint
 from tests.gpu_worker.guided_utils import guided, hf_guided, table
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts

@@ -20,7 +20,8 @@ from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, token_buckets
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.steps import PrefillInputs, lay_out
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import NewRequest, SamplingParams, StepPlan
+from tandem_serve.proto.plan_messages import NewRequest, StepPlan
+from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker.family_utils import family_checkpoint
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import Driver, make_runner

@@ -12,7 +12,8 @@ from tandem_serve.gpu_worker.sampling.prompt_logprobs import ROWS_PER_SLICE
 from tandem_serve.ipc.channels import Receiver
 from tandem_serve.ipc.token_channel import TokenReader, TokenWriter, detail_for
 from tandem_serve.proto.config import Addresses
-from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 from tests.gpu_worker.model_utils import (
     EOS_ID,
     HFReference,

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import tandem_serve.gpu_worker.runner as runner_module
-from tandem_serve.proto.messages import FinishReason, SamplingParams, TokenBatch
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.token_messages import TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, random_prompts
 from tests.gpu_worker.runner_driver import (
     CONFIGS,

@@ -138,7 +138,7 @@ def test_hints_skip_only_unused_work() -> None:
 
 
 def test_hints_from_params_objects() -> None:
-    from tandem_serve.proto.messages import SamplingParams
+    from tandem_serve.proto.request_params import SamplingParams
 
     params = [SamplingParams(temperature=0.7, top_k=20), SamplingParams(),
               SamplingParams(temperature=1.0, top_k=50, typical_p=0.5, min_new_tokens=3)]

@@ -13,7 +13,7 @@ from tandem_serve.gpu_worker.sampling.sampler import (
     SamplingBatch,
     apply_penalties,
 )
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, random_prompts
 from tests.gpu_worker.runner_driver import Driver, checkpoint, make_runner
 from tests.gpu_worker.sampler_utils import make_rows

@@ -15,7 +15,7 @@ import torch
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.spec.draft_model import DraftModel
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint, make_tiny_checkpoint
 from tests.gpu_worker.runner_driver import Driver, run_busy_batch

@@ -10,8 +10,9 @@ from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.spec.policy import REPEATS, SpecPolicy, StepCost
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import SamplingParams, TokenBatch
+from tandem_serve.proto.request_params import SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
+from tandem_serve.proto.token_messages import TokenBatch
 from tests.gpu_worker.model_utils import make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver
 

@@ -18,7 +18,7 @@ from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer
 from tandem_serve.gpu_worker.spec.registry import PROPOSERS, ProposerContext, make_proposer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tandem_serve.proto.speculative import METHODS, SpeculativeConfig, parse_speculative
 from tests.gpu_worker.model_utils import make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver

@@ -16,8 +16,10 @@ from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplingBatch
 from tandem_serve.gpu_worker.spec.batch import accept_prefix, finish_run
 from tandem_serve.gpu_worker.spec.ngram import propose_ngram
 from tandem_serve.proto.config import WorkerConfig
-from tandem_serve.proto.messages import FinishReason, GuidedTable, SamplingParams, TokenBatch
+from tandem_serve.proto.guided_messages import GuidedTable
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
+from tandem_serve.proto.token_messages import TokenBatch
 from tests.gpu_worker.guided_utils import guided, hf_guided, table
 from tests.gpu_worker.model_utils import EOS_ID, make_copier_checkpoint
 from tests.gpu_worker.runner_driver import Driver

@@ -27,8 +27,9 @@ from tandem_serve.gpu_worker.parallel import TensorParallel
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.harness.processes import free_port
 from tandem_serve.proto.config import ServerConfig, WorkerConfig
-from tandem_serve.proto.messages import PromptDetail, SamplingParams, TokenBatch
+from tandem_serve.proto.request_params import SamplingParams
 from tandem_serve.proto.speculative import parse_speculative
+from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 from tests.gpu_worker.guided_utils import guided, table
 from tests.gpu_worker.model_utils import EOS_ID, PagedDriver, random_prompts
 from tests.gpu_worker.runner_driver import NEW_TOKENS, Driver, sampled

@@ -8,7 +8,7 @@ import pytest
 
 from tandem_serve.guided.cache import DiskCache, MemoryCache, check_table, content_id, nbytes
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 
 V = 50
 

@@ -11,7 +11,7 @@ from tandem_serve.guided.forms import choice_regex, escape_rust, grammar_lark, i
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.guided.table import advance, allowed, done_state
 from tandem_serve.guided.vocab import TokenVocabulary
-from tandem_serve.proto.messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
 

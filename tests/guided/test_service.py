@@ -17,7 +17,7 @@ from tandem_serve.guided.pool import CompilerUnavailable, CompileTimeout
 from tandem_serve.guided.service import GuidedCompiler, GuidedSettings
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
 from tandem_serve.guided.vocab import UnsupportedTokenizer
-from tandem_serve.proto.messages import GuidedTable
+from tandem_serve.proto.guided_messages import GuidedTable
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import sentencepiece_dir, wordpiece_dir
 

@@ -9,7 +9,8 @@ import pytest
 
 from tandem_serve.ipc import channels
 from tandem_serve.ipc.channels import Receiver, Sender, set_epoch
-from tandem_serve.proto.messages import AbortRequest, Heartbeat
+from tandem_serve.proto.monitor_messages import Heartbeat
+from tandem_serve.proto.request_messages import AbortRequest
 
 _senders: list[Sender] = []
 

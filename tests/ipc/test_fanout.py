@@ -10,7 +10,8 @@ import time
 import pytest
 
 from tandem_serve.ipc.fanout import Fanout, subscribe
-from tandem_serve.proto.messages import Heartbeat, Shutdown
+from tandem_serve.proto.control_messages import Shutdown
+from tandem_serve.proto.monitor_messages import Heartbeat
 
 ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 

@@ -9,7 +9,7 @@ import pytest
 
 from tandem_serve.ipc import channels
 from tandem_serve.ipc.peers import PeerLost, RoleWatch, SetWatch
-from tandem_serve.proto.messages import Heartbeat
+from tandem_serve.proto.monitor_messages import Heartbeat
 
 EXPECTED = ["scheduler", "gpu-worker", "postproc 0"]
 ROLES = [("scheduler", 0), ("gpu-worker", 0), ("postproc", 0)]

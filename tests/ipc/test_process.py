@@ -237,7 +237,8 @@ def test_slow_reader_deltas_merge_instead_of_piling_up(tmp_path: pathlib.Path) -
     from tandem_serve.frontend.engine_client import EngineClient, OpenStream
     from tandem_serve.frontend.stream_buffer import StreamBuffer
     from tandem_serve.proto.config import Addresses, ServerConfig
-    from tandem_serve.proto.messages import FinishReason, OutputDelta
+    from tandem_serve.proto.request_params import FinishReason
+    from tandem_serve.proto.token_messages import OutputDelta
 
     async def main() -> list[object]:
         cfg = ServerConfig(model="", addresses=Addresses.local(str(tmp_path), "t", 1, False))

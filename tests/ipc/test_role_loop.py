@@ -16,15 +16,10 @@ from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.ipc.peers import PeerLost
 from tandem_serve.ipc.role_loop import Announce, Inbox, RoleLoop
 from tandem_serve.proto.config import Addresses, ServerConfig
-from tandem_serve.proto.messages import (
-    Heartbeat,
-    ProfileControl,
-    ProfileData,
-    Ready,
-    Shutdown,
-    StepPlan,
-    StopHit,
-)
+from tandem_serve.proto.control_messages import Ready, Shutdown
+from tandem_serve.proto.monitor_messages import Heartbeat, ProfileControl, ProfileData
+from tandem_serve.proto.plan_messages import StepPlan
+from tandem_serve.proto.token_messages import StopHit
 
 log = logging.getLogger("tandem.test_role")
 

@@ -8,7 +8,7 @@ import pytest
 
 from tandem_serve.ipc import tracing
 from tandem_serve.ipc.tracing import TRACER
-from tandem_serve.proto.messages import ProfileControl, ProfileData
+from tandem_serve.proto.monitor_messages import ProfileControl, ProfileData
 
 
 class Inbox:

@@ -15,13 +15,9 @@ from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate
 from tandem_serve.openai_api.chat.serving import Serving
-from tandem_serve.proto.messages import (
-    FinishReason,
-    GuidedGrammar,
-    OutputDelta,
-    OutputOptions,
-    SamplingParams,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar
+from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.token_messages import OutputDelta
 from tests.openai_api.http_thread import ThreadedServer, tok
 
 LIMITS = Limits(max_model_len=2048, max_new_tokens=512, default_max_new_tokens=16,

@@ -20,7 +20,8 @@ from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.serving import Serving
-from tandem_serve.proto.messages import FinishReason, OutputDelta, OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.token_messages import OutputDelta
 from tests.openai_api.http_thread import ThreadedServer, tok
 
 LIMITS = Limits(max_model_len=256, max_new_tokens=64, default_max_new_tokens=16,

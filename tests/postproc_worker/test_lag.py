@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.postproc_worker.lag import STATS_INTERVAL, LagMeter
-from tandem_serve.proto.messages import PostprocStats
+from tandem_serve.proto.monitor_messages import PostprocStats
 
 
 def test_reports_the_interval_peak_only_when_it_changes() -> None:

@@ -5,13 +5,9 @@ import numpy as np
 import pytest
 
 from tandem_serve.postproc_worker.postprocessor import Postprocessor
-from tandem_serve.proto.messages import (
-    FinishReason,
-    ForgetRequest,
-    OutputOptions,
-    RegisterRequest,
-    TokenBatch,
-)
+from tandem_serve.proto.request_messages import ForgetRequest, RegisterRequest
+from tandem_serve.proto.request_params import FinishReason, OutputOptions
+from tandem_serve.proto.token_messages import TokenBatch
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.tokenizer_utils import byte_level_bpe_dir, sentencepiece_dir
 

@@ -7,13 +7,9 @@ import numpy as np
 import pytest
 
 from tandem_serve.postproc_worker.postprocessor import Postprocessor
-from tandem_serve.proto.messages import (
-    FinishReason,
-    OutputDelta,
-    OutputOptions,
-    PromptDetail,
-    RegisterRequest,
-)
+from tandem_serve.proto.request_messages import RegisterRequest
+from tandem_serve.proto.request_params import FinishReason, OutputOptions
+from tandem_serve.proto.token_messages import OutputDelta, PromptDetail
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.postproc_worker.test_postprocessor import batch
 from tests.tokenizer_utils import sentencepiece_dir

@@ -6,21 +6,11 @@ import numpy as np
 import pytest
 
 from tandem_serve.proto import codec
-from tandem_serve.proto.messages import (
-    AdapterFailed,
-    AdapterLoad,
-    FinishReason,
-    GuidedGrammar,
-    GuidedKind,
-    GuidedTable,
-    NewRequest,
-    OutputBatch,
-    OutputDelta,
-    SamplingParams,
-    StepDone,
-    StepPlan,
-    TokenBatch,
-)
+from tandem_serve.proto.adapter_messages import AdapterFailed, AdapterLoad
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.plan_messages import NewRequest, StepDone, StepPlan
+from tandem_serve.proto.request_params import FinishReason, GuidedKind, SamplingParams
+from tandem_serve.proto.token_messages import OutputBatch, OutputDelta, TokenBatch
 
 
 def test_step_plan_round_trip_with_nested_dataclasses() -> None:

@@ -17,15 +17,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    FinishReason,
-    GuidedKind,
-    GuidedTable,
-    PlanProcessed,
-    StepDone,
-    StepPlan,
-    StopHit,
-)
+from tandem_serve.proto.guided_messages import GuidedTable
+from tandem_serve.proto.plan_messages import StepDone, StepPlan
+from tandem_serve.proto.request_params import FinishReason, GuidedKind
+from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import piece_cost
 from tandem_serve.scheduler.core import SchedulerParams
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem_serve.proto.messages import AddRequest, FinishReason, SamplingParams, StepDone
+from tandem_serve.proto.plan_messages import StepDone
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 
 

@@ -9,20 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    AddRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedKind,
-    GuidedLost,
-    GuidedTable,
-    PlanEnding,
-    PlanProcessed,
-    SamplingParams,
-    StepDone,
-    StepPlan,
-    StopHit,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable
+from tandem_serve.proto.plan_messages import PlanEnding, StepDone, StepPlan
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, GuidedKind, SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tests.scheduler.fake_workers import VOCAB, FakePostproc, FakeWorker, PostprocState, Row
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem_serve.proto.messages import PlanProcessed
+from tandem_serve.proto.token_messages import PlanProcessed
 from tandem_serve.scheduler.budget import (
     Split,
     StepBudget,

@@ -7,14 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem_serve.proto.messages import (
-    AddRequest,
-    FinishReason,
-    PlanEnding,
-    PlanProcessed,
-    SamplingParams,
-    StopHit,
-)
+from tandem_serve.proto.plan_messages import PlanEnding
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params, step_done
 

@@ -7,16 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem_serve.proto.messages import (
-    AddRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedKind,
-    GuidedTable,
-    PlanProcessed,
-    SamplingParams,
-    StepPlan,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
+from tandem_serve.proto.plan_messages import StepPlan
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, GuidedKind, SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed
 from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params, step_done
 

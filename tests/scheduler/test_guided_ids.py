@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    AddRequest,
-    FinishReason,
-    GuidedGrammar,
-    GuidedKind,
-    GuidedLost,
-    SamplingParams,
-    StepPlan,
-)
+from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost
+from tandem_serve.proto.plan_messages import StepPlan
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, GuidedKind, SamplingParams
 from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import add, params
 from tests.scheduler.test_guided import VOCAB, _finish, _ids, _table

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem_serve.proto.messages import (
-    AdapterFailed,
-    AdapterLoad,
-    AddRequest,
-    FinishReason,
-    PlanProcessed,
-    SamplingParams,
-)
+from tandem_serve.proto.adapter_messages import AdapterFailed, AdapterLoad
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed
 from tandem_serve.scheduler.core import Scheduler
 from tandem_serve.scheduler.lora_slots import LoraSlots
 from tests.scheduler.sched_utils import params, step_done

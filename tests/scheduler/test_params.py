@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.messages import WorkerReady
+from tandem_serve.proto.plan_messages import WorkerReady
 from tandem_serve.scheduler.main import make_params
 
 

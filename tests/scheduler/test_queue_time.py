@@ -4,7 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem_serve.proto.messages import AddRequest, PlanProcessed, SamplingParams
+from tandem_serve.proto.request_messages import AddRequest
+from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.token_messages import PlanProcessed
 from tandem_serve.scheduler.core import Scheduler
 from tests.scheduler.sched_utils import params, step_done
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tandem_serve.proto.messages import SamplingParams
+from tandem_serve.proto.request_params import SamplingParams
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.speculation import SpecCounts
 

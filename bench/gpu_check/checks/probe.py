@@ -62,7 +62,7 @@ class StepProbe:
         self.live: list[int] = []
 
     def execute(self, num_steps: int, **deltas: Any) -> None:
-        from tandem_serve.proto.messages import StepPlan
+        from tandem_serve.proto.plan_messages import StepPlan
 
         self.runner.execute(StepPlan(self.plan_id, num_steps, **deltas), self.publisher)
         self.plan_id += 1
@@ -70,7 +70,8 @@ class StepProbe:
     def cell(self, batch: int, context: int, steps: int) -> dict[str, Any]:
         """ms/step of `batch` rows attending to ~`context` tokens: median and fastest plan,
         and the mean context the timed steps attended to."""
-        from tandem_serve.proto.messages import NewRequest, SamplingParams
+        from tandem_serve.proto.plan_messages import NewRequest
+        from tandem_serve.proto.request_params import SamplingParams
 
         rng = np.random.default_rng(batch * 100003 + context)
         vocab = self.runner.vocab_size
