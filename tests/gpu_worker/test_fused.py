@@ -2,29 +2,25 @@
 replace, and the decoder layer with them against the layer without.
 
 Without a GPU the kernels run under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
-set here before anything imports the kernels); with one (and TRITON_INTERPRET unset) on CUDA.
+set by tests/conftest.py before anything imports triton); with one, compiled on CUDA.
 The interpreter rounds float32 -> bfloat16 toward zero where the GPU rounds to nearest even,
 so bfloat16 results are compared within bfloat16's resolution; float32 within 1e-5.
 Shapes stay tiny and odd (48, 96, 24-dim heads): the interpreter runs every program in Python.
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from tandem_serve.gpu_worker.models import fused, layers  # noqa: E402
 from tandem_serve.gpu_worker.models.config import ModelArgs  # noqa: E402
 from tandem_serve.gpu_worker.models.decoder import DecoderLayer  # noqa: E402
 from tandem_serve.gpu_worker.models.rope import model_ropes  # noqa: E402
+from tests.gpu_worker.triton_utils import DEVICE  # noqa: E402
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 1.6e-2}}
 

@@ -3,20 +3,16 @@
 (see test_fused.py for why bfloat16 is compared within its resolution)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
 from tandem_serve.adapters.peft import ModelShapes  # noqa: E402
 from tandem_serve.gpu_worker.lora import FUSED, LoraContext, LoraWeights  # noqa: E402
 from tandem_serve.gpu_worker.models import fused  # noqa: E402
+from tests.gpu_worker.triton_utils import DEVICE  # noqa: E402
 
-DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5},
        torch.bfloat16: {"rtol": 1.6e-2, "atol": 3e-2}}
 # hidden 48, 4 q heads and 2 kv heads of 12, intermediate 96: R_m = 3 * 4 = 12 for qkv.
