@@ -36,7 +36,9 @@ def test_preemption_under_kv_pressure_keeps_outputs(fast_model_dir: pathlib.Path
                     "--max-num-seqs", "64").wait_ready()
     try:
         got = run_all(server, jobs)
-        stats = server.client.stats()
+        # Reported every 0.2 s: a read right after the last stream can predate the plans
+        # that preempted (one loaded run read num_preemptions 0 with 20 requests waiting).
+        stats = server.wait_stats(lambda s: not s.num_running and not s.num_waiting)
     finally:
         assert server.stop() == 0
     assert stats.num_preemptions > 0
