@@ -15,8 +15,9 @@ device's steps alone, on the worker's CPU clock (`inproc.py`); `--both` runs the
 rounds, then the served ones, and sets the client's worst and p99 gaps against the in-process
 ones round by round: whatever the client sees beyond the steps themselves came from outside
 the engine step (frontend, postprocessing, streaming, the host).  `--profile` also records the
-server over each served round and adds the gpu worker's own step gaps on the wall clock and
-every process's longest collector pause (`hops.py`), to say which hop a stall came from.
+server over each served round and adds the gpu worker's own step gaps on the wall clock,
+every process's longest collector pause, how long the worker waited for its core and how much
+CPU the host's other processes took (`hops.py`), to say which hop a stall came from.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from tandem_serve.bench.stall.hops import Recorder, ServerSide, server_side
+from tandem_serve.bench.stall.hops import HostMeter, Recorder, ServerSide, server_side
 from tandem_serve.bench.stall.report import (
     Figures,
     arm_table,
@@ -94,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "against the in-process ones (what the client sees beyond the steps)")
     p.add_argument("--profile", action="store_true",
                    help="record the server over each served round: the gpu worker's own step "
-                        "gaps (wall clock) and each process's longest collector pause beside "
-                        "the client's figures")
+                        "gaps (wall clock), each process's longest collector pause, the "
+                        "worker's waits for its core and other processes' CPU beside the "
+                        "client's figures")
     p.add_argument("--json", default="", help="write the figures here too")
 
 
@@ -116,9 +118,11 @@ def _round(served: Any, tokenizer: Any, work: StallWorkload, seed: int,
         return figures(run(served.target, tokenizer, work, seed))
     # Past the streams' start (<1 s), the arrivals and the last prompt's first token.
     seconds = 1.5 + (work.prompts - 1) * work.interval + 3.0
-    with Recorder(served.port, seconds) as rec:
+    with Recorder(served.port, seconds) as rec, HostMeter(served.proc.pid) as host:
         stamps = run(served.target, tokenizer, work, seed)
-    sides.append(server_side(rec.result(), stamps.window))
+    side = server_side(rec.result(), stamps.window)
+    side.worker_wait_pct, side.others_cpu_pct = host.worker_wait_pct, host.others_cpu_pct
+    sides.append(side)
     return figures(stamps)
 
 

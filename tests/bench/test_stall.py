@@ -77,13 +77,27 @@ def test_the_client_table_sets_served_rounds_against_in_process_ones() -> None:
 
     served = {"mixed": [f(60.0, 30.0), f(40.0, 30.0)]}
     inproc = {"mixed": [f(30.0, 25.0), f(40.0, 25.0)]}
-    sides = {"mixed": [ServerSide(10.0, 25.0, 35.0, 40, {"postproc 0": 41.5, "scheduler": 2.0}),
+    sides = {"mixed": [ServerSide(10.0, 25.0, 35.0, 40, {"postproc 0": 41.5, "scheduler": 2.0},
+                                  worker_wait_pct=3.2, others_cpu_pct=61.0),
                        ServerSide(10.0, 25.0, 40.0, 40, {})]}
     table = client_table(served, inproc, sides)
-    assert "| mixed | 1 | 6.0x | 3.0x | 3.0x | 2.5x | 2.00 | 3.5x | 2.5x | 41.5 (postproc 0) |" \
-        in table
-    assert "| mixed | median | 5.0x | 3.0x | 3.5x | 2.5x | 1.50 | 3.8x | 2.5x | |" in table
+    assert "| mixed | 1 | 6.0x | 3.0x | 3.0x | 2.5x | 2.00 | 3.5x | 2.5x | 41.5 (postproc 0) " \
+        "| 3% | 61% |" in table
+    assert "| 2.5x | 0.0 (-) | - | - |" in table  # nothing recorded, /proc not read
+    assert "| mixed | median | 5.0x | 3.0x | 3.5x | 2.5x | 1.50 | 3.8x | 2.5x | | | |" in table
     assert "| mixed | 1 | 6.0x | 3.0x |" in client_table(served, None, None)
+
+
+def test_the_host_meter_reads_this_process_tree() -> None:
+    import os
+    import time
+
+    from tandem_serve.bench.stall.hops import HostMeter
+
+    with HostMeter(os.getpid()) as host:
+        time.sleep(0.05)
+    # No gpu worker under this process: its wait stays unknown; the others' CPU is a share.
+    assert host.worker_wait_pct == -1.0 and 0.0 <= host.others_cpu_pct <= 100.0 * os.cpu_count()
 
 
 def test_in_process_run_of_both_arms(tmp_path: Path, capsys: pytest.CaptureFixture[str]
