@@ -122,10 +122,10 @@ def _worker_pid(pids: list[int]) -> int | None:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
+                line = f.read()
         except OSError:
             continue
-        if b"run-role" in args and b"gpu-worker" in args:
+        if b"gpu-worker" in line:  # its title ("tandem: gpu-worker"), or `run-role gpu-worker`
             return pid
     return None
 
