@@ -40,6 +40,7 @@ from tandem_serve.bench.stall.report import (
     ratio_table,
 )
 from tandem_serve.bench.stall.scenario import StallWorkload, run
+from tandem_serve.harness.arms import beside_frontend
 from tandem_serve.harness.server import serving
 
 ARMS = ("mixed", "prefill-phase")
@@ -146,7 +147,9 @@ def _served(args: argparse.Namespace, model: str, tokenizer: Any, work: StallWor
         for r in range(args.rounds):
             for arm in arms:
                 arm_sides = None if sides is None else sides.setdefault(arm, [])
-                results[arm].append(_round(servers[arm], tokenizer, work, r, arm_sides))
+                # The client (a remote one in the real world) never takes the worker's core.
+                with beside_frontend(servers[arm].proc.pid):
+                    results[arm].append(_round(servers[arm], tokenizer, work, r, arm_sides))
                 _report(results, arm, r)
     return results
 
