@@ -120,13 +120,15 @@ class Tracer:
 
 # One per process: the process's main module sets the role at start-up.
 TRACER = Tracer("process")
+GC_SPANS = ("gc0", "gc1", "gc2")  # a collection of generation 0, 1, 2 (a full one)
 
 
 class _GcSpans:
-    """A `gc` span for every collection while recording, its generation in the step field:
-    a pause of the interpreter's cyclic collector holds up whatever the process was doing
-    (a full collection of ~40k objects costs 5-40 ms), so the timeline shows it by name.
-    A collection runs inside the code that allocated, so its span nests in that code's."""
+    """A span for every collection while recording, named by its generation (`gc0`, `gc1`,
+    `gc2`: a full one): a pause of the interpreter's cyclic collector holds up whatever the
+    process was doing (a full collection of ~40k objects costs 5-40 ms), so the timeline
+    shows it by name.  A collection runs inside the code that allocated, so its span nests in
+    that code's.  No plan or request: both fields are -1."""
 
     def __init__(self) -> None:
         self.started = 0
@@ -137,7 +139,7 @@ class _GcSpans:
         if phase == "start":
             self.started = time.monotonic_ns()
         elif self.started:
-            TRACER.record("gc", self.started, time.monotonic_ns(), -1, info["generation"])
+            TRACER.record(GC_SPANS[info["generation"]], self.started, time.monotonic_ns())
             self.started = 0
 
 

@@ -5,7 +5,7 @@ second token took to reach the client (postproc worker, frontend, gRPC, the clie
 With `--profile` every served round is recorded (`tandem profile`'s spans, DESIGN.md section
 6) and set beside the client's figures: the gpu worker's own step gaps on the wall clock (its
 forward spans' ends, over the same window; on CUDA a forward span is the launch, so this is a
-CPU tool) and the longest `gc` span of each process.  Where
+CPU tool) and the longest collection (`gc0`-`gc2` span) of each process.  Where
 the client's worst gap matches the worker's, the step itself was late (in-process figures: the
 step's own work; what the wall clock adds: the worker waiting for its core); where it does not,
 the delivery path held the token.
@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from tandem_serve.ipc.tracing import GC_SPANS
 
 
 @dataclass
@@ -86,7 +88,7 @@ def server_side(profiles: list[dict[str, Any]], window: tuple[float, float]) -> 
     pauses: dict[str, float] = {}
     for p in profiles:
         spans = [(e - s) / 1e6 for name, s, e, _, _ in p["spans"]
-                 if name == "gc" and lo <= e and s <= hi]
+                 if name in GC_SPANS and lo <= e and s <= hi]
         pauses[p["role"]] = max(spans, default=0.0)
     return ServerSide(median_gap_ms=float(np.median(gaps)),
                       p99_gap_ms=float(np.percentile(gaps, 99)),

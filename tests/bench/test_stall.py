@@ -62,9 +62,9 @@ def test_server_side_gaps_and_pauses_inside_the_window() -> None:
     ms = 1_000_000
     worker = {"role": "gpu-worker", "spans": [
         ["forward", t * ms - 4 * ms, t * ms, 0, k] for k, t in enumerate([10, 20, 30, 70, 80])]
-        + [["gc", 40 * ms, 43 * ms, -1, 0]]}
-    post = {"role": "postproc 0", "spans": [["gc", 50 * ms, 95 * ms, -1, 2],
-                                            ["gc", 500 * ms, 900 * ms, -1, 2]]}
+        + [["gc0", 40 * ms, 43 * ms, -1, -1]]}
+    post = {"role": "postproc 0", "spans": [["gc2", 50 * ms, 95 * ms, -1, -1],
+                                            ["gc2", 500 * ms, 900 * ms, -1, -1]]}
     side = server_side([worker, post], (0.015, 0.075))  # forwards ending at 20, 30, 70 ms
     assert side.num_gaps == 3 and side.worst_gap_ms == pytest.approx(40)
     assert side.median_gap_ms == pytest.approx(10) and side.worst_ratio == pytest.approx(4)
