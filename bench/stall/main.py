@@ -11,8 +11,8 @@ table sets each budget's worst gap against its long-prompt TTFT: the trade the d
 budget (`scheduler.budget.default_tokens`) picks a point of.
 
 Served, the gaps are what a gRPC client sees (`scenario.py`); `--in-process` measures the
-device's steps alone, on the worker's CPU clock (`inproc.py`); `--both` runs the in-process
-rounds, then the served ones, and sets the client's worst and p99 gaps against the in-process
+device's steps alone, on the worker's CPU clock (`inproc.py`); `--both` runs the served rounds,
+then the in-process ones, and sets the client's worst and p99 gaps against the in-process
 ones round by round: whatever the client sees beyond the steps themselves came from outside
 the engine step (frontend, postprocessing, streaming, the host).  `--profile` also records the
 server over each served round and adds the gpu worker's own step gaps on the wall clock,
@@ -92,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="no servers: the scheduler and runner in this process, timed by the "
                         "worker's CPU time (the device's stalls, whatever else the host runs)")
     p.add_argument("--both", action="store_true",
-                   help="the in-process rounds, then the served ones, and the client's gaps "
+                   help="the served rounds, then the in-process ones, and the client's gaps "
                         "against the in-process ones (what the client sees beyond the steps)")
     p.add_argument("--profile", action="store_true",
                    help="record the server over each served round: the gpu worker's own step "
@@ -185,10 +185,14 @@ def main(args: argparse.Namespace) -> int:
     if args.in_process and (args.both or args.profile):
         raise SystemExit("tandem bench stall: error: --in-process runs no server: drop it "
                          "for --both or --profile")
+    sides: dict[str, list[ServerSide]] | None = {} if args.profile else None
+    # Served first: the in-process rounds leave torch, a model and ~1 GB freed in this
+    # process, which is the served rounds' client (one of its threads then held the GIL for
+    # ~50 ms once a run, a stall of every stream it stamped).
+    results = None if args.in_process else _served(args, model, tokenizer, work, arms, sides)
     inproc = _in_process(args, model, tokenizer, work, arms) \
         if args.in_process or args.both else None
-    sides: dict[str, list[ServerSide]] | None = {} if args.profile else None
-    results = inproc if args.in_process else _served(args, model, tokenizer, work, arms, sides)
+    results = results if results is not None else inproc
     assert results is not None
     if args.both:
         assert inproc is not None
