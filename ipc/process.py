@@ -293,8 +293,8 @@ def freeze_heap() -> None:
     model); a full collection walks them all, 5-40 ms of CPU, and the process's cyclic
     collector runs one every several seconds of serving.  In a postproc worker that is a stall
     of every stream it owns, in the scheduler a late plan, in the frontend a stop of every
-    stream (measured in the stall scenario: `gc` spans of 37-49 ms in the postproc workers and
-    the scheduler; docs/BENCHMARKS.md).  Frozen, the same collection takes well under 1 ms.
+    stream (measured in the stall scenario served: full collections of 31-71 ms, mostly in the
+    postproc workers; docs/BENCHMARKS.md).  Frozen, the same collection takes ~1 ms.
     """
     gc.collect()
     gc.freeze()
