@@ -45,6 +45,8 @@ def test_budget_sweep_arms_and_their_frontier_table() -> None:
         stall.arm_names(parser.parse_args(["--budgets", "96,x"]))
     with pytest.raises(SystemExit, match="--arms"):
         stall.arm_names(parser.parse_args(["--arms", "mixed,phase"]))
+    with pytest.raises(SystemExit, match="runs no server"):
+        stall.main(parser.parse_args(["--in-process", "--both"]))
 
     def f(worst: float, ttft: float) -> Figures:
         return Figures(10.0, 20.0, worst, ttft, ttft, 100.0, 50)
