@@ -3,7 +3,9 @@ arms (the real scheduler and runner on the tiny model, timed by the worker's CPU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,14 @@ from tandem_serve.bench.stall.report import (
     ratio_table,
 )
 from tandem_serve.bench.stall.scenario import Stamps
+
+
+@pytest.fixture(autouse=True)
+def thawed() -> Iterator[None]:
+    """The in-process run freezes the heap it starts with (as a served worker does): here,
+    pytest's.  Thawed after each test, so what later tests leave in cycles is collected."""
+    yield
+    gc.unfreeze()
 
 
 def test_figures_count_gaps_inside_the_window_only() -> None:
