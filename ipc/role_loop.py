@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 from tandem_serve.ipc import faults
 from tandem_serve.ipc.channels import Receiver, Sender
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, RoleWatch, peer_name, role_watch
+from tandem_serve.ipc.process import freeze_heap
 from tandem_serve.ipc.tracing import ProfileExtra, on_profile_control, set_role
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.control_messages import Shutdown
@@ -162,6 +163,7 @@ class RoleLoop:
 
     def _start(self, ready: Announce | None) -> None:
         set_role(self.name)
+        freeze_heap()  # start-up is done: no full collection walks it again while serving
         self._announce = ready
         watch = role_watch(self.cfg, self.role, self.index) if self.in_set else None
         if watch is not None:  # on our own: ready once in the frontend's set

@@ -19,7 +19,7 @@ import grpc
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.frontend.engine_client import EngineClient, EngineError, ProfileBusy
 from tandem_serve.frontend.frontend import (
-    THREAD_ENCODE_CHARS,
+    THREAD_TOKENIZE_CHARS,
     Frontend,
     Prepared,
     RequestLog,
@@ -287,8 +287,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         await self._adapter_of(request, context, _request_log(context))
         out = pb.BatchedTokenizeResponse()
         for r in request.requests:
-            if len(r.text) > THREAD_ENCODE_CHARS:
-                ids, offsets = await asyncio.to_thread(self.tok.encode_with_offsets, r.text)
+            if len(r.text) > THREAD_TOKENIZE_CHARS:
+                ids, offsets = await asyncio.to_thread(self.tok.encode_with_offsets, r.text,
+                                                       release_gil=True)
             else:
                 ids, offsets = self.tok.encode_with_offsets(r.text)
             if request.truncate_input_tokens and len(ids) > request.truncate_input_tokens:

@@ -218,7 +218,8 @@ COLORS = {"forward": "#1f77b4", "sample": "#17becf", "prefill": "#9467bd",
           "publish": "#ff7f0e", "collect": "#8c564b", "apply": "#7f7f7f",
           "detokenize": "#2ca02c", "read": "#bcbd22", "send": "#d62728",
           "plan": "#e377c2", "tokenize": "#bcbd22", "stream_write": "#d62728",
-          "validate": "#7f7f7f", "route": "#ff7f0e"}
+          "validate": "#7f7f7f", "route": "#ff7f0e",
+          "gc0": "#000000", "gc1": "#000000", "gc2": "#000000"}
 
 
 def timeline_png(profiles: Sequence[dict[str, Any]], path: str, window_ms: float = 200.0,

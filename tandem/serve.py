@@ -41,6 +41,7 @@ from tandem_serve.frontend.ports import bound_socket, check_ports
 from tandem_serve.frontend.standalone import SetKeeper
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.service import GuidedCompiler
+from tandem_serve.ipc.process import freeze_heap
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 from tandem_serve.rpc.grpc_server import add_services, bound_grpc_server, set_health
@@ -220,6 +221,7 @@ class FrontendMain:
                 guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
         await _warm_up(engine, tok)
+        freeze_heap()  # before the first client: no full collection walks start-up's objects
         await s.set_ready(True)
         frontend.serving = True
         http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""

@@ -199,15 +199,26 @@ class Tokenizer:
         """The configured `tokenizers.Tokenizer` (shared; do not mutate)."""
         return self._raw
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, *,
+               release_gil: bool = False) -> list[int]:
         """As `AutoTokenizer(text)["input_ids"]` (special tokens per the post-processor);
         without them as `apply_chat_template` encodes a rendered chat (its template writes
-        BOS itself)."""
+        BOS itself).
+
+        `release_gil`: let the process's other threads run Python meanwhile, for a caller on
+        a worker thread.  `tokenizers`' `encode` holds the GIL for the whole call (a thread
+        running it stops the event loop just the same); its batch form releases it, and
+        costs the same."""
+        if release_gil:
+            return self._raw.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """Ids and (start, end) character offsets into `text`, as return_offsets_mapping."""
-        enc = self._raw.encode(text, add_special_tokens=True)
+    def encode_with_offsets(self, text: str, *, release_gil: bool = False
+                            ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and (start, end) character offsets into `text`, as return_offsets_mapping;
+        `release_gil` as for `encode`."""
+        enc = (self._raw.encode_batch([text], add_special_tokens=True)[0] if release_gil
+               else self._raw.encode(text, add_special_tokens=True))
         return enc.ids, [(int(s), int(e)) for s, e in enc.offsets]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:

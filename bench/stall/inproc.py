@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from tandem_serve.bench.stall.scenario import StallWorkload, Stamps, text_of
+from tandem_serve.ipc.process import freeze_heap
 
 
 class Clock:
@@ -54,6 +55,7 @@ def run(model: str, tokenizer: Any, work: StallWorkload, seed: int, num_steps: i
         max_num_batched_tokens=budget or default_tokens("cpu", prefill_phase),
         attention_tokens=attention_tokens(runner.model.config),
         num_postproc_workers=1))
+    freeze_heap()  # as a served worker does once started: no full collection mid-plan
     clock = Clock()
     steps: dict[tuple[int, int], float] = {}  # (plan, step) -> when its tokens exist
     decode_step = runner.decode_step

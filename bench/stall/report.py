@@ -116,6 +116,54 @@ def frontier_table(results: dict[str, list[Figures]], arms: list[str], baseline:
     return "\n".join(lines)
 
 
+def client_table(served: dict[str, list[Figures]], inproc: dict[str, list[Figures]] | None,
+                 sides: dict[str, list[Any]] | None) -> str:
+    """Per arm and round, the gRPC client's worst and p99 gaps (multiples of its median) beside
+    the in-process ones (`inproc`, the same round's seed) and the server's record of the round
+    (`sides`: hops.ServerSide, the gpu worker's own gaps on the wall clock, the longest
+    collector pause, the worker's waits for its core and the other processes' CPU, as % of
+    the round and of one core); then, per arm, the medians over rounds."""
+    head = ["arm", "round", "client worst / median", "client p99 / median"]
+    if inproc is not None:
+        head += ["in-process worst / median", "in-process p99 / median",
+                 "client worst / in-process worst"]
+    if sides:
+        head += ["worker worst / median (wall)", "worker p99 / median (wall)",
+                 "longest gc pause ms (process)", "worker waiting for its core",
+                 "other processes' CPU"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arm, rounds in served.items():
+        columns: list[list[float]] = []
+        for i, f in enumerate(rounds):
+            values = [f.worst_ratio, f.p99_ratio]
+            cells = [f"{f.worst_ratio:.1f}x", f"{f.p99_ratio:.1f}x"]
+            if inproc is not None:
+                g = inproc[arm][i]
+                values += [g.worst_ratio, g.p99_ratio, f.worst_ratio / g.worst_ratio]
+                cells += [f"{g.worst_ratio:.1f}x", f"{g.p99_ratio:.1f}x",
+                          f"{f.worst_ratio / g.worst_ratio:.2f}"]
+            if sides:
+                side = sides[arm][i]
+                role, pause = max(side.gc_ms.items(), key=lambda kv: kv[1], default=("-", 0.0))
+                values += [side.worst_ratio, side.p99_ratio]
+                cells += [f"{side.worst_ratio:.1f}x", f"{side.p99_ratio:.1f}x",
+                          f"{pause:.1f} ({role})", _pct(side.worker_wait_pct),
+                          _pct(side.others_cpu_pct)]
+            columns.append(values)
+            lines.append(f"| {arm} | {i + 1} | " + " | ".join(cells) + " |")
+        if len(rounds) > 1:
+            meds = [median(c[j] for c in columns) for j in range(len(columns[0]))]
+            cells = [f"{v:.2f}" if head[2 + j].startswith("client worst / in") else f"{v:.1f}x"
+                     for j, v in enumerate(meds)]
+            lines.append(f"| {arm} | median | " + " | ".join(cells) +
+                         (" | | | |" if sides else " |"))
+    return "\n".join(lines)
+
+
+def _pct(value: float) -> str:
+    return f"{value:.0f}%" if value >= 0 else "-"
+
+
 def from_json(data: dict[str, Any]) -> dict[str, list[Figures]]:
     """`as_json`'s arms back as Figures."""
     return {arm: [Figures(**f) for f in rounds] for arm, rounds in data["arms"].items()}

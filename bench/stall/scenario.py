@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from tandem_serve.ipc.process import freeze_heap
 from tandem_serve.rpc.client import GenerateOptions, TandemClient
 
 WORDS = ("river stone lamp orbit velvet quiet harbor maple signal copper lantern meadow "
@@ -70,6 +71,13 @@ def _consume(call: Any, out: list[float], ready: threading.Event | None = None) 
 
 
 def run(target: str, tokenizer: Any, work: StallWorkload, seed: int) -> Stamps:
+    # Every prompt's text is made before the clock starts: building a long one (~7 ms of
+    # this process's CPU, holding its GIL) at its arrival stalled the threads stamping the
+    # other streams' tokens by as much, right when the stall is measured.
+    texts = [text_of(tokenizer, 12, seed * 1000 + i) for i in range(work.streams)]
+    prompts = [text_of(tokenizer, work.prompt_len, seed * 1000 + 100 + j)
+               for j in range(work.prompts)]
+    freeze_heap()  # nor may a full collection of this process's heap stall them
     client = TandemClient(target)
     stamps = Stamps(streams=[[] for _ in range(work.streams)],
                     prompt_tokens=[[] for _ in range(work.prompts)])
@@ -80,7 +88,7 @@ def run(target: str, tokenizer: Any, work: StallWorkload, seed: int) -> Stamps:
         opts = GenerateOptions(max_new_tokens=work.stream_tokens,
                                min_new_tokens=work.stream_tokens)
         for i in range(work.streams):
-            call = client.stream(text_of(tokenizer, 12, seed * 1000 + i), opts)
+            call = client.stream(texts[i], opts)
             calls.append(call)
             threads.append(threading.Thread(target=_consume,
                                             args=(call, stamps.streams[i], started[i])))
@@ -97,8 +105,7 @@ def run(target: str, tokenizer: Any, work: StallWorkload, seed: int) -> Stamps:
             if j:
                 time.sleep(max(0.0, stamps.sent[0] + j * work.interval - time.monotonic()))
             stamps.sent.append(time.monotonic())
-            call = client.stream(text_of(tokenizer, work.prompt_len, seed * 1000 + 100 + j),
-                                 prompt_opts)
+            call = client.stream(prompts[j], prompt_opts)
             t = threading.Thread(target=_consume, args=(call, stamps.prompt_tokens[j]))
             t.start()
             arrivals.append(t)

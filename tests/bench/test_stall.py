@@ -3,14 +3,31 @@ arms (the real scheduler and runner on the tiny model, timed by the worker's CPU
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tandem_serve.bench.stall import main as stall
-from tandem_serve.bench.stall.report import Figures, figures, frontier_table, ratio_table
+from tandem_serve.bench.stall.hops import ServerSide, server_side
+from tandem_serve.bench.stall.report import (
+    Figures,
+    client_table,
+    figures,
+    frontier_table,
+    ratio_table,
+)
 from tandem_serve.bench.stall.scenario import Stamps
+
+
+@pytest.fixture(autouse=True)
+def thawed() -> Iterator[None]:
+    """The in-process run freezes the heap it starts with (as a served worker does): here,
+    pytest's.  Thawed after each test, so what later tests leave in cycles is collected."""
+    yield
+    gc.unfreeze()
 
 
 def test_figures_count_gaps_inside_the_window_only() -> None:
@@ -38,6 +55,8 @@ def test_budget_sweep_arms_and_their_frontier_table() -> None:
         stall.arm_names(parser.parse_args(["--budgets", "96,x"]))
     with pytest.raises(SystemExit, match="--arms"):
         stall.arm_names(parser.parse_args(["--arms", "mixed,phase"]))
+    with pytest.raises(SystemExit, match="runs no server"):
+        stall.main(parser.parse_args(["--in-process", "--both"]))
 
     def f(worst: float, ttft: float) -> Figures:
         return Figures(10.0, 20.0, worst, ttft, ttft, 100.0, 50)
@@ -49,6 +68,48 @@ def test_budget_sweep_arms_and_their_frontier_table() -> None:
     # worst 2.5x the median: a step carries 1.5 decode steps of prefill, TTFT >= 1.67x.
     assert "| mixed 96 | 2.50x | 2.00x | 1.90x | 1.67x | 1.00x |" in table
     assert "| mixed 160 | 4.00x | 2.00x | 1.40x | 1.33x | 1.00x |" in table
+
+
+def test_server_side_gaps_and_pauses_inside_the_window() -> None:
+    ms = 1_000_000
+    worker = {"role": "gpu-worker", "spans": [
+        ["forward", t * ms - 4 * ms, t * ms, 0, k] for k, t in enumerate([10, 20, 30, 70, 80])]
+        + [["gc0", 40 * ms, 43 * ms, -1, -1]]}
+    post = {"role": "postproc 0", "spans": [["gc2", 50 * ms, 95 * ms, -1, -1],
+                                            ["gc2", 500 * ms, 900 * ms, -1, -1]]}
+    side = server_side([worker, post], (0.015, 0.075))  # forwards ending at 20, 30, 70 ms
+    assert side.num_gaps == 3 and side.worst_gap_ms == pytest.approx(40)
+    assert side.median_gap_ms == pytest.approx(10) and side.worst_ratio == pytest.approx(4)
+    assert side.gc_ms == {"gpu-worker": pytest.approx(3), "postproc 0": pytest.approx(45)}
+
+
+def test_the_client_table_sets_served_rounds_against_in_process_ones() -> None:
+    def f(worst: float, p99: float) -> Figures:
+        return Figures(10.0, p99, worst, 100.0, 100.0, 100.0, 50)
+
+    served = {"mixed": [f(60.0, 30.0), f(40.0, 30.0)]}
+    inproc = {"mixed": [f(30.0, 25.0), f(40.0, 25.0)]}
+    sides = {"mixed": [ServerSide(10.0, 25.0, 35.0, 40, {"postproc 0": 41.5, "scheduler": 2.0},
+                                  worker_wait_pct=3.2, others_cpu_pct=61.0),
+                       ServerSide(10.0, 25.0, 40.0, 40, {})]}
+    table = client_table(served, inproc, sides)
+    assert "| mixed | 1 | 6.0x | 3.0x | 3.0x | 2.5x | 2.00 | 3.5x | 2.5x | 41.5 (postproc 0) " \
+        "| 3% | 61% |" in table
+    assert "| 2.5x | 0.0 (-) | - | - |" in table  # nothing recorded, /proc not read
+    assert "| mixed | median | 5.0x | 3.0x | 3.5x | 2.5x | 1.50 | 3.8x | 2.5x | | | |" in table
+    assert "| mixed | 1 | 6.0x | 3.0x |" in client_table(served, None, None)
+
+
+def test_the_host_meter_reads_this_process_tree() -> None:
+    import os
+    import time
+
+    from tandem_serve.bench.stall.hops import HostMeter
+
+    with HostMeter(os.getpid()) as host:
+        time.sleep(0.05)
+    # No gpu worker under this process: its wait stays unknown; the others' CPU is a share.
+    assert host.worker_wait_pct == -1.0 and 0.0 <= host.others_cpu_pct <= 100.0 * os.cpu_count()
 
 
 def test_in_process_run_of_both_arms(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -96,3 +96,17 @@ def test_window_counts_plans() -> None:
     w = tracing.ProfileWindow(plans=2)
     assert not w.count_plan() and w.count_plan() and w.plans_done == 2
     assert not tracing.ProfileWindow().count_plan()  # no count: never ends by itself
+
+
+def test_a_collection_is_a_span_named_by_its_generation_only_while_recording() -> None:
+    import gc
+
+    gc.collect()
+    TRACER.start()
+    gc.collect()  # a full one: generation 2 in the step field
+    data = TRACER.stop()
+    spans = [s for s in data["spans"] if s[0].startswith("gc")]
+    assert spans and spans[-1][0] == "gc2" and spans[-1][3:] == [-1, -1]
+    assert data["started_ns"] <= spans[-1][1] <= spans[-1][2] <= data["stopped_ns"]
+    gc.collect()  # not recording: nothing kept
+    assert not TRACER.spans
