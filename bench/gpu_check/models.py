@@ -35,14 +35,19 @@ def shaped_model(out: str, name: str, changes: dict[str, Any]) -> str:
     """A folder with the tiny default model's tokenizer files and its config.json changed by
     `changes`, for `--load-format dummy` (random weights of that shape, made on the device)."""
     tiny = tiny_model(out, "default")
-    path = os.path.join(out, "models", name)
-    os.makedirs(path, exist_ok=True)
-    for entry in os.listdir(tiny):  # the tokenizer and generation config, not the weights
-        if not entry.endswith(".safetensors") and entry != "config.json":
-            shutil.copy(os.path.join(tiny, entry), path)
     with open(os.path.join(tiny, "config.json")) as f:
         config = json.load(f)
     config.update(changes)
+    return config_variant(tiny, os.path.join(out, "models", name), config)
+
+
+def config_variant(source: str, path: str, config: dict[str, Any]) -> str:
+    """`path`: `source`'s files but its weights (the tokenizer, the generation config) and
+    `config` as its config.json, for `--load-format dummy` or a checkpoint written later."""
+    os.makedirs(path, exist_ok=True)
+    for entry in os.listdir(source):
+        if not entry.endswith(".safetensors") and entry != "config.json":
+            shutil.copy(os.path.join(source, entry), path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return path

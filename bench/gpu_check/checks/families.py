@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Any
 
-from tandem_serve.bench.gpu_check.models import tiny_model
+from tandem_serve.bench.gpu_check.models import config_variant, tiny_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
 from tandem_serve.bench.gpu_check.supervise import tandem
@@ -59,15 +58,9 @@ def family_config(name: str, gpu: bool) -> dict[str, Any]:
 def family_model(name: str, gpu: bool, out: str) -> str:
     """A folder with the shape's config.json and the tiny model's tokenizer files (the step
     benchmark feeds random token ids; the tokenizer only has to load)."""
-    tiny = tiny_model(out, "default")
-    path = os.path.join(out, "models", f"{name}-shaped")
-    os.makedirs(path, exist_ok=True)
-    for entry in os.listdir(tiny):
-        if not entry.endswith(".safetensors") and entry != "config.json":
-            shutil.copy(os.path.join(tiny, entry), path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(family_config(name, gpu), f, indent=2)
-    return path
+    return config_variant(tiny_model(out, "default"),
+                          os.path.join(out, "models", f"{name}-shaped"),
+                          family_config(name, gpu))
 
 
 def stage_families(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:

@@ -17,7 +17,7 @@ import os
 import shutil
 from typing import Any
 
-from tandem_serve.bench.gpu_check.models import experiment_model
+from tandem_serve.bench.gpu_check.models import config_variant, experiment_model
 from tandem_serve.bench.gpu_check.plans import Plan
 from tandem_serve.bench.gpu_check.report import Budget
 from tandem_serve.bench.gpu_check.supervise import tandem
@@ -59,14 +59,9 @@ def fitted_model(model: str, out: str, formats: tuple[str, ...]) -> str:
     if "head_dim" not in config:  # keep the heads' width where it was derived from hidden
         config["head_dim"] = widths["hidden_size"] // int(config["num_attention_heads"])
     config.update(fitted)
-    path = os.path.join(out, "models", f"{os.path.basename(model.rstrip('/'))}-w{GROUP}")
-    os.makedirs(path, exist_ok=True)
-    for name in os.listdir(model):
-        if not name.endswith(".safetensors") and name != "config.json":
-            shutil.copy(os.path.join(model, name), path)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return path
+    return config_variant(
+        model, os.path.join(out, "models", f"{os.path.basename(model.rstrip('/'))}-w{GROUP}"),
+        config)
 
 
 def quantized_folder(model: str, out: str, fmt: str) -> str:
