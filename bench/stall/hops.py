@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from tandem_serve.bench.stall.scenario import GapRatios
 from tandem_serve.ipc.tracing import GC_SPANS
 
 
 @dataclass
-class ServerSide:
+class ServerSide(GapRatios):
     """The gpu worker's step gaps inside the window, and collector pauses, of one round; and
     how busy the host was (`HostMeter`): on a shared machine a stall is as often a neighbour's
     job on the worker's core as ours."""
@@ -37,13 +38,6 @@ class ServerSide:
     worker_wait_pct: float = -1.0  # the worker's main thread runnable, not running (-1: unknown)
     others_cpu_pct: float = -1.0  # CPU of every other process on the host, % of one core
 
-    @property
-    def worst_ratio(self) -> float:
-        return self.worst_gap_ms / self.median_gap_ms
-
-    @property
-    def p99_ratio(self) -> float:
-        return self.p99_gap_ms / self.median_gap_ms
 
 
 class Recorder:

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from tandem_serve.bench.stall.scenario import Stamps
+from tandem_serve.bench.stall.scenario import GapRatios, Stamps
 
 
 @dataclass
-class Figures:
+class Figures(GapRatios):
     median_gap_ms: float
     p99_gap_ms: float
     worst_gap_ms: float
@@ -24,13 +24,6 @@ class Figures:
     tokens_per_s: float  # every token the window saw, streams and prompts
     num_gaps: int
 
-    @property
-    def worst_ratio(self) -> float:
-        return self.worst_gap_ms / self.median_gap_ms
-
-    @property
-    def p99_ratio(self) -> float:
-        return self.p99_gap_ms / self.median_gap_ms
 
 
 def figures(stamps: Stamps) -> Figures:

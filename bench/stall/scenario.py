@@ -24,6 +24,23 @@ WORDS = ("river stone lamp orbit velvet quiet harbor maple signal copper lantern
          "falcon ember tide cobalt prism thistle saddle glacier").split()
 
 
+
+class GapRatios:
+    """A stream's worst and p99 inter-token gap as multiples of its median (the stall's
+    figures, whichever clock measured the gaps)."""
+
+    median_gap_ms: float
+    p99_gap_ms: float
+    worst_gap_ms: float
+
+    @property
+    def worst_ratio(self) -> float:
+        return self.worst_gap_ms / self.median_gap_ms
+
+    @property
+    def p99_ratio(self) -> float:
+        return self.p99_gap_ms / self.median_gap_ms
+
 @dataclass(frozen=True)
 class StallWorkload:
     streams: int = 4
