@@ -1,13 +1,12 @@
 """What every gpu worker test module shares."""
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.gpu_worker.runner_driver import checkpoint
-from tests.gpu_worker.triton_utils import interpreter, load_kernels
+from tests.gpu_worker.triton_utils import load_kernels
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,9 +26,7 @@ def llama(ckpt_root: Path) -> str:
 
 
 @pytest.fixture
-def triton_interpreter() -> Iterator[None]:
-    """The Triton attention backend can be built and run in this test: its kernels load
-    under Triton's interpreter when there is no CUDA device (tests/gpu_worker/triton_utils)."""
+def triton_interpreter() -> None:
+    """The Triton attention backend can be built and run in this test (under Triton's
+    interpreter when there is no CUDA device: tests/gpu_worker/triton_utils)."""
     load_kernels()
-    with interpreter():
-        yield

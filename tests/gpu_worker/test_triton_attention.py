@@ -9,21 +9,13 @@ garbage too), so a read outside a row's visible keys shows up as NaN in the outp
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from tandem_serve.gpu_worker.attention.kv_cache import FP8, store_rows
-from tests.gpu_worker.triton_utils import DEVICE, interpreter, load_kernels
+from tests.gpu_worker.triton_utils import DEVICE, load_kernels
 
 ta = load_kernels()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret() -> Iterator[None]:
-    with interpreter():
-        yield
 
 
 
