@@ -20,6 +20,7 @@ import numpy as np
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.constraints import ConstraintSender
+from tandem_serve.frontend.pooling import Pooler
 from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
@@ -36,6 +37,7 @@ from tandem_serve.proto.monitor_messages import (
     ProfileData,
 )
 from tandem_serve.proto.plan_messages import WorkerReady
+from tandem_serve.proto.pooling_messages import PoolOutput
 from tandem_serve.proto.request_messages import (
     AbortRequest,
     AddRequest,
@@ -100,7 +102,9 @@ class EngineClient:
                                         cfg.enable_prefix_caching)
         self._inbox: AsyncReceiver = AsyncReceiver(addr.frontend_inbox, bind=True)
         self._to_scheduler: Sender = Sender(addr.scheduler_inbox)
-        self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes]
+        # --runner pooling has no postproc workers.
+        self._to_postproc: list[Sender] = [Sender(a) for a in addr.postproc_inboxes] \
+            if cfg.runner != "pooling" else []
         self._to_worker: Sender = Sender(addr.worker_inbox)  # profiling control only
         # Compiled constraints go to the scheduler on their own, once per id.
         self._constraints = ConstraintSender(self._to_scheduler.put)
@@ -116,13 +120,15 @@ class EngineClient:
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
         self._reader: asyncio.Task | None = None
+        # --runner pooling: prefill-only requests whose outputs are vectors.
+        self.pooler = Pooler(self._to_scheduler.put, self.new_request_id, self.vllm_metrics)
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_loop())
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + self.pooler.num_in_flight
 
     @property
     def drained_at(self) -> float:
@@ -136,6 +142,10 @@ class EngineClient:
                 with TRACER.span("route"):
                     for d in msg.deltas:
                         self._route(d.request_id, d)
+            elif isinstance(msg, PoolOutput):
+                self.pooler.on_output(msg)
+            elif isinstance(msg, RequestRejected) and self.pooler.on_rejected(msg):
+                pass
             elif isinstance(msg, (RequestRejected, RequestFailed)):
                 self._route(msg.request_id, msg)
             elif isinstance(msg, GuidedWanted):
@@ -193,6 +203,7 @@ class EngineClient:
         self.dead = message
         for stream in self._streams.values():
             stream.buf.queue.put_nowait(EngineError("UNAVAILABLE", message))
+        self.pooler.fail_all(EngineError("UNAVAILABLE", message))
 
     def reset(self, message: str) -> None:
         """The roles behind us were replaced (`ipc.peers`): every open stream ends with
@@ -230,6 +241,9 @@ class EngineClient:
         """
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
+        if self.cfg.runner == "pooling":
+            raise EngineError("INVALID_ARGUMENT", "this server runs --runner pooling "
+                              "(embeddings, rerank, score): it generates no text")
         rid = self.new_request_id() if request_id is None else request_id
         stream = OpenStream(StreamBuffer(self.cfg.max_stream_buffer_bytes),
                          time.monotonic() if arrived is None else arrived, name)

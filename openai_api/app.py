@@ -5,6 +5,8 @@
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
+    POST /v1/embeddings, /v1/rerank (/rerank, /v2/rerank), /score (/v1/score)
+                                          --runner pooling (openai_api/pooling/)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
@@ -29,6 +31,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
+from tandem_serve.openai_api.pooling.routes import RunnerRoutes, add_pooling_routes
+from tandem_serve.openai_api.pooling.serving import PoolingServing
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tandem_serve.openai_api.responses.protocol import ResponsesRequest
 from tandem_serve.openai_api.responses.serving import respond
@@ -114,7 +118,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
+              pooling: PoolingServing | None = None) -> FastAPI:
+    """`pooling`: a --runner pooling server's embeddings, rerank and score (its generation
+    routes answer 400 naming the runner, as a generation server's pooling routes do)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -184,5 +191,8 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
             info["context_length"] = max_model_len()
         return info
 
+    if pooling is not None:
+        add_pooling_routes(app, pooling)
+    app.add_middleware(RunnerRoutes, pooling=pooling is not None)
     app.add_middleware(BodyLimit)
     return app

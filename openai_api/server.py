@@ -24,6 +24,8 @@ from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate
 from tandem_serve.openai_api.chat.serving import Serving
+from tandem_serve.openai_api.pooling.serving import PoolingServing
+from tandem_serve.pooling.folder import PoolingSpec
 from tandem_serve.proto.config import ServerConfig
 
 log = logging.getLogger("tandem.http")
@@ -79,6 +81,8 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
                        metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
     """The OpenAI-compatible API on `sock`, with the model folder's chat template;
     `metrics`: what GET /metrics shows."""
+    if cfg.runner == "pooling":  # embeddings, rerank, score; no chat
+        return HTTPServer(pooling_app(cfg, frontend, metrics), sock, cfg)
     try:
         template = ChatTemplate.load(cfg.model, frontend.tok, cfg.chat_template)
     except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
@@ -91,3 +95,11 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
                            cfg.reasoning_parser)
     app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics)
     return HTTPServer(app, sock, cfg)
+
+
+def pooling_app(cfg: ServerConfig, frontend: Frontend, metrics: CollectorRegistry) -> FastAPI:
+    """A --runner pooling server's app: the folder's pooling spec behind the pooling routes."""
+    names = served_names(cfg)
+    serving = Serving(frontend, names, None, AgentSettings(False, "", ""))
+    spec = PoolingSpec.read(cfg.model)
+    return build_app(serving, metrics, PoolingServing(frontend, spec, serving.models))

@@ -146,6 +146,10 @@ class ServerConfig:
     max_lora_rank: int = 16
     # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
     speculative_config: str = ""
+    # What the model is served for (vLLM's --runner): "generate" (text), or "pooling"
+    # (embeddings, rerank and score: prefill-only batches, vectors back to the frontend, no
+    # postproc workers; docs/DESIGN.md section 18).
+    runner: str = "generate"
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -275,6 +279,7 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
+    out += _runner_problems(cfg)
     return out + _parallel_problems(cfg)
 
 
@@ -290,6 +295,22 @@ ATTENTION_BACKENDS = ("auto", "flash", "triton", "flex", "sdpa")
 # a test keeps the lists equal): proto/ imports nothing of ours.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+# --runner's values (vLLM's names).
+RUNNERS = ("generate", "pooling")
+
+
+def _runner_problems(cfg: ServerConfig) -> list[str]:
+    if cfg.runner not in RUNNERS:
+        return [f"--runner {cfg.runner!r} is not one of {', '.join(RUNNERS)}"]
+    if cfg.runner == "pooling" and cfg.speculative_config:
+        return ["--speculative-config needs --runner generate: pooling requests generate "
+                "nothing"]
+    if cfg.runner == "pooling" and cfg.adapter_cache:
+        return ["--adapter-cache needs --runner generate (adapters are not served for "
+                "pooling models)"]
+    return []
 
 
 def _attention_problems(cfg: ServerConfig) -> list[str]:

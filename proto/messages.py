@@ -1,6 +1,7 @@
 """Every internal message kind, registered with the codec (`proto.codec`): one dataclass per
 kind, in one module per channel (request_params, request_messages, plan_messages,
-token_messages, guided_messages, control_messages, adapter_messages, monitor_messages).
+token_messages, guided_messages, control_messages, adapter_messages, monitor_messages,
+pooling_messages).
 
 A type's place in `MESSAGE_TYPES` is its number on the wire: new types are appended.
 """
@@ -36,6 +37,12 @@ from tandem_serve.proto.plan_messages import (
     StepDone,
     StepPlan,
     WorkerReady,
+)
+from tandem_serve.proto.pooling_messages import (
+    PoolDone,
+    PoolOutput,
+    PoolPlan,
+    PoolRequest,
 )
 from tandem_serve.proto.request_messages import (
     AbortRequest,
@@ -94,4 +101,8 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AdapterFailed,
     GuidedWanted,
     GuidedLost,
+    PoolRequest,
+    PoolPlan,
+    PoolOutput,
+    PoolDone,
 )

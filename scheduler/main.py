@@ -22,11 +22,17 @@ from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import PlanEnding, StepDone, WorkerReady
+from tandem_serve.proto.pooling_messages import PoolDone, PoolRequest
 from tandem_serve.proto.request_messages import AbortRequest, AddRequest
 from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.scheduler.pooling import (
+    DEFAULT_POOLING_TOKENS,
+    PoolingParams,
+    PoolScheduler,
+)
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports
 
 log = logging.getLogger("tandem.scheduler")
@@ -90,8 +96,15 @@ class SchedulerLoop:
         self.early: list[tuple[OnScheduler, object]] = []  # what came before that
         self.watchdog = PlanWatchdog(cfg.step_timeout)  # supervision: a plan that never ends
         self.reports = Reports(to_frontend)
+        # --runner pooling: batches of prefill-only requests instead of plans (pooling.py).
+        self.pool: PoolScheduler | None = None
+        self.pool_ready = False  # batches go once the worker said which device it runs on
+        if cfg.runner == "pooling":
+            self.pool = PoolScheduler(self._pooling_params("cpu"))
 
     def handlers(self) -> dict[type, Handler]:
+        if self.cfg.runner == "pooling":
+            return self.pooling_handlers()
         on_scheduler: dict[type, OnScheduler] = {
             AddRequest: self.add_request,
             AbortRequest: lambda sched, msg: sched.abort_request(msg.request_id),
@@ -108,6 +121,30 @@ class SchedulerLoop:
         return {WorkerReady: self.worker_ready,
                 **{kind: self._received(handle) for kind, handle in on_scheduler.items()}}
 
+    def _pooling_params(self, device_type: str) -> PoolingParams:
+        tokens = self.cfg.max_num_batched_tokens or \
+            DEFAULT_POOLING_TOKENS.get(device_type, DEFAULT_POOLING_TOKENS["cpu"])
+        return PoolingParams(self.cfg.max_num_seqs, tokens, self.cfg.max_queued_requests)
+
+    def pooling_handlers(self) -> dict[type, Handler]:
+        def add(msg: PoolRequest) -> None:
+            assert self.pool is not None
+            rejected = self.pool.add(msg)
+            if rejected is not None:
+                self.to_frontend.put(rejected)
+
+        def done(msg: PoolDone) -> None:
+            assert self.pool is not None
+            self.watchdog.done(msg.plan_id)
+            self.pool.on_done(msg)
+
+        def abort(msg: AbortRequest) -> None:
+            assert self.pool is not None
+            self.pool.abort(msg.request_id)
+
+        return {WorkerReady: self.worker_ready, PoolRequest: add, PoolDone: done,
+                AbortRequest: abort, ProfileControl: self.role.profile}
+
     def _received(self, handle: OnScheduler) -> Handler:
         """A message is counted at once, and handled once the worker is ready."""
         def receive(msg: Any) -> None:
@@ -121,7 +158,14 @@ class SchedulerLoop:
         return receive
 
     def worker_ready(self, msg: WorkerReady) -> None:
-        if self.sched is not None:  # on its own the worker repeats it: keep the first
+        if self.sched is not None or self.pool_ready:  # on its own the worker repeats
+            return  # it: keep the first
+        if self.pool is not None:
+            self.pool.params = self._pooling_params(msg.device_type)
+            self.pool_ready = True
+            log.info("ready (pooling): up to %d padded tokens and %d requests per batch",
+                     self.pool.params.max_batch_tokens, self.pool.params.max_num_seqs)
+            self.to_frontend.put(msg)
             return
         self.sched = Scheduler(make_params(self.cfg, msg))
         params = self.sched.params
@@ -145,6 +189,12 @@ class SchedulerLoop:
         sched.on_adapter_failed(msg)
 
     def work(self) -> None:
+        if self.pool is not None and self.pool_ready:
+            while self.pool.ready_to_plan():
+                plan = self.pool.build_plan()
+                self.role.maybe_fault(plan.plan_id)
+                self.watchdog.sent(plan.plan_id)
+                self.to_worker.put(plan)
         if self.sched is not None:
             self.plan(self.sched)
         self.watch_worker()

@@ -159,6 +159,10 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM spells it: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2} (default: off)')
+    p.add_argument("--runner", default=d.runner, choices=["generate", "pooling"],
+                   help="generate: text (completions, chat); pooling: embeddings, rerank and "
+                        "score from a sentence-transformers folder or a cross-encoder "
+                        "(/v1/embeddings, /v1/rerank, /score)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")

@@ -35,7 +35,12 @@ from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
 from tandem_serve.proto.control_messages import ProcessFailed, WorkerHung
 from tandem_serve.tandem import serve as frontend_process
-from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
+from tandem_serve.tandem.preflight import (
+    adapter_store,
+    check_model,
+    check_pooling_model,
+    load_tokenizer,
+)
 from tandem_serve.tandem.tp_node import free_local_addr
 
 log = logging.getLogger("tandem.launcher")
@@ -100,8 +105,12 @@ class Launcher:
             raise StartupError(f"--node-rank {self.cfg.node_rank}: the frontend and rank 0 run "
                                f"on node 0; start this host's ranks with `tandem run-role "
                                f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
-        config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
-        adapters = adapter_store(self.cfg, config)
+        if self.cfg.runner == "pooling":  # embeddings, rerank, score (no adapters)
+            check_pooling_model(self.cfg.model)
+            adapters = None
+        else:
+            config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+            adapters = adapter_store(self.cfg, config)
         tok = load_tokenizer(self.cfg.model)
         return await frontend_process.serve(self.cfg, self, tok, adapters)
 
@@ -130,7 +139,8 @@ class Launcher:
             f.write(self.cfg.to_json())
         # Tensor parallelism: this host's gpu worker ranks, each a child like any other.
         roles = [("scheduler", 0)] + [("gpu-worker", r) for r in self.cfg.node_ranks()] + [
-            ("postproc", i) for i in range(self.cfg.num_postproc_workers)]
+            ("postproc", i) for i in range(self.cfg.num_postproc_workers)
+            if self.cfg.runner != "pooling"]  # pooling outputs are vectors: no postproc
         for role, index in roles:
             cmd = [*CLI, "run-role", role, "--config-file", path,
                    "--index", str(index), "--parent-pid", str(os.getpid())]

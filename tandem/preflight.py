@@ -17,10 +17,24 @@ from typing import Any
 from tandem_serve.adapters.peft import ModelShapes
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.ipc.process import StartupError
+from tandem_serve.pooling.folder import PoolingFolderError, PoolingSpec
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
 
 CHECKPOINT_FILES = "config.json, *.safetensors and tokenizer.json"
+
+
+def check_pooling_model(model: str) -> PoolingSpec:
+    """`--runner pooling`: the folder's pooling spec, once it is one we serve."""
+    if not os.path.isdir(model):
+        what = "is a file, not a folder" if os.path.exists(model) else "does not exist"
+        raise StartupError(f"--model {model!r} {what}; expected a sentence-transformers or "
+                           f"cross-encoder folder")
+    try:
+        return PoolingSpec.read(model)
+    except (PoolingFolderError, KeyError, TypeError, ValueError) as exc:
+        detail = f"config.json lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise StartupError(f"--model {model!r} (--runner pooling): {detail}") from None
 
 
 def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:

@@ -214,19 +214,21 @@ class FrontendMain:
         engine, tok = frontend.engine, frontend.tok
         await engine.ready.wait()
         assert engine.limits is not None
-        if frontend.guided is None:  # once: a replaced set of roles keeps the compiler
+        pooling = self.cfg.runner == "pooling"  # nothing to guide: no text is generated
+        if frontend.guided is None and not pooling:  # once: a replaced set keeps it
             # The vocabulary's fingerprint names compiled constraints: before any request.
             frontend.guided = await asyncio.to_thread(
                 GuidedCompiler.for_tokenizer, tok,
                 guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
-        await _warm_up(engine, tok)
+        await (_warm_up_pooling(engine, tok) if pooling else _warm_up(engine, tok))
         freeze_heap()  # before the first client: no full collection walks start-up's objects
         await s.set_ready(True)
         frontend.serving = True
         http = f", HTTP on port {self.cfg.http_port}" if self.cfg.http_port else ""
         log.info("serving %s on %s:%d%s", self.cfg.model, self.cfg.host, self.cfg.port, http)
-        if self.cfg.guided_precompile_json and self._precompile is None:  # after readiness
+        if frontend.guided is not None and self.cfg.guided_precompile_json \
+                and self._precompile is None:  # after readiness
             self._precompile = asyncio.create_task(frontend.guided.precompile_json())
 
     # ------------------------------------------------------------------ the end
@@ -277,6 +279,11 @@ async def _warm_up(engine: EngineClient, tok: Tokenizer) -> None:
     sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))
     async for _ in engine.generate(ids, sampling, OutputOptions(), metered=False):
         pass
+
+
+async def _warm_up_pooling(engine: EngineClient, tok: Tokenizer) -> None:
+    """One pooling request through the scheduler and the gpu worker before readiness."""
+    await engine.pooler.run([tok.encode("warm up") or [0]], metered=False)
 
 
 async def _flush(engine: EngineClient) -> None:

@@ -62,3 +62,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Servers the tests start (many at once, beside other users of this host) leave the HTTP API
 # off unless a test asks for it with --http-port: they would all want port 8000.
 os.environ.setdefault("TANDEM_HTTP_PORT", "0")
+
+
+@pytest.fixture(scope="session")
+def pooling_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    """Tiny sentence-transformers folders by kind (`harness.tiny_pooling.KINDS`), built once;
+    the BERT one declares Matryoshka dimensions 8, 16 and 32."""
+    from tandem_serve.harness.tiny_pooling import KINDS, build_pooling_model
+
+    root = tmp_path_factory.mktemp("pooling")
+    return {kind: build_pooling_model(root / kind, kind,
+                                      matryoshka=[8, 16, 32] if kind == "bert" else None)
+            for kind in KINDS}

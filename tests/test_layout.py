@@ -4,8 +4,8 @@ Each top-level package holds one kind of thing, and imports only the kinds below
 
     proto                 wire formats                      third-party only
     ipc                   transport and process runtime     proto
-    tokenization, guided, shared text, constraint and       proto, ipc, each other
-    adapters              adapter-format code
+    tokenization, guided, shared text, constraint,          proto, ipc, each other
+    adapters, pooling     adapter- and pooling-folder code
     scheduler, gpu_worker, postproc_worker                  the above; never each other
     frontend              what both APIs share (a library)  the above but no process package
                                                             and neither API
@@ -42,7 +42,7 @@ ROOT_NAME = "tandem_serve"  # setup.cfg installs folder X as tandem_serve.X
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 PROCESSES = {"scheduler", "gpu_worker", "postproc_worker"}
-SHARED = {"tokenization", "guided", "adapters"}
+SHARED = {"tokenization", "guided", "adapters", "pooling"}
 APIS = {"rpc", "openai_api"}
 OURS = {"proto", "ipc", *SHARED, *PROCESSES, "frontend", *APIS, "harness", "bench", "tandem"}
 ALLOWED: dict[str, set[str]] = {

@@ -1,0 +1,77 @@
+"""The gpu worker process under `--runner pooling`.
+
+Receive a `PoolPlan` → one forward over its requests → the vectors to the frontend
+(`PoolOutput`), then `PoolDone` to the scheduler, which sends the next batch.  No token ring
+and no postproc worker: nothing is detokenized.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from tandem_serve.gpu_worker.build import keep_freed_memory
+from tandem_serve.gpu_worker.pooling.runner import PoolingRunner, pick_device, pick_dtype
+from tandem_serve.ipc.channels import Receiver, Sender
+from tandem_serve.ipc.process import StartupError, worker_threads
+from tandem_serve.ipc.role_loop import Announce, RoleLoop
+from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.pooling.folder import PoolingFolderError, PoolingSpec
+from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.plan_messages import WorkerReady
+from tandem_serve.proto.pooling_messages import PoolDone, PoolOutput, PoolPlan
+
+log = logging.getLogger("tandem.gpu_worker")
+
+
+def build_pooling_runner(cfg: ServerConfig) -> PoolingRunner:
+    """The model of a pooling folder; a folder or device we cannot serve is a StartupError."""
+    if cfg.tensor_parallel_size > 1:
+        raise StartupError("--runner pooling runs on one rank (--tensor-parallel-size 1): "
+                           "pooling models are small enough for one device")
+    try:
+        spec = PoolingSpec.read(cfg.model)
+    except PoolingFolderError as exc:
+        raise StartupError(f"--model {cfg.model!r}: {exc}") from None
+    device = pick_device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise StartupError("--device cuda: no CUDA device is available; use --device cpu")
+    threads = worker_threads(cfg, 0)
+    if threads:
+        torch.set_num_threads(threads)
+    runner = PoolingRunner(cfg.model, spec, device, pick_dtype(cfg.dtype, device))
+    if device.type == "cpu":
+        keep_freed_memory()
+    log.info("pooling model %s (%s, %s pooling) on %s, %d torch threads", spec.architecture,
+             spec.kind, spec.pooling, device, torch.get_num_threads())
+    return runner
+
+
+def run_pooling_worker(cfg: ServerConfig) -> None:
+    addr = cfg.addresses
+    to_frontend: Sender = Sender(addr.frontend_inbox)
+    with RoleLoop(cfg, "gpu-worker", title=cfg.worker_role(0), log=log, reply=to_frontend,
+                  inbox=Receiver(addr.worker_inbox, bind=True)) as role:
+        to_scheduler: Sender = role.own(Sender(addr.scheduler_inbox))
+        runner = build_pooling_runner(cfg)
+        spec = runner.spec
+        ready = WorkerReady(num_kv_blocks=0, block_size=1, max_model_len=spec.max_seq_length,
+                            vocab_size=int(getattr(runner.model.config, "vocab_size", 0)),
+                            device_type=runner.device.type)
+
+        def run_plan(plan: PoolPlan) -> None:
+            role.maybe_fault(plan.plan_id)
+            t0 = time.monotonic_ns()
+            data = runner.run(plan.requests)
+            t1 = time.monotonic_ns()
+            TRACER.record("forward", t0, t1, plan.plan_id)
+            ids = np.array([r.request_id for r in plan.requests], dtype=np.int64)
+            to_frontend.put(PoolOutput(ids, np.ascontiguousarray(data, dtype=np.float32)))
+            tokens = sum(len(r.prompt_ids) for r in plan.requests)
+            to_scheduler.put(PoolDone(plan.plan_id, len(plan.requests), tokens, (t1 - t0) / 1e9))
+
+        role.run({PoolPlan: run_plan},
+                 ready=Announce(to_scheduler, ready, f"pid {os.getpid()}", repeat=True))

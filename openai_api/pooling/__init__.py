@@ -1,0 +1,1 @@
+"""Embeddings, rerank and score over HTTP (`--runner pooling`)."""
