@@ -38,7 +38,7 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
     if cfg.runner == "pooling":  # embeddings, rerank, score: gpu_worker/pooling/
         from tandem_serve.gpu_worker.pooling.main import run_pooling_worker
 
-        run_pooling_worker(cfg)
+        run_pooling_worker(cfg, rank)
         return
     if rank > 0:  # a tensor-parallel rank: rank 0 hands it the plans
         run_follower(cfg, rank)

@@ -307,6 +307,8 @@ def _runner_problems(cfg: ServerConfig) -> list[str]:
     if cfg.runner == "pooling" and cfg.speculative_config:
         return ["--speculative-config needs --runner generate: pooling requests generate "
                 "nothing"]
+    if cfg.runner == "pooling" and cfg.nnodes > 1:
+        return ["--runner pooling runs its tensor-parallel ranks on one host (--nnodes 1)"]
     if cfg.runner == "pooling" and cfg.adapter_cache:
         return ["--adapter-cache needs --runner generate (adapters are not served for "
                 "pooling models)"]

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from tandem_serve.gpu_worker.pooling.sharding import shard, split_problems
 from tandem_serve.pooling.folder import PoolingSpec
 from tandem_serve.proto.pooling_messages import PoolRequest
+
+if TYPE_CHECKING:
+    from tandem_serve.gpu_worker.parallel import TensorParallel
 
 log = logging.getLogger("tandem.gpu_worker")
 
@@ -42,7 +47,7 @@ class PoolingRunner:
     """The model and its pooling, built once from the folder."""
 
     def __init__(self, model_dir: str, spec: PoolingSpec, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         from transformers import AutoModel, AutoModelForSequenceClassification
         from transformers.utils import logging as hf_logging
 
@@ -51,6 +56,12 @@ class PoolingRunner:
         self.spec, self.device, self.dtype = spec, device, dtype
         cls = AutoModelForSequenceClassification if spec.kind == "classify" else AutoModel
         model = cls.from_pretrained(model_dir, dtype=dtype)
+        if tp is not None and tp.size > 1:  # this rank's heads and MLP columns (sharding.py)
+            problems = split_problems(model.config, tp.size)
+            if problems:
+                raise ValueError(f"cannot be split: {'; '.join(problems)}")
+            split = shard(model, tp.rank, tp.size, spec.causal, tp.all_reduce)
+            log.info("rank %d of %d keeps its part of %d linears", tp.rank, tp.size, split)
         self.model = model.to(device).eval()
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
 

@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 import warnings
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -220,3 +221,24 @@ def test_score_shapes_equal_cross_encoder(ce_server: Server, pooling_models: dic
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
     emb = post(ce_server, "/v1/embeddings", {"input": "a"})
     assert emb.status_code == 400 and emb.json()["error"]["param"] == "model"
+
+
+def embed_one(server: Server, text: str) -> Reply:
+    return post(server, "/v1/embeddings", {"input": text})
+
+
+def test_decoder_embedding_model_over_two_ranks(pooling_models: dict) -> None:
+    """Qwen3-Embedding-style last-token pooling, the model split over two gpu worker ranks
+    (tensor parallelism over gloo): equal to sentence-transformers, concurrent or not."""
+    model_dir = pooling_models["qwen3"]
+    want = _st(model_dir).encode(TEXTS, convert_to_numpy=True)
+    started = []
+    for server in running(str(model_dir), "--runner", "pooling", "--tensor-parallel-size",
+                          "2", http=True):
+        started.append(server)
+        assert sum(1 for name in server.role_pids() if name.startswith("gpu-worker")) == 2
+        with concurrent.futures.ThreadPoolExecutor(len(TEXTS)) as pool:
+            replies = list(pool.map(partial(embed_one, server), TEXTS))
+        got = np.array([r.json()["data"][0]["embedding"] for r in replies])
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    assert started and started[0].leftovers() == []  # stopped with exit 0, nothing left
