@@ -18,6 +18,9 @@ WORDS = ("the a of to and in is it that for on with as was at by this be are fro
 LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
 KINDS = ("bert", "xlmr", "qwen3", "bert-ce", "xlmr-ce")
 SIZE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+# The shape of all-MiniLM-L6-v2 (a BERT), for benchmarks: its compute per token, random weights.
+MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+              intermediate_size=1536)
 
 
 def _tokenizer(specials: list[str], single: str, pair: str, lowercase: bool) -> Any:
@@ -61,38 +64,41 @@ def _labelled(cfg: Any) -> dict[str, Any]:
     return {**d, "num_labels": 1}
 
 
-def _model(kind: str, vocab_size: int, pad_id: int) -> Any:
+def _model(kind: str, vocab_size: int, pad_id: int, size: dict[str, int]) -> Any:
     import transformers as tf
 
     if kind.startswith("bert"):
         cfg = tf.BertConfig(vocab_size=vocab_size, max_position_embeddings=128,
-                            initializer_range=0.2, pad_token_id=pad_id, **SIZE)
+                            initializer_range=0.2, pad_token_id=pad_id, **size)
         return (tf.BertForSequenceClassification(tf.BertConfig(**_labelled(cfg)))
                 if kind.endswith("-ce") else tf.BertModel(cfg))
     if kind.startswith("xlmr"):
         cfg = tf.XLMRobertaConfig(vocab_size=vocab_size, max_position_embeddings=130,
                                   initializer_range=0.2, pad_token_id=pad_id,
-                                  bos_token_id=0, eos_token_id=2, type_vocab_size=1, **SIZE)
+                                  bos_token_id=0, eos_token_id=2, type_vocab_size=1, **size)
         if kind.endswith("-ce"):
             return tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(**_labelled(cfg)))
         return tf.XLMRobertaModel(cfg)
-    cfg = tf.Qwen3Config(vocab_size=vocab_size, num_key_value_heads=2, head_dim=8,
+    cfg = tf.Qwen3Config(vocab_size=vocab_size, num_key_value_heads=2,
+                         head_dim=size["hidden_size"] // size["num_attention_heads"],
                          max_position_embeddings=256, initializer_range=0.2,
-                         pad_token_id=pad_id, eos_token_id=pad_id, **SIZE)
+                         pad_token_id=pad_id, eos_token_id=pad_id, **size)
     return tf.Qwen3Model(cfg)
 
 
 def build_pooling_model(out_dir: str | Path, kind: str, seed: int = 0,
-                        max_seq_length: int = 64,
-                        matryoshka: list[int] | None = None) -> Path:
-    """A sentence-transformers folder of `kind` (one of KINDS) at `out_dir`."""
+                        max_seq_length: int = 64, matryoshka: list[int] | None = None,
+                        size: dict[str, int] | None = None) -> Path:
+    """A sentence-transformers folder of `kind` (one of KINDS) at `out_dir`; `size`: the
+    transformer's shape (default SIZE, tiny)."""
+    size = size or SIZE
     import torch
 
     out = Path(out_dir)
     hf_dir = out / "hf"
     torch.manual_seed(seed)
     tok = _fast(kind)
-    model = _model(kind, len(tok), tok.pad_token_id)
+    model = _model(kind, len(tok), tok.pad_token_id, size)
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
     if kind.endswith("-ce"):
@@ -109,7 +115,7 @@ def build_pooling_model(out_dir: str | Path, kind: str, seed: int = 0,
 
         mode = {"bert": "mean", "xlmr": "cls", "qwen3": "lasttoken"}[kind]
         modules = [Transformer(str(hf_dir), max_seq_length=max_seq_length),
-                   Pooling(SIZE["hidden_size"], mode), Normalize()]
+                   Pooling(size["hidden_size"], mode), Normalize()]
         SentenceTransformer(modules=modules, device="cpu").save(str(out))
     if matryoshka:
         path = out / "config.json"

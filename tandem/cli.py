@@ -392,6 +392,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
+    ("pooling", "pooling.main", "embeddings through --runner pooling vs sentence-transformers"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 

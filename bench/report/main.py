@@ -21,6 +21,7 @@ from tandem_serve.bench.report.sections import (
     lora,
     machine,
     overhead,
+    pooling,
     postproc,
     robustness,
     soak,
@@ -50,6 +51,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "lora": ("LoRA adapters (`tandem bench lora`)", lora),
+    "pooling": ("Embeddings (`tandem bench pooling`)", pooling),
     "robustness": ("Robustness (`make fuzz`, `tandem bench robustness`)", robustness),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }
