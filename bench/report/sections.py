@@ -126,8 +126,9 @@ def pooling(ctx: Context) -> str:
         "Embeddings (`--runner pooling`): 512 short texts (5-15 words) through the server's "
         "`/v1/embeddings` with the `openai` client, next to sentence-transformers' `encode()` "
         "in one process on the same machine (run first, alone, with torch's default "
-        "threads); ratio = texts/s over `encode()`'s. The server's gpu worker is pinned to "
-        "one core (`--reserved-cpus` 1), the frontend and scheduler to the other."),
+        "threads and with one); ratio = texts/s over the faster `encode()`'s. The server's "
+        "gpu worker is pinned to one core (`--reserved-cpus` 1), the frontend and scheduler "
+        "to the other."),
         ["bench", "pooling", "--output-json", "/tmp/tandem-bench-pooling.json"], fenced=True)
 
 
