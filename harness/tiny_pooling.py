@@ -17,10 +17,11 @@ WORDS = ("the a of to and in is it that for on with as was at by this be are fro
          "slow day night water fire light dark good bad new old").split()
 LETTERS = "abcdefghijklmnopqrstuvwxyz0123456789"
 KINDS = ("bert", "xlmr", "qwen3", "bert-ce", "xlmr-ce")
-SIZE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+SIZE: dict[str, Any] = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64)
 # The shape of all-MiniLM-L6-v2 (a BERT), for benchmarks: its compute per token, random weights.
-MINILM = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-              intermediate_size=1536)
+MINILM: dict[str, Any] = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+                              intermediate_size=1536)
 
 
 def _tokenizer(specials: list[str], single: str, pair: str, lowercase: bool) -> Any:
@@ -39,12 +40,12 @@ def _tokenizer(specials: list[str], single: str, pair: str, lowercase: bool) -> 
 
 
 def _fast(kind: str) -> Any:
-    from transformers import BertTokenizerFast, PreTrainedTokenizerFast
+    from transformers import BertTokenizer, PreTrainedTokenizerFast
 
     if kind.startswith("bert"):
         tok = _tokenizer(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"], "[CLS] $A [SEP]",
                          "[CLS] $A [SEP] $B:1 [SEP]:1", lowercase=True)
-        return BertTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+        return BertTokenizer(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
                                  cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
     if kind.startswith("xlmr"):
         tok = _tokenizer(["<s>", "<unk>", "</s>", "<pad>", "<mask>"], "<s> $A </s>",
@@ -64,7 +65,7 @@ def _labelled(cfg: Any) -> dict[str, Any]:
     return {**d, "num_labels": 1}
 
 
-def _model(kind: str, vocab_size: int, pad_id: int, size: dict[str, int]) -> Any:
+def _model(kind: str, vocab_size: int, pad_id: int, size: dict[str, Any]) -> Any:
     import transformers as tf
 
     if kind.startswith("bert"):
@@ -73,22 +74,23 @@ def _model(kind: str, vocab_size: int, pad_id: int, size: dict[str, int]) -> Any
         return (tf.BertForSequenceClassification(tf.BertConfig(**_labelled(cfg)))
                 if kind.endswith("-ce") else tf.BertModel(cfg))
     if kind.startswith("xlmr"):
-        cfg = tf.XLMRobertaConfig(vocab_size=vocab_size, max_position_embeddings=130,
+        xcfg = tf.XLMRobertaConfig(vocab_size=vocab_size, max_position_embeddings=130,
                                   initializer_range=0.2, pad_token_id=pad_id,
                                   bos_token_id=0, eos_token_id=2, type_vocab_size=1, **size)
         if kind.endswith("-ce"):
-            return tf.XLMRobertaForSequenceClassification(tf.XLMRobertaConfig(**_labelled(cfg)))
-        return tf.XLMRobertaModel(cfg)
-    cfg = tf.Qwen3Config(vocab_size=vocab_size, num_key_value_heads=2,
+            return tf.XLMRobertaForSequenceClassification(
+                tf.XLMRobertaConfig(**_labelled(xcfg)))
+        return tf.XLMRobertaModel(xcfg)
+    qcfg = tf.Qwen3Config(vocab_size=vocab_size, num_key_value_heads=2,
                          head_dim=size["hidden_size"] // size["num_attention_heads"],
                          max_position_embeddings=256, initializer_range=0.2,
                          pad_token_id=pad_id, eos_token_id=pad_id, **size)
-    return tf.Qwen3Model(cfg)
+    return tf.Qwen3Model(qcfg)
 
 
 def build_pooling_model(out_dir: str | Path, kind: str, seed: int = 0,
                         max_seq_length: int = 64, matryoshka: list[int] | None = None,
-                        size: dict[str, int] | None = None) -> Path:
+                        size: dict[str, Any] | None = None) -> Path:
     """A sentence-transformers folder of `kind` (one of KINDS) at `out_dir`; `size`: the
     transformer's shape (default SIZE, tiny)."""
     size = size or SIZE

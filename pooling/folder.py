@@ -13,6 +13,7 @@ What is read, as sentence-transformers and vLLM read it:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -78,21 +79,17 @@ class PoolingSpec:
                 f"config.json: architecture {arch or '(none)'!r} is not a pooling model this "
                 f"server runs; expected one of {', '.join(ENCODERS + CLASSIFIERS + DECODERS)}")
         causal = arch in DECODERS
-        common = dict(architecture=arch, causal=causal, hidden_size=int(config["hidden_size"]),
-                      max_seq_length=_max_seq_length(model_dir, config),
-                      type_vocab_size=0 if causal else int(config.get("type_vocab_size", 0)))
+        base = cls(architecture=arch, kind="embed", causal=causal,
+                   hidden_size=int(config["hidden_size"]),
+                   max_seq_length=_max_seq_length(model_dir, config),
+                   type_vocab_size=0 if causal else int(config.get("type_vocab_size", 0)))
         if arch in CLASSIFIERS:
             labels = len(config.get("id2label") or {}) or int(config.get("num_labels", 1))
-            return cls(kind="classify", num_labels=labels,
-                       activation=_activation(model_dir, config, labels), **common)
+            return dataclasses.replace(base, kind="classify", num_labels=labels,
+                                       activation=_activation(model_dir, config, labels))
         pooling, normalize = _modules(model_dir, causal)
-        return cls(kind="embed", pooling=pooling, normalize=normalize,
-                   matryoshka=_matryoshka(config), **common)
-
-
-def is_pooling_folder(model_dir: str) -> bool:
-    """Whether `model_dir` looks like a sentence-transformers folder or a cross-encoder."""
-    return os.path.isfile(os.path.join(model_dir, "modules.json"))
+        return dataclasses.replace(base, pooling=pooling, normalize=normalize,
+                                   matryoshka=_matryoshka(config))
 
 
 def _json(model_dir: str, name: str, required: bool = False) -> dict[str, Any]:

@@ -115,5 +115,9 @@ def run_pooling_follower(cfg: ServerConfig, rank: int) -> None:
         tp = role.own(parallel.start(cfg, rank))
         runner = build_pooling_runner(cfg, tp)
         log.info("ready (pid %d): rank %d of %d", os.getpid(), rank, cfg.tensor_parallel_size)
-        role.run({PoolPlan: lambda plan: runner.run(plan.requests)},
-                 source=_Plans(role.inbox))
+
+        def run_plan(plan: PoolPlan) -> None:
+            role.maybe_fault(plan.plan_id)
+            runner.run(plan.requests)
+
+        role.run({PoolPlan: run_plan}, source=_Plans(role.inbox))
