@@ -310,3 +310,11 @@ def test_adapters_are_models(lora_app: Running) -> None:
         assert "adapter 'wide'" in bad.value.message and "--max-lora-rank 16" in \
             bad.value.message
     assert lora_app.engine.adapter_ids[before:] == ["team/sql", "zeta", "zeta", ""]
+
+
+def test_pooling_routes_on_a_generation_server_name_the_runner(app: Running) -> None:
+    for path in ("/v1/embeddings", "/v1/rerank", "/rerank", "/v2/rerank", "/score"):
+        r = post(app, path, {"input": "x"})
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert "--runner generate" in error["message"] and error["code"] == "wrong_runner"
