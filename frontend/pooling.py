@@ -52,7 +52,9 @@ class Pooler:
             rows = await asyncio.gather(*futures)
         except BaseException:  # cancelled, rejected or failed: the rest need not run
             for rid, fut in zip(ids, futures, strict=True):
-                if not fut.done():
+                # A cancelled gather cancels the futures it waited for: those never got
+                # their row either.
+                if not fut.done() or fut.cancelled():
                     self._send(AbortRequest(rid))
             raise
         finally:
