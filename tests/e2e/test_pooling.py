@@ -15,11 +15,13 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+import grpc
 import numpy as np
 import openai
 import pytest
 
 from tandem_serve.harness.metrics_scrape import Scrape
+from tandem_serve.rpc.client import GenerateOptions
 from tandem_serve.tokenization.tokenizer import Tokenizer
 from tests.e2e.server import Server, running
 
@@ -151,6 +153,10 @@ def test_generation_routes_name_the_runner_and_models_lists_it(client: openai.Op
     for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         r = post(server, path, {"prompt": "x"})
         assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+    with pytest.raises(grpc.RpcError) as rpc:  # gRPC generation too
+        list(server.client.stream("x", GenerateOptions(max_new_tokens=2)))
+    assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "--runner pooling" in (rpc.value.details() or "")
     [card] = client.models.list().data
     assert card.id == "bert" and card.model_extra["max_model_len"] == 64
 

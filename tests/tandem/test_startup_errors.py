@@ -140,3 +140,12 @@ def test_attention_backend_that_cannot_serve_here(tiny_model_dir: pathlib.Path) 
     proc = serve("--model", str(tiny_model_dir), "--port", str(free_port()), "--device", "cpu",
                  "--attention-backend", "flash", "--log-level", "WARNING")
     assert_one_line_error(proc, "--attention-backend flash: ", "flash_attn")
+
+
+def test_runner_pooling_with_a_folder_it_cannot_pool(tmp_path: pathlib.Path) -> None:
+    model = tmp_path / "t5-like"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["T5EncoderModel"],
+                                                   "hidden_size": 8}))
+    proc = serve("--model", str(model), "--runner", "pooling", "--port", str(free_port()))
+    assert_one_line_error(proc, "--runner pooling", "T5EncoderModel", "BertModel")
