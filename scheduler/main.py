@@ -99,6 +99,7 @@ class SchedulerLoop:
         # --runner pooling: batches of prefill-only requests instead of plans (pooling.py).
         self.pool: PoolScheduler | None = None
         self.pool_ready = False  # batches go once the worker said which device it runs on
+        self.pool_reported = 0.0  # when its EngineStats last went to the frontend
         if cfg.runner == "pooling":
             self.pool = PoolScheduler(self._pooling_params("cpu"))
 
@@ -195,6 +196,10 @@ class SchedulerLoop:
                 self.role.maybe_fault(plan.plan_id)
                 self.watchdog.sent(plan.plan_id)
                 self.to_worker.put(plan)
+            now = time.monotonic()
+            if now - self.pool_reported >= STATS_INTERVAL:
+                self.pool_reported = now
+                self.to_frontend.put(self.pool.stats())
         if self.sched is not None:
             self.plan(self.sched)
         self.watch_worker()

@@ -11,9 +11,11 @@ outlives its forward.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass
 
+from tandem_serve.proto.monitor_messages import EngineStats
 from tandem_serve.proto.pooling_messages import PoolDone, PoolPlan, PoolRequest
 from tandem_serve.proto.request_messages import RequestRejected
 
@@ -33,7 +35,9 @@ class PoolScheduler:
         self.params = params
         self.waiting: deque[PoolRequest] = deque()
         self.aborted: set[int] = set()
-        self.in_flight: set[int] = set()  # plan ids sent and not done
+        self.in_flight: dict[int, int] = {}  # plan id -> its requests, sent and not done
+        self.queue_times: list[float] = []  # arrival to batch, since the last report
+        self.started = time.monotonic()
         self._plan_ids = itertools.count()
         self.num_plans = 0
         self.num_requests = 0
@@ -54,7 +58,7 @@ class PoolScheduler:
             self.aborted.add(request_id)
 
     def on_done(self, msg: PoolDone) -> None:
-        self.in_flight.discard(msg.plan_id)
+        self.in_flight.pop(msg.plan_id, None)
         self.num_plans += 1
         self.num_requests += msg.num_requests
         self.num_tokens += msg.num_tokens
@@ -79,8 +83,22 @@ class PoolScheduler:
                 break
             plan.requests.append(self.waiting.popleft())
             longest = width
-        self.in_flight.add(plan.plan_id)
+        self.in_flight[plan.plan_id] = len(plan.requests)
+        now = time.monotonic()
+        self.queue_times += [now - r.arrival_time for r in plan.requests]
         return plan
+
+    def stats(self) -> EngineStats:
+        """The admin counters (and vLLM's running / waiting gauges): no KV blocks."""
+        times, self.queue_times = self.queue_times, []
+        return EngineStats(num_free_blocks=0, num_total_blocks=0,
+                           num_running=sum(self.in_flight.values()),
+                           num_waiting=max(0, len(self.waiting) - len(self.aborted)),
+                           num_preemptions=0, prefix_hit_tokens=0, prefix_query_tokens=0,
+                           tokens_delivered=0, tokens_after_finish=0,
+                           uptime_s=time.monotonic() - self.started, num_plans=self.num_plans,
+                           worker_busy_s=self.forward_s, forward_s=self.forward_s,
+                           queue_times_s=times)
 
     def _skip_aborted(self) -> None:
         while self.waiting and self.waiting[0].request_id in self.aborted:

@@ -8,6 +8,7 @@ import base64
 import concurrent.futures
 import json
 import pathlib
+import time
 import urllib.error
 import urllib.request
 import warnings
@@ -179,6 +180,16 @@ def test_metrics_count_prompt_tokens_and_requests(client: openai.OpenAI,
              for n in ("vllm:prompt_tokens_total", "vllm:request_success_total")}
     assert moved == {"vllm:prompt_tokens_total": used.prompt_tokens,
                      "vllm:request_success_total": len(TEXTS)}
+    # The scheduler's reports (every 0.2 s, so they lag) drive the running / waiting gauges.
+    deadline = time.monotonic() + 10
+    while True:
+        scrape = Scrape(url)
+        gauges = [scrape.labels(f"vllm:num_requests_{g}") for g in ("running", "waiting")]
+        idle = all(gauges) and scrape.total("vllm:num_requests_running") == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle, gauges
 
 
 def _predict(model_dir: pathlib.Path, pairs: list[tuple[str, str]]) -> np.ndarray:

@@ -23,6 +23,9 @@ def test_batches_by_padded_tokens_rows_and_order() -> None:
     assert [r.request_id for r in second.requests] == [3]  # 2 rows x 30 = 60 > 40
     assert not s.ready_to_plan()  # two batches at the worker: the next waits
     assert len(s.in_flight) == AHEAD
+    stats = s.stats()  # vLLM's running / waiting gauges, the queue-time histogram
+    assert (stats.num_running, stats.num_waiting, len(stats.queue_times_s)) == (4, 4, 4)
+    assert s.stats().queue_times_s == []  # each reported once
     s.on_done(PoolDone(first.plan_id, 3, 25, 0.01))
     assert [r.request_id for r in s.build_plan().requests] == [4, 5, 6]  # the row limit
     s.on_done(PoolDone(second.plan_id, 1, 30, 0.01))
