@@ -80,6 +80,13 @@ class PoolingServing:
             self._inputs = PoolingInputs(self.frontend.tok, self.spec, limits.vocab_size)
         return self._inputs
 
+    def _count(self, n: int, param: str) -> None:
+        """Each input is one engine request: more than the queue holds could never run."""
+        limit = self.frontend.engine.cfg.max_queued_requests
+        if n > limit:
+            raise bad(param, f"{n} inputs, over this server's limit of {limit} per request "
+                             f"(--max-queued-requests); split them over several requests")
+
     async def _pool(self, encoded: Sequence[Encoded], arrived: float) -> np.ndarray:
         pooler = self.frontend.engine.pooler
         types = [e.types for e in encoded] if self.spec.uses_token_types else None
@@ -121,6 +128,7 @@ class PoolingServing:
             return await inputs.texts([given], ["input"], keep)
         if not given:
             raise bad("input", "must not be empty")
+        self._count(len(given), "input")
         params = [f"input[{i}]" for i in range(len(given))]
         if isinstance(given[0], str):
             return await inputs.texts(given, params, keep)
@@ -142,6 +150,7 @@ class PoolingServing:
         name = self.models.resolve(req.model).name
         if not req.documents:
             raise bad("documents", "must not be empty")
+        self._count(len(req.documents) + 1, "documents")
         docs = [d.text if isinstance(d, RerankDocument) else d for d in req.documents]
         params = [f"documents[{i}]" for i in range(len(docs))]
         scores, tokens = await self._scores(inputs, [req.query] * len(docs), docs,
@@ -170,6 +179,7 @@ class PoolingServing:
             raise bad("text_1", "must not be empty")
         if not seconds:
             raise bad("text_2", "must not be empty")
+        self._count(len(firsts) + len(seconds), "text_2")
         if len(firsts) == 1:  # one-to-one or one-to-many
             firsts = firsts * len(seconds)
             params_1 = ["text_1"] * len(seconds)
