@@ -26,7 +26,7 @@ from tandem_serve.ipc.fanout import subscribe
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL
 from tandem_serve.ipc.process import StartupError, worker_threads
 from tandem_serve.ipc.role_loop import Announce, RoleLoop
-from tandem_serve.ipc.tracing import TRACER
+from tandem_serve.ipc.tracing import TRACER, on_plan_done
 from tandem_serve.pooling.folder import PoolingFolderError, PoolingSpec
 from tandem_serve.proto.config import ServerConfig, plans_address
 from tandem_serve.proto.plan_messages import WorkerReady
@@ -90,6 +90,7 @@ def run_pooling_worker(cfg: ServerConfig, rank: int = 0) -> None:
             to_frontend.put(PoolOutput(ids, np.ascontiguousarray(data, dtype=np.float32)))
             tokens = sum(len(r.prompt_ids) for r in plan.requests)
             to_scheduler.put(PoolDone(plan.plan_id, len(plan.requests), tokens, (t1 - t0) / 1e9))
+            on_plan_done(to_frontend)  # `tandem profile --plans N` ends here
 
         role.run({PoolPlan: run_plan},
                  ready=Announce(to_scheduler, ready, f"pid {os.getpid()}", repeat=True),
