@@ -148,6 +148,8 @@ class PoolingServing:
         req = parse(RerankRequest, body)
         inputs = self._ready()
         name = self.models.resolve(req.model).name
+        if not req.query:
+            raise bad("query", "must not be empty")
         if not req.documents:
             raise bad("documents", "must not be empty")
         self._count(len(req.documents) + 1, "documents")
@@ -180,6 +182,10 @@ class PoolingServing:
         if not seconds:
             raise bad("text_2", "must not be empty")
         self._count(len(firsts) + len(seconds), "text_2")
+        for i, text in enumerate(firsts):
+            if not text:
+                raise bad("text_1" if isinstance(req.text_1, str) else f"text_1[{i}]",
+                          "must not be empty")
         if len(firsts) == 1:  # one-to-one or one-to-many
             firsts = firsts * len(seconds)
             params_1 = ["text_1"] * len(seconds)

@@ -235,8 +235,17 @@ def test_score_shapes_equal_cross_encoder(ce_server: Server, pooling_models: dic
     np.testing.assert_allclose([x["score"] for x in fan["data"]],
                                _predict(pooling_models["bert-ce"],
                                         [(QUERY, d) for d in DOCS[:2]]), atol=1e-4)
-    bad = post(ce_server, "/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    for body, param in (({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                        ({"text_1": ["a", ""], "text_2": ["c", "d"]}, "text_1[1]"),
+                        ({"text_1": "a", "text_2": []}, "text_2")):
+        bad = post(ce_server, "/score", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    for body, param in (({"query": "", "documents": ["a"]}, "query"),
+                        ({"query": "a", "documents": ["b", {"text": ""}]}, "documents[1]"),
+                        ({"query": "a", "documents": [{"txt": "b"}]}, "documents[0]"),
+                        ({"query": "a", "documents": ["b"], "top_n": -1}, "top_n")):
+        bad = post(ce_server, "/v1/rerank", body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
     emb = post(ce_server, "/v1/embeddings", {"input": "a"})
     assert emb.status_code == 400 and emb.json()["error"]["param"] == "model"
 
