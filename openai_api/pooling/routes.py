@@ -6,12 +6,15 @@
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import FastAPI
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem_serve.openai_api.chat.serving import ClientGone, unless_disconnected
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.pooling.protocol import (
     EmbeddingRequest,
@@ -23,21 +26,30 @@ from tandem_serve.openai_api.pooling.serving import PoolingServing
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
+async def _answer(request: Request, work: Awaitable[dict[str, Any]]) -> Any:
+    """The response, or 499 when the client went away first: its inputs still queued are
+    aborted (`frontend.pooling.Pooler`), so nobody computes what nobody reads."""
+    try:
+        return await unless_disconnected(request, work)
+    except ClientGone:
+        return Response(status_code=499)
+
+
 def add_pooling_routes(app: FastAPI, pooling: PoolingServing) -> None:
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
-        return await pooling.embeddings(body)
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Any:
+        return await _answer(request, pooling.embeddings(body))
 
     @app.post("/v1/rerank")
     @app.post("/rerank")
     @app.post("/v2/rerank")
-    async def rerank(body: RerankRequest) -> dict[str, Any]:
-        return await pooling.rerank(body)
+    async def rerank(request: Request, body: RerankRequest) -> Any:
+        return await _answer(request, pooling.rerank(body))
 
     @app.post("/score")
     @app.post("/v1/score")
-    async def score(body: ScoreRequest) -> dict[str, Any]:
-        return await pooling.score(body)
+    async def score(request: Request, body: ScoreRequest) -> Any:
+        return await _answer(request, pooling.score(body))
 
 
 def pooling_only(path: str) -> ApiError:
