@@ -101,5 +101,5 @@ def pooling_app(cfg: ServerConfig, frontend: Frontend, metrics: CollectorRegistr
     """A --runner pooling server's app: the folder's pooling spec behind the pooling routes."""
     names = served_names(cfg)
     serving = Serving(frontend, names, None, AgentSettings(False, "", ""))
-    spec = PoolingSpec.read(cfg.model)
+    spec = PoolingSpec.read(cfg.model, cfg.max_model_len)
     return build_app(serving, metrics, PoolingServing(frontend, spec, serving.models))

@@ -70,7 +70,15 @@ class PoolingSpec:
         return None
 
     @classmethod
-    def read(cls, model_dir: str) -> PoolingSpec:
+    def read(cls, model_dir: str, max_model_len: int = 0) -> PoolingSpec:
+        """The folder's spec; `max_model_len` (the flag; 0: none) lowers its length limit."""
+        spec = cls._read(model_dir)
+        if 0 < max_model_len < spec.max_seq_length:
+            return dataclasses.replace(spec, max_seq_length=max_model_len)
+        return spec
+
+    @classmethod
+    def _read(cls, model_dir: str) -> PoolingSpec:
         config = _json(model_dir, "config.json", required=True)
         archs = config.get("architectures") or []
         arch = str(archs[0]) if archs else ""

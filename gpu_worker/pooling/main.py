@@ -39,7 +39,7 @@ def build_pooling_runner(cfg: ServerConfig, tp: parallel.TensorParallel | None =
                          ) -> PoolingRunner:
     """The model of a pooling folder; a folder or device we cannot serve is a StartupError."""
     try:
-        spec = PoolingSpec.read(cfg.model)
+        spec = PoolingSpec.read(cfg.model, cfg.max_model_len)
     except PoolingFolderError as exc:
         raise StartupError(f"--model {cfg.model!r}: {exc}") from None
     device = tp.device if tp is not None else pick_device(cfg.device)

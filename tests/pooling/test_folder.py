@@ -37,6 +37,8 @@ def test_mean_pooling_normalised_with_its_limit(tmp_path: pathlib.Path) -> None:
         "sentence_bert_config.json": {"max_seq_length": 256}}))
     assert (spec.kind, spec.pooling, spec.normalize, spec.max_seq_length) == \
         ("embed", "mean", True, 256)
+    assert PoolingSpec.read(str(tmp_path), max_model_len=100).max_seq_length == 100
+    assert PoolingSpec.read(str(tmp_path), max_model_len=1000).max_seq_length == 256
     assert spec.uses_token_types and not spec.causal and spec.matryoshka is None
     assert "does not support matryoshka" in (spec.dimension_problem(16) or "")
 
