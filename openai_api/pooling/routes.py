@@ -30,7 +30,8 @@ async def _answer(request: Request, work: Awaitable[dict[str, Any]]) -> Any:
     """The response, or 499 when the client went away first: its inputs still queued are
     aborted (`frontend.pooling.Pooler`), so nobody computes what nobody reads."""
     try:
-        return await unless_disconnected(request, work)
+        # Plain JSON types only: json.dumps directly, not FastAPI's walk over every float.
+        return JSONResponse(await unless_disconnected(request, work))
     except ClientGone:
         return Response(status_code=499)
 

@@ -233,4 +233,4 @@ class PoolingServing:
 def _encode_vector(row: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # OpenAI's: the float32 values' little-endian bytes
         return base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-    return [float(x) for x in row]
+    return row.tolist()  # Python floats of the float32 values
