@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tandem.gpu_worker")
 
+CHUNK_ROWS = {"cpu": 32, "cuda": 256}
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -64,10 +66,29 @@ class PoolingRunner:
             log.info("rank %d of %d keeps its part of %d linears", tp.rank, tp.size, split)
         self.model = model.to(device).eval()
         self.pad_id = int(getattr(model.config, "pad_token_id", None) or 0)
+        # Rows per forward (`run`): small on a CPU, where a bigger batch buys little; on a
+        # GPU wide enough to fill it.
+        self.chunk_rows = CHUNK_ROWS.get(device.type, CHUNK_ROWS["cpu"])
 
     @torch.inference_mode()
     def run(self, requests: Sequence[PoolRequest]) -> np.ndarray:
-        """(len(requests), dimensions) float32: pooled hidden states or logits."""
+        """(len(requests), dimensions) float32: pooled hidden states or logits, in order.
+
+        The rows go through the model sorted by length, in chunks of `chunk_rows`, as
+        sentence-transformers' encode() does: each chunk is padded to its own longest row,
+        so a batch of mixed lengths costs about its tokens, not rows times its longest."""
+        order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_ids))
+        out: np.ndarray | None = None
+        for start in range(0, len(order), self.chunk_rows):
+            part = order[start:start + self.chunk_rows]
+            rows = self._forward([requests[i] for i in part])
+            if out is None:
+                out = np.empty((len(requests), rows.shape[1]), dtype=np.float32)
+            out[part] = rows
+        assert out is not None, "a plan has at least one request"
+        return out
+
+    def _forward(self, requests: Sequence[PoolRequest]) -> np.ndarray:
         ids, types, mask, lengths = self._pad(requests)
         kwargs = {"input_ids": ids, "attention_mask": mask}
         if self.spec.uses_token_types:

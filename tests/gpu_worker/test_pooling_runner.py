@@ -58,6 +58,8 @@ def test_embeddings_equal_sentence_transformers(kind: str, pooling_models: dict,
     # One at a time: padding in a batch changes nothing.
     alone = _unit(np.concatenate([runner.run([r]) for r in reqs]))
     np.testing.assert_allclose(alone, ours, atol=1e-5, rtol=0)
+    runner.chunk_rows = 2  # sorted by length into chunks, then back in input order
+    np.testing.assert_allclose(_unit(runner.run(reqs)), ours, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["bert-ce", "xlmr-ce"])
