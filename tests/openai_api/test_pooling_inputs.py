@@ -58,3 +58,16 @@ def test_limits_and_token_ids_name_the_input(pooling_models: dict) -> None:
     with pytest.raises(ApiError, match="outside the vocabulary") as wrong:
         ours.token_ids([[5], [ours.vocab_size]], ["input[0]", "input[1]"], None)
     assert wrong.value.param == "input[1]"
+
+
+def test_a_plain_body_is_validated_as_the_route_would() -> None:
+    """What a caller without HTTP (a batch runner's request line) gets from `parse`."""
+    from tandem_serve.openai_api.pooling.protocol import EmbeddingRequest
+    from tandem_serve.openai_api.pooling.serving import parse
+
+    assert parse(EmbeddingRequest, {"input": ["a", "b"], "dimensions": 8}).dimensions == 8
+    for body, param in (({"input": 3.5}, "input"), ({"input": "a", "extra": 1}, "extra"),
+                        ({"input": "a", "encoding_format": "hex"}, "encoding_format")):
+        with pytest.raises(ApiError) as err:
+            parse(EmbeddingRequest, body)
+        assert err.value.status == 400 and err.value.param == param, err.value.message
