@@ -51,6 +51,9 @@ class DecodeBatch:
     spec: SpecBatch | None = None
     stride: int = 1
     plan_id: int = -1  # for the profiler's spans inside a step
+    # An M-RoPE model's (Qwen VL) per-row offset of the rotary position past the prompt
+    # (`gpu_worker.vision.inputs`); None: rotary positions are the positions.
+    rope_delta: torch.Tensor | None = None
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):

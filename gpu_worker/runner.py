@@ -43,6 +43,9 @@ from tandem_serve.gpu_worker.spec.registry import ProposerContext, make_proposer
 from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import PrefillInputs, StepWork, lay_out
+from tandem_serve.gpu_worker.vision.inputs import VisionInputs
+from tandem_serve.proto.vision import read_spec
+from tandem_serve.gpu_worker.vision.tower import VisionTower
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import WorkerConfig
@@ -115,13 +118,16 @@ class ModelRunner:
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
+        self.vision = _vision(cfg, self.dtype, self.device) if mc.image_token_id >= 0 else None
+        # A VL model runs eager: its rotary positions carry a per-row offset and its prefill
+        # image embeddings, which the captured graphs do not take.
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.attention.decode_graphs)
+                  and self.attention.decode_graphs and self.vision is None)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
         mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True)
                  if graphs and (tp is None or tp.shard.size == 1) else None)
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
-                                     self.max_model_len, self.lora, mixed)
+                                     self.max_model_len, self.lora, mixed, self.vision)
         self.table = RequestTable(GuidedRegistry(self.device, self.vocab_size, cfg.model),
                                   self.lora, self.proposer)
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
@@ -219,6 +225,8 @@ class ModelRunner:
         batch = build_decode_batch(decoding, self.vocab_size, self.device, self.guided,
                                    join_steps, spec.stride if spec else 1)
         batch.spec, batch.plan_id = spec, plan.plan_id
+        if self.vision is not None:
+            batch.rope_delta = self.vision.deltas(decoding)
         slots = verify_slots(spec, [r.lora_slot for r in decoding])
         batch.lora = self.executor.lora_context(slots)
         return batch, slots
@@ -296,6 +304,19 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
              model.config.architecture, dtype, device)
     return model
+
+
+def _vision(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device) -> VisionInputs:
+    """A VL checkpoint's vision tower and M-RoPE inputs (`gpu_worker.vision`)."""
+    if cfg.speculative is not None:
+        raise ValueError("--speculative-config is not supported with a vision-language model "
+                         "(its drafts would not see the images)")
+    spec = read_spec(cfg.model)
+    assert spec is not None, "a model with an image token has a vision spec"
+    tower = VisionTower(cfg.model, spec, dtype, device)
+    log.info("vision tower: %s, %.1f MiB", spec.architecture,
+             sum(p.nbytes for p in tower.model.parameters()) / 2**20)
+    return VisionInputs(tower, device)
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,

@@ -46,6 +46,7 @@ from tandem_serve.proto.request_messages import (
     RequestRejected,
 )
 from tandem_serve.proto.request_params import (
+    ImageInput,
     OutputOptions,
     SamplingParams,
 )
@@ -94,4 +95,5 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AdapterFailed,
     GuidedWanted,
     GuidedLost,
+    ImageInput,
 )

@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem_serve.proto.adapter_messages import AdapterLoad
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
-from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.request_params import ImageInput, SamplingParams
 
 
 @dataclass
@@ -28,6 +28,7 @@ class NewRequest:
     lora_slot: int = 0  # the adapter slot its rows use (0: none; kept while preempted)
     # The chunk's tokens per step of the plan (the rule is in StepPlan's docstring).
     prefill_steps: list[int] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # a new request's (not a resume's)
 
 
 @dataclass

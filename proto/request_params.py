@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 
 class FinishReason(IntEnum):
     """Why a request ended; the numbers are the public `fmaas.StopReason` values."""
@@ -74,3 +76,22 @@ class OutputOptions:
     logprobs: bool = False
     ranks: bool = False
     top_n: int = 0
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt, preprocessed by the checkpoint's own processor (frontend) and
+    encoded by the vision tower on the gpu worker during the request's prefill.
+
+    Its `length` placeholder tokens start at `offset` in the prompt; their embeddings are
+    the tower's output rows.  `digest` is a hash of what the tower reads (pixels and grid),
+    so equal digests mean equal embeddings: the worker's embedding cache and the
+    scheduler's prefix-cache hashes key on it.
+    """
+
+    offset: int
+    length: int
+    digest: bytes  # 16 bytes
+    pixel_values: np.ndarray  # float32 [patches, channels * patch volume]
+    grid_thw: list[int]  # the tower's grid (temporal, height, width) in patches
+

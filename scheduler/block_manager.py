@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.scheduler.block_index import DIGEST_SIZE, BlockLru, HashIndex
 
 BlockHash = bytes
@@ -47,13 +48,20 @@ def adapter_salt(adapter_id: str) -> BlockHash | None:
 
 
 def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int,
-                        salt: BlockHash | None = None) -> list[BlockHash]:
+                        salt: BlockHash | None = None,
+                        images: Sequence[ImageInput] = ()) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks (a partial last block is never shared),
-    the chain started from `salt` (see `adapter_salt`)."""
+    the chain started from `salt` (see `adapter_salt`).  A block holding any of an image's
+    placeholder tokens also hashes that image's digest: the placeholders are the same ids
+    for every image, their KV is not."""
     hashes: list[BlockHash] = []
     prev: BlockHash | None = salt
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
-        prev = hash_block(prev, prompt_ids[start : start + block_size])
+        end = start + block_size
+        seen = [im.digest for im in images if im.offset < end and im.offset + im.length > start]
+        prev = hash_block(prev, prompt_ids[start:end])
+        if seen:
+            prev = hashlib.blake2b(prev + b"".join(seen), digest_size=DIGEST_SIZE).digest()
         hashes.append(prev)
     return hashes
 

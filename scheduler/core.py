@@ -100,7 +100,8 @@ class Scheduler:
         if rejection is not None:
             return self.state.reject(msg.request_id, rejection)
         req = Request(msg.request_id, prompt_ids, msg.sampling, msg.arrival_time,
-                      self.params.max_model_len, adapter_id=msg.adapter_id)
+                      self.params.max_model_len, adapter_id=msg.adapter_id,
+                      images=list(msg.images))
         problem = self._unrunnable(req)
         if problem is not None:
             self.state.record_failure(req, problem)
@@ -112,7 +113,8 @@ class Scheduler:
         self.state.constraints.hold(msg)
         if self.params.enable_prefix_caching:  # KV computed under an adapter is its own
             req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size,
-                                                          adapter_salt(req.adapter_id))
+                                                          adapter_salt(req.adapter_id),
+                                                          req.images)
         self.state.queue(req)
         return None
 
@@ -405,9 +407,11 @@ class Scheduler:
             return NewRequest(req.request_id, np.empty(0, dtype=np.int32), None,
                               list(req.blocks), num_cached, split.total, resume=True,
                               prefill_steps=split.message_steps())
+        # The worker keeps a request's images until it is dropped: they go out once.
+        images, req.images = req.images, []
         return NewRequest(req.request_id, req.prompt_ids, req.sampling, list(req.blocks),
                           num_cached, split.total, lora_slot=req.lora_slot,
-                          prefill_steps=split.message_steps())
+                          prefill_steps=split.message_steps(), images=images)
 
     # ================================================================== preemption
 

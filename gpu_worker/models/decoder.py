@@ -247,17 +247,22 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         lora: LoraContext | None = None,
         history_lens: torch.Tensor | None = None,
+        mm: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden].
 
         `lora`: the rows' adapters (None: the base model for every row). `history_lens`
-        [T]: a prefill token's request's history length (see `uses_history_lens`)."""
+        [T]: a prefill token's request's history length (see `uses_history_lens`). `mm`:
+        (rows, embeddings) that replace those rows' token embeddings (a VL model's images,
+        unscaled, as transformers scatters them); positions may then be M-RoPE's [3, T]."""
         attention = self.attention
         plan = attention.prepare(meta, kv_caches[0], self._windows)
         cos_sin = [r.cos_sin(positions, self.dtype, history_lens) for r in self.ropes]
         x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if mm is not None:
+            x = x.index_copy(0, mm[0], mm[1].to(x.dtype))
         for module, kv_cache in zip(self.layers, kv_caches, strict=True):
             layer = cast(DecoderLayer, module)
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.

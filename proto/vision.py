@@ -1,0 +1,87 @@
+"""Which vision-language checkpoints load, and the language model inside their config.json.
+
+A VL folder's config.json nests the language model (`text_config`, what transformers 5
+writes) or keeps its keys at the top level (the published Qwen2.5-VL checkpoints); either way
+the decoder underneath is a family the gpu worker's `models.config` already serves, so this
+module hands it the text model's keys under that family's architecture and keeps what the
+vision side needs (`VisionSpec`): the frontend (placeholders, preprocessing) and the gpu
+worker (tower, M-RoPE) read the same spec. Torch-free: the launcher and the frontend parse it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+# VL architecture -> the text architecture of its language model.
+VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM"}
+# Known VL checkpoints this build cannot serve yet, and why (a clear refusal, never wrong
+# tokens).
+NOT_YET = {
+    "Qwen3VLForConditionalGeneration": "Qwen3-VL's DeepStack (vision features added to the "
+                                       "first decoder layers) is not implemented",
+    "Gemma3ForConditionalGeneration": "Gemma 3's bidirectional attention among an image's "
+                                      "tokens is not implemented in the attention backends",
+}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the frontend and the gpu worker need to know of a VL checkpoint."""
+
+    architecture: str
+    image_token_id: int
+    spatial_merge_size: int
+    mrope_section: tuple[int, ...]
+
+
+def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None]:
+    """(the language model's config, as its text family spells it; the vision spec, None for
+    a text-only checkpoint). ValueError for a VL checkpoint this build cannot serve."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in NOT_YET:
+            raise ValueError(f"unsupported architecture {arch}: {NOT_YET[arch]}")
+    vl = next((a for a in archs if a in VL_ARCHITECTURES), None)
+    if vl is None and cfg.get("model_type") == "qwen2_5_vl":
+        vl = QWEN2_5_VL
+    if vl is None:
+        return cfg, None
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text.update(cfg.get("text_config") or {})
+    text["architectures"] = [VL_ARCHITECTURES[vl]]
+    text.pop("model_type", None)
+    section = _mrope(text)
+    vision = cfg.get("vision_config") or {}
+    image_token = cfg.get("image_token_id", text.get("image_token_id"))
+    if image_token is None:
+        raise ValueError(f"{vl} config.json has no image_token_id")
+    return text, VisionSpec(vl, int(image_token), int(vision.get("spatial_merge_size", 2)),
+                            section)
+
+
+def _mrope(text: dict[str, Any]) -> tuple[int, ...]:
+    """Pops M-RoPE's section sizes out of the rope dict (published: `rope_scaling` of type
+    "mrope", which transformers reads as the default RoPE over three position axes)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope = dict(rope)
+            section = tuple(int(x) for x in rope.pop("mrope_section"))
+            if rope.get("type") == "mrope":
+                rope["type"] = "default"
+            if rope.get("rope_type") == "mrope":
+                rope["rope_type"] = "default"
+            text[key] = rope
+            return section
+    raise ValueError("a Qwen VL config.json needs rope mrope_section (rope_parameters or "
+                     "rope_scaling)")
+
+
+def read_spec(model_dir: str) -> VisionSpec | None:
+    """The vision spec of a model folder's config.json (None: a text-only model)."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return split_config(json.load(f))[1]
