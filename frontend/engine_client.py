@@ -44,7 +44,12 @@ from tandem_serve.proto.request_messages import (
     RequestFailed,
     RequestRejected,
 )
-from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import (
+    FinishReason,
+    ImageInput,
+    OutputOptions,
+    SamplingParams,
+)
 from tandem_serve.proto.token_messages import OutputBatch, OutputDelta
 
 log = logging.getLogger("tandem.frontend")
@@ -109,6 +114,7 @@ class EngineClient:
         self._streams: dict[int, OpenStream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
+        self._images: dict[int, list[ImageInput]] = {}  # by request id, until sent
         self.limits: WorkerReady | None = None
         self._ready_postproc: set[int] = set()
         self.ready = asyncio.Event()
@@ -209,6 +215,11 @@ class EngineClient:
     def new_request_id(self) -> int:
         return next(self._ids)
 
+    def attach_images(self, request_id: int, images: list[ImageInput]) -> None:
+        """Images that request `request_id` (an id from `new_request_id`) carries to the
+        scheduler and the gpu worker; `generate` takes them when it sends the request."""
+        self._images[request_id] = images
+
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
                        name: str = "", request_id: int | None = None,
@@ -228,6 +239,7 @@ class EngineClient:
         `metered`: False leaves the request out of the vLLM-named metrics, which count clients'
         requests (the frontend's warm-up is not one).
         """
+        images = self._images.pop(request_id, []) if request_id is not None else []
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
         rid = self.new_request_id() if request_id is None else request_id
@@ -243,7 +255,8 @@ class EngineClient:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
             self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started,
-                                              adapter_id=adapter_id))
+                                              adapter_id=adapter_id,
+                                              images=images))
             last_at: float | None = None
             while True:
                 item = await self._next(stream, deadline)

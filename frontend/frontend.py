@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_serve.frontend import metrics
@@ -24,6 +24,7 @@ from tandem_serve.frontend.validation import Limits, ValidatedRequest
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.token_messages import OutputDelta
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
@@ -78,6 +79,7 @@ class Prepared:
     arrived: float  # time.monotonic() of the request's arrival
     guided: Compiled | None = None  # the compiled output constraint, if any
     adapter_id: str = ""  # a validated LoRA adapter ("": the base model)
+    images: list[ImageInput] = field(default_factory=list)  # a VL model's prompt images
 
 
 class Frontend:
@@ -137,6 +139,8 @@ class Frontend:
         """The request's deltas until its last; leaving early aborts it in the engine."""
         if p.adapter_id:
             metrics.ADAPTER_REQUESTS.labels(p.adapter_id).inc()
+        if p.images:
+            self.engine.attach_images(p.rid, p.images)
         return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
                                     name=name, request_id=p.rid, arrived=p.arrived,
                                     guided=p.guided, adapter_id=p.adapter_id)

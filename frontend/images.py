@@ -12,14 +12,18 @@ start-up (a text-only model never loads it).
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tandem_serve.frontend.media import MediaPolicy, load_image
+from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.proto.request_params import ImageInput
-from tandem_serve.proto.vision import VisionSpec
+from tandem_serve.proto.vision import VisionSpec, read_spec
 
 
 class ImageError(ValueError):
@@ -83,3 +87,51 @@ class ImagePreprocessor:
         if out and out[-1] == token:
             raise ImageError("the prompt ends with an image; a text token must follow it")
         return out, inputs
+
+
+@dataclass
+class ImageRef:
+    """An image a request names: its URL and the request field that holds it (errors name
+    the field, e.g. `messages[0].content[1].image_url`)."""
+
+    url: str
+    field: str
+
+
+class Images:
+    """A server's image input: where images may come from, and (a VL model) how they are
+    preprocessed; a text-only model refuses them."""
+
+    def __init__(self, policy: MediaPolicy, preprocessor: ImagePreprocessor | None) -> None:
+        self.policy = policy
+        self.preprocessor = preprocessor
+
+    @classmethod
+    def for_model(cls, model_dir: str, policy: MediaPolicy) -> Images:
+        spec = read_spec(model_dir)
+        return cls(policy, ImagePreprocessor(model_dir, spec) if spec is not None else None)
+
+    async def prepare(self, refs: Sequence[ImageRef]) -> list[Processed]:
+        """Fetch, decode and preprocess a prompt's images (ValidationError naming the part)."""
+        if not refs:
+            return []
+        if self.preprocessor is None:
+            raise ValidationError(refs[0].field, "this model does not take images (a "
+                                                 "text-only checkpoint)")
+        limit = self.policy.max_images
+        if len(refs) > limit:
+            raise ValidationError(refs[limit].field, f"at most {limit} images per prompt "
+                                                     "(--limit-mm-per-prompt)")
+        pil = await asyncio.gather(*(load_image(r.url, r.field, self.policy) for r in refs))
+        return await asyncio.to_thread(self._process, list(pil), refs)
+
+    def _process(self, pil: list[Any], refs: Sequence[ImageRef]) -> list[Processed]:
+        assert self.preprocessor is not None
+        out = []
+        for image, ref in zip(pil, refs, strict=True):
+            try:  # one at a time: a refusal names its own part
+                out += self.preprocessor.process([image])
+            except ValueError as exc:
+                raise ValidationError(ref.field, f"the image processor refused the image: "
+                                                 f"{exc}") from None
+        return out

@@ -44,13 +44,13 @@ from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import PrefillInputs, StepWork, lay_out
 from tandem_serve.gpu_worker.vision.inputs import VisionInputs
-from tandem_serve.proto.vision import read_spec
 from tandem_serve.gpu_worker.vision.tower import VisionTower
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.plan_messages import StepDone, StepPlan
 from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.vision import read_spec
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, GraphStep

@@ -20,11 +20,14 @@ from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from tandem_serve.frontend.frontend import Frontend, served_names
+from tandem_serve.frontend.images import Images
+from tandem_serve.frontend.media import MediaPolicy
 from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.vision import image_limit
 
 log = logging.getLogger("tandem.http")
 
@@ -89,5 +92,7 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
     agents = AgentSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                            cfg.reasoning_parser)
-    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics)
+    policy = MediaPolicy(cfg.allowed_local_media_path, image_limit(cfg.limit_mm_per_prompt))
+    images = Images.for_model(cfg.model, policy)
+    app = build_app(Serving(frontend, served_names(cfg), template, agents, images), metrics)
     return HTTPServer(app, sock, cfg)

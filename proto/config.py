@@ -16,6 +16,7 @@ from tandem_serve.proto.speculative import (
     parse_speculative,
     speculative_problems,
 )
+from tandem_serve.proto.vision import image_limit
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,11 @@ class ServerConfig:
     max_lora_rank: int = 16
     # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
     speculative_config: str = ""
+    # Image input on a vision-language model (`frontend.media`), vLLM's flags: images per
+    # prompt as JSON ('{"image": N}'; "": `proto.vision.DEFAULT_IMAGE_LIMIT`), and the folder
+    # file:// image URLs may read from ("": none).
+    limit_mm_per_prompt: str = ""
+    allowed_local_media_path: str = ""
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -275,6 +281,10 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
+    try:
+        image_limit(cfg.limit_mm_per_prompt)
+    except ValueError as exc:
+        out.append(str(exc))
     return out + _parallel_problems(cfg)
 
 

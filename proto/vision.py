@@ -85,3 +85,31 @@ def read_spec(model_dir: str) -> VisionSpec | None:
 
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         return split_config(json.load(f))[1]
+
+
+# Images per prompt without --limit-mm-per-prompt.
+DEFAULT_IMAGE_LIMIT = 8
+
+
+def image_limit(text: str) -> int:
+    """`--limit-mm-per-prompt` (vLLM's spelling, a JSON object such as '{"image": 4}') ->
+    the images a prompt may hold; ValueError naming the flag for anything else."""
+    if not text:
+        return DEFAULT_IMAGE_LIMIT
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--limit-mm-per-prompt {text!r} is not JSON (e.g. "
+                         "'{\"image\": 4}')") from None
+    if not isinstance(value, dict):
+        raise ValueError("--limit-mm-per-prompt must be a JSON object such as {\"image\": 4}")
+    other = sorted(set(value) - {"image"})
+    if other:
+        raise ValueError(f"--limit-mm-per-prompt: {', '.join(other)} input is not supported "
+                         "(images only)")
+    limit = value.get("image", DEFAULT_IMAGE_LIMIT)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"--limit-mm-per-prompt: image must be an integer >= 0, got {limit!r}")
+    return limit

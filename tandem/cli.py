@@ -159,6 +159,12 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, as vLLM spells it: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
                         '"prompt_lookup_min": 2} (default: off)')
+    p.add_argument("--limit-mm-per-prompt", default=d.limit_mm_per_prompt, metavar="JSON",
+                   help='images a prompt may hold on a vision-language model, as vLLM spells '
+                        'it: {"image": 4} (default: 8)')
+    p.add_argument("--allowed-local-media-path", default=d.allowed_local_media_path,
+                   metavar="DIR", help="file:// image URLs may read images under DIR "
+                                       "(default: file:// URLs are refused)")
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
@@ -250,6 +256,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values["enable_prefix_caching"] = args.prefix_caching
     if values.get("adapter_cache"):  # every process reads it, from its own working folder
         values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
+    if values.get("allowed_local_media_path"):
+        values["allowed_local_media_path"] = os.path.abspath(values["allowed_local_media_path"])
     template = values.get("chat_template")
     if template and os.path.isfile(template):
         values["chat_template"] = os.path.abspath(template)

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 from safetensors import safe_open
 
-from tandem_serve.proto.vision import QWEN2_5_VL, VisionSpec
 from tandem_serve.proto.request_params import ImageInput
+from tandem_serve.proto.vision import QWEN2_5_VL, VisionSpec
 
 log = logging.getLogger(__name__)
 
