@@ -87,7 +87,7 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
     model = transformers.Qwen2_5_VLForConditionalGeneration(config)
     _randomize(model, seed)
     model.eval().save_pretrained(path)
-    image = transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    image = transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
     image.save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
@@ -160,3 +160,35 @@ def image_message(text: str, count: int = 1) -> list[dict[str, Any]]:
     """One user message of `count` images then `text`, as HF's templates read it."""
     return [{"role": "user", "content": [{"type": "image"}] * count
              + [{"type": "text", "text": text}]}]
+
+
+def worker_case(ref: VLReference, messages: list[dict[str, Any]], images: list[bytes],
+                n: int) -> tuple[list[int], list[Any], list[int]]:
+    """(prompt ids, ImageInputs, HF's greedy tokens) of a chat as HF's processor makes it,
+    for driving the gpu worker directly."""
+    import hashlib
+
+    from tandem_serve.proto.request_params import ImageInput
+
+    inp = ref.inputs(messages, images)
+    ids = inp["input_ids"][0].tolist()
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] != ref.image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == ref.image_token_id:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    out: list[ImageInput] = []
+    if images:
+        pixels, at = inp["pixel_values"].numpy(), 0
+        for (offset, length), grid in zip(runs, inp["image_grid_thw"].numpy(), strict=True):
+            part = pixels[at:at + int(grid.prod())]
+            at += int(grid.prod())
+            digest = hashlib.blake2b(part.tobytes(), digest_size=16).digest()
+            out.append(ImageInput(offset, length, digest, part, [int(x) for x in grid]))
+    return ids, out, ref.greedy(messages, images, n)[0]
