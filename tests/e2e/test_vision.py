@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from harness.metrics_scrape import Scrape
+from tandem_serve.harness.metrics_scrape import Scrape
 from tests.e2e.server import Server, running
 from tests.vl_utils import VLReference, image_message, png_bytes, vl_checkpoint
 
