@@ -18,6 +18,7 @@ from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import Piece, PrefillInputs
 from tandem_serve.gpu_worker.vision.positions import history_positions, mrope_positions
 from tandem_serve.gpu_worker.vision.tower import VisionTower
+from tandem_serve.ipc.tracing import TRACER
 
 
 class VisionInputs:
@@ -52,7 +53,8 @@ class VisionInputs:
             at += p.count
         if not needed:
             return
-        embs = self.tower.embeddings(needed)
+        with TRACER.span("encode"):  # the profiler's encoder share of a step
+            embs = self.tower.embeddings(needed)
         index = np.concatenate([np.arange(t, t + n) for t, _, n in rows])
         values = torch.cat([e[first:first + n] for e, (_, first, n) in zip(embs, rows,
                                                                           strict=True)])

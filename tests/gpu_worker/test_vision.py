@@ -1,15 +1,18 @@
 """A VL checkpoint (Qwen2.5-VL) in the gpu worker: greedy equal to transformers' generate in
-float32, token for token, with images encoded during prefill and M-RoPE positions; the
-embedding cache; chunks and prefix-cache hits that cut an image; preemption."""
+float32, token for token, with images encoded during prefill and M-RoPE positions, also at
+tensor parallel size 2; the embedding cache; chunks and prefix-cache hits that cut an image;
+preemption."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.proto.request_params import SamplingParams
+from tests.gpu_worker import tp_job
 from tests.gpu_worker.runner_driver import Driver, make_runner
 from tests.vl_utils import VLReference, image_message, png_bytes, vl_checkpoint, worker_case
 
@@ -94,3 +97,15 @@ def test_prefix_hit_that_ends_inside_an_image_matches_hf(
     d.run_until_done([4])
     assert d.outputs()[0] == want
     assert d.outputs()[1] == want
+
+
+def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
+                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    out = tmp_path_factory.mktemp("tp-vision")
+    torch.save([(ids, images) for ids, images, _ in cases], out / "cases.pt")
+    ranks = tp_job.launch({"vision": {"path": vl, "cases": str(out / "cases.pt")}}, out)
+    for mode in ("k1", "k8"):
+        got = ranks[0]["vision"][mode]
+        for i, (_, _, want) in enumerate(cases):
+            assert got[i] == want, (mode, i)
+        assert ranks[1]["vision"][mode] == got
