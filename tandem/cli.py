@@ -396,6 +396,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
+    ("vision", "vision.main", "image chats vs text chats of the same token count; encoder share"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
