@@ -13,15 +13,17 @@ from dataclasses import dataclass
 from typing import Any
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
 # VL architecture -> the text architecture of its language model.
-VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM"}
+VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
 # Known VL checkpoints this build cannot serve yet, and why (a clear refusal, never wrong
 # tokens).
 NOT_YET = {
-    "Qwen3VLForConditionalGeneration": "Qwen3-VL's DeepStack (vision features added to the "
-                                       "first decoder layers) is not implemented",
     "Gemma3ForConditionalGeneration": "Gemma 3's bidirectional attention among an image's "
                                       "tokens is not implemented in the attention backends",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts language model is "
+                                          "not implemented",
 }
 
 
@@ -33,6 +35,10 @@ class VisionSpec:
     image_token_id: int
     spatial_merge_size: int
     mrope_section: tuple[int, ...]
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleave (t h w t ...)
+    # Qwen3-VL's DeepStack: the tower's intermediate features added to the residual stream of
+    # the first `deepstack` decoder layers at the image's tokens (0: none).
+    deepstack: int = 0
 
 
 def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None]:
@@ -43,37 +49,40 @@ def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None
         if arch in NOT_YET:
             raise ValueError(f"unsupported architecture {arch}: {NOT_YET[arch]}")
     vl = next((a for a in archs if a in VL_ARCHITECTURES), None)
-    if vl is None and cfg.get("model_type") == "qwen2_5_vl":
-        vl = QWEN2_5_VL
+    if vl is None:
+        vl = _MODEL_TYPES.get(str(cfg.get("model_type")))
     if vl is None:
         return cfg, None
     text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     text.update(cfg.get("text_config") or {})
     text["architectures"] = [VL_ARCHITECTURES[vl]]
     text.pop("model_type", None)
-    section = _mrope(text)
+    section, interleaved = _mrope(text)
     vision = cfg.get("vision_config") or {}
     image_token = cfg.get("image_token_id", text.get("image_token_id"))
     if image_token is None:
         raise ValueError(f"{vl} config.json has no image_token_id")
+    deepstack = len(vision.get("deepstack_visual_indexes") or ()) if vl == QWEN3_VL else 0
     return text, VisionSpec(vl, int(image_token), int(vision.get("spatial_merge_size", 2)),
-                            section)
+                            section, interleaved, deepstack)
 
 
-def _mrope(text: dict[str, Any]) -> tuple[int, ...]:
-    """Pops M-RoPE's section sizes out of the rope dict (published: `rope_scaling` of type
-    "mrope", which transformers reads as the default RoPE over three position axes)."""
+def _mrope(text: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
+    """Pops M-RoPE's section sizes (and whether they interleave) out of the rope dict
+    (published: `rope_scaling` of type "mrope", which transformers reads as the default RoPE
+    over three position axes)."""
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
         if isinstance(rope, dict) and "mrope_section" in rope:
             rope = dict(rope)
             section = tuple(int(x) for x in rope.pop("mrope_section"))
+            interleaved = bool(rope.pop("mrope_interleaved", False))
             if rope.get("type") == "mrope":
                 rope["type"] = "default"
             if rope.get("rope_type") == "mrope":
                 rope["rope_type"] = "default"
             text[key] = rope
-            return section
+            return section, interleaved
     raise ValueError("a Qwen VL config.json needs rope mrope_section (rope_parameters or "
                      "rope_scaling)")
 

@@ -70,24 +70,43 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
     path = tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=os.fspath(root))
     tok = _tokenizer(path)
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
-    assert family == "qwen2_5_vl", family
     text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                 "mrope_section": [2, 3, 3]},
                 bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                  out_hidden_size=64, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    vision: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                  out_hidden_size=64, spatial_merge_size=2,
+                                  temporal_patch_size=2)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if family == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [2, 3, 3]}
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+        config: Any = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                                    **tokens)
+        model: Any = transformers.Qwen2_5_VLForConditionalGeneration
+        patch = 14
+    else:
+        assert family == "qwen3_vl", family
+        # Qwen3: q/k norms, a head_dim of its own; interleaved M-RoPE; DeepStack from both
+        # tower blocks into the first two decoder layers (of three).
+        text.update(num_hidden_layers=3, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True})
+        vision.update(patch_size=16, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model = transformers.Qwen3VLForConditionalGeneration
+        patch = 16
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
+    model = model(config)
     _randomize(model, seed)
     model.eval().save_pretrained(path)
-    image = transformers.Qwen2VLImageProcessor(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 64)
+    unit = patch * 2
+    image = transformers.Qwen2VLImageProcessor(
+        min_pixels=unit * unit * 4, max_pixels=unit * unit * 64, patch_size=patch,
+        merge_size=2)
     image.save_pretrained(path)
     tok.save_pretrained(path)
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:

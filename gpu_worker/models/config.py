@@ -104,7 +104,9 @@ class ModelArgs:
     # Vision-language checkpoints (`gpu_worker.vision`): M-RoPE's frequencies per position
     # axis (temporal, height, width; empty: plain RoPE) and the image placeholder token.
     mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
     image_token_id: int = -1
+    deepstack_layers: int = 0  # Qwen3-VL: layers whose output adds the tower's features
 
     @property
     def eos_token_id(self) -> int | None:
@@ -147,7 +149,9 @@ class ModelArgs:
                 raise ValueError(f"mrope_section {list(vision.mrope_section)} must sum to "
                                  f"head_dim / 2 = {head_dim // 2}")
             family.update(mrope_section=vision.mrope_section,
-                          image_token_id=vision.image_token_id)
+                          mrope_interleaved=vision.mrope_interleaved,
+                          image_token_id=vision.image_token_id,
+                          deepstack_layers=vision.deepstack)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),

@@ -253,8 +253,10 @@ class CausalLM(nn.Module):
 
         `lora`: the rows' adapters (None: the base model for every row). `history_lens`
         [T]: a prefill token's request's history length (see `uses_history_lens`). `mm`:
-        (rows, embeddings) that replace those rows' token embeddings (a VL model's images,
-        unscaled, as transformers scatters them); positions may then be M-RoPE's [3, T]."""
+        (rows, values [1 + D, rows, hidden]): values[0] replaces those rows' token
+        embeddings (a VL model's images, unscaled, as transformers scatters them) and
+        values[1 + i] is added to their residual stream after layer i (Qwen3-VL's
+        DeepStack); positions may then be M-RoPE's [3, T]."""
         attention = self.attention
         plan = attention.prepare(meta, kv_caches[0], self._windows)
         cos_sin = [r.cos_sin(positions, self.dtype, history_lens) for r in self.ropes]
@@ -262,11 +264,15 @@ class CausalLM(nn.Module):
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if mm is not None:
-            x = x.index_copy(0, mm[0], mm[1].to(x.dtype))
-        for module, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
+        deepstack = mm[1].shape[0] - 1 if mm is not None else 0
+        for i, (module, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer = cast(DecoderLayer, module)
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.
             x = layer.forward(x, cos_sin[layer.rope_index], kv_cache, attention, plan, lora)
+            if i < deepstack:
+                assert mm is not None
+                x = x.index_add(0, mm[0], mm[1][1 + i].to(x.dtype))
         return self.norm_fn(x, self.norm, self.config.rms_norm_eps)
 
     def attention_warm_up(self, kv_cache: KVCache) -> WarmUp:

@@ -88,11 +88,24 @@ def model_ropes(args: ModelArgs) -> tuple[list[Rope], list[int]]:
     return ropes, which
 
 
+def _mrope_axis(args: ModelArgs) -> torch.Tensor:
+    """Per rotary frequency, the position axis (0 t, 1 h, 2 w) that rotates it, as
+    transformers' `recomposition_frequencies` picks them: the sections in order (Qwen2.5-VL),
+    or interleaved t h w t h w ... with h and w on every third frequency up to three times
+    their sections (Qwen3-VL)."""
+    section = args.mrope_section
+    if not args.mrope_interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.int64)
+                          for i, n in enumerate(section)])
+    axis = torch.zeros(sum(section), dtype=torch.int64)
+    for dim in (1, 2):
+        axis[dim:section[dim] * 3:3] = dim
+    return axis
+
+
 def _global_rope(args: ModelArgs) -> Rope:
-    if args.mrope_section:  # transformers' `recomposition_frequencies`: sections in order
-        axis = torch.cat([torch.full((n,), i % 3, dtype=torch.int64)
-                          for i, n in enumerate(args.mrope_section)])
-        return Rope(rope_inv_freq(args), mrope_axis=axis)
+    if args.mrope_section:
+        return Rope(rope_inv_freq(args), mrope_axis=_mrope_axis(args))
     if args.rope_type != "longrope":
         return Rope(rope_inv_freq(args))
     dim = args.rotary_dim or args.head_dim

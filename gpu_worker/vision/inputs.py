@@ -56,8 +56,9 @@ class VisionInputs:
         with TRACER.span("encode"):  # the profiler's encoder share of a step
             embs = self.tower.embeddings(needed)
         index = np.concatenate([np.arange(t, t + n) for t, _, n in rows])
-        values = torch.cat([e[first:first + n] for e, (_, first, n) in zip(embs, rows,
-                                                                          strict=True)])
+        values = torch.cat([e[:, first:first + n] for e, (_, first, n) in zip(embs, rows,
+                                                                             strict=True)],
+                           dim=1)
         inp.mm = (torch.as_tensor(index).to(self.device), values)
 
     def deltas(self, decoding: Sequence[RequestState]) -> torch.Tensor | None:

@@ -1,11 +1,13 @@
 """The vision tower and projector of a VL checkpoint, and the embeddings it made, by image.
 
-The tower is transformers' own module for the family (`Qwen2_5_VisionTransformerPretrained
-Model`: patch embedding, windowed and full-attention blocks with 2D RoPE, the 2x2 patch merger
-that projects into the language model's width), built from the checkpoint's `vision_config`
-and filled from its `visual.*` tensors: the vision side runs once per image, during prefill,
-so its speed matters far less than being the reference's arithmetic; writing it again would
-buy nothing but a second place for bugs. The language model underneath stays Tandem's decoder.
+The tower is transformers' own module for the family (Qwen2.5-VL's
+`Qwen2_5_VisionTransformerPretrainedModel`: patch embedding, windowed and full-attention
+blocks with 2D RoPE, the 2x2 patch merger that projects into the language model's width;
+Qwen3-VL's `Qwen3VLVisionModel`, which also returns DeepStack features from intermediate
+blocks), built from the checkpoint's `vision_config` and filled from its `visual.*` tensors:
+the vision side runs once per image, during prefill, so its speed matters far less than
+being the reference's arithmetic; writing it again would buy nothing but a second place for
+bugs. The language model underneath stays Tandem's decoder.
 
 One call encodes every image a forward needs and has not cached (Qwen's tower takes many
 images as one packed sequence with per-image attention), and the results are kept by content
@@ -23,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from tandem_serve.proto.request_params import ImageInput
-from tandem_serve.proto.vision import QWEN2_5_VL, VisionSpec
+from tandem_serve.proto.vision import QWEN2_5_VL, QWEN3_VL, VisionSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +41,18 @@ class VisionTower:
                  device: torch.device, cache_bytes: int = CACHE_BYTES) -> None:
         import transformers
 
-        if spec.architecture != QWEN2_5_VL:
-            raise ValueError(f"no vision tower for {spec.architecture}")
-        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
-
         config = transformers.AutoConfig.from_pretrained(model_dir).vision_config
-        model = qwen.Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+        if spec.architecture == QWEN2_5_VL:
+            from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
+
+            tower: type = qwen25.Qwen2_5_VisionTransformerPretrainedModel
+        elif spec.architecture == QWEN3_VL:
+            from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
+
+            tower = qwen3.Qwen3VLVisionModel
+        else:
+            raise ValueError(f"no vision tower for {spec.architecture}")
+        model = tower._from_config(config, dtype=dtype)
         model.load_state_dict(_visual_weights(model_dir), strict=True)
         self.model = model.to(device).eval()
         self.spec, self.dtype, self.device = spec, dtype, device
@@ -55,16 +63,20 @@ class VisionTower:
 
     @torch.inference_mode()
     def embeddings(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Each image's embeddings, encoding (in one call) those not cached."""
+        """Each image's embeddings [1 + deepstack, tokens, hidden]: what replaces its
+        placeholders, then (Qwen3-VL) what each DeepStack layer adds; encoding (in one call)
+        those not cached."""
         todo = list({im.digest: im for im in images if im.digest not in self.cache}.values())
         if todo:
             pixels = torch.cat([torch.as_tensor(im.pixel_values) for im in todo])
             grid = torch.tensor([list(im.grid_thw) for im in todo], dtype=torch.int64)
             out = self.model(pixels.to(self.device, self.dtype), grid_thw=grid.to(self.device))
+            levels = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
             sizes = [int(g.prod()) // self.merge for g in grid]
-            for im, emb in zip(todo, torch.split(out.pooler_output, sizes), strict=True):
-                if emb.shape[0] != im.length:
-                    raise ValueError(f"image at {im.offset}: the tower made {emb.shape[0]} "
+            for im, emb in zip(todo, torch.split(torch.stack(levels), sizes, dim=1),
+                               strict=True):
+                if emb.shape[1] != im.length:
+                    raise ValueError(f"image at {im.offset}: the tower made {emb.shape[1]} "
                                      f"embeddings for {im.length} placeholder tokens")
                 self._keep(im.digest, emb)
             self.encoded += len(todo)
