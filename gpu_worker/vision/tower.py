@@ -20,6 +20,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -45,7 +46,7 @@ class VisionTower:
         if spec.architecture == QWEN2_5_VL:
             from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
 
-            tower: type = qwen25.Qwen2_5_VisionTransformerPretrainedModel
+            tower: Any = qwen25.Qwen2_5_VisionTransformerPretrainedModel
         elif spec.architecture == QWEN3_VL:
             from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
