@@ -45,9 +45,10 @@ async def load_image(url: str, field: str, policy: MediaPolicy) -> Any:
     if not isinstance(url, str) or not url:
         raise ValidationError(field, "must be a non-empty URL string")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
-    if scheme == "data":
-        data = _data_url(url, field, policy)
-    elif scheme in ("http", "https"):
+    if scheme == "data":  # base64 of megabytes: off the event loop, with the decoding
+        return await asyncio.to_thread(
+            lambda: decode_image(_data_url(url, field, policy), field, policy))
+    if scheme in ("http", "https"):
         data = await _fetch(url, field, policy)
     elif scheme == "file":
         data = await asyncio.to_thread(_local, url, field, policy)

@@ -206,3 +206,11 @@ def test_bad_images_are_400_naming_the_part(server: Server, ref: VLReference, si
     status, answer = in_flight.result(timeout=120)
     assert status == 200
     check_hf(ref, answer, "keep going", [IMAGES[0]])
+
+
+def test_guided_choice_with_an_image(server: Server) -> None:
+    status, answer = post(server, "/v1/chat/completions", {
+        "model": "m", "max_tokens": 20, "temperature": 0, "guided_choice": ["cat", "dog"],
+        "messages": [{"role": "user", "content": parts("cat or dog?", data_url(IMAGES[0]))}]})
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] in ("cat", "dog")
