@@ -52,8 +52,9 @@ _UNSUPPORTED_SETTINGS: dict[str, str] = {
     "monteclora_config": "MonteCLoRA (monteclora_config)",
 }
 
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])"
-                  r"\.weight")
+# A VL model's language model nests its layers (`model.language_model.layers...`).
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.(?:language_model\.)?layers\.(\d+)\.(\w+)"
+                  r"\.(\w+)\.lora_([AB])\.weight")
 _FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 _MAX_HEADER = 100 << 20  # bytes; a longer header is not a LoRA adapter
 

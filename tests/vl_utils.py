@@ -211,3 +211,22 @@ def worker_case(ref: VLReference, messages: list[dict[str, Any]], images: list[b
             digest = hashlib.blake2b(part.tobytes(), digest_size=16).digest()
             out.append(ImageInput(offset, length, digest, part, [int(x) for x in grid]))
     return ids, out, ref.greedy(messages, images, n)[0]
+
+
+def vl_adapter(ref: VLReference, out_dir: str, seed: int = 7) -> Any:
+    """A PEFT LoRA adapter on the language model's attention of `ref`'s model (PEFT names its
+    tensors `model.language_model.layers...`), lora_B randomised; and the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8,
+                        target_modules=r".*layers\.\d+\.self_attn\.(q|k|v|o)_proj")
+    model = get_peft_model(ref.model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+            elif "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    model.save_pretrained(out_dir)
+    return model.eval()

@@ -2,7 +2,8 @@
 the gpu worker: greedy equal to transformers' generate in float32, token for token, with
 images encoded during prefill and M-RoPE positions, Qwen3-VL also at tensor parallel size 2
 (its language model nested as published, `model.language_model.*`); the embedding cache;
-chunks and prefix-cache hits that cut an image; preemption."""
+chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
+model (PEFT's names nest it too) beside base rows."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,7 +16,14 @@ from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.proto.request_params import SamplingParams
 from tests.gpu_worker import tp_job
 from tests.gpu_worker.runner_driver import Driver, make_runner
-from tests.vl_utils import VLReference, image_message, png_bytes, vl_checkpoint, worker_case
+from tests.vl_utils import (
+    VLReference,
+    image_message,
+    png_bytes,
+    vl_adapter,
+    vl_checkpoint,
+    worker_case,
+)
 
 N = 12
 EOS = 2
@@ -113,3 +121,20 @@ def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
         for i, (_, _, want) in enumerate(cases):
             assert got[i] == want, (mode, i)
         assert ranks[1]["vision"][mode] == got
+
+
+def test_lora_on_the_language_model_with_images_matches_peft(
+        vl: str, cases: list[Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache = tmp_path_factory.mktemp("vl-adapters")
+    ref = VLReference(vl)  # its own: PEFT adds the adapter to the model in place
+    ref.model = vl_adapter(ref, str(cache / "attn"))
+    ids, images, want = worker_case(ref, image_message("what is this"), [png_bytes(0)], N)
+    base = cases[0]
+    assert base[0] == ids and want != base[2], "the adapter changes the output"
+    d = Driver(make_runner(vl, adapter_cache=str(cache), max_loras=2))
+    d.load(1, "attn")
+    d.add(0, ids, _params(), images=images, lora_slot=1)
+    d.add(1, ids, _params(), images=images)  # the base model, same batch
+    d.run_until_done([8])
+    assert d.outputs()[0] == want
+    assert d.outputs()[1] == base[2]
