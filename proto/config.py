@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,7 @@ from tandem_serve.proto.speculative import (
     parse_speculative,
     speculative_problems,
 )
-from tandem_serve.proto.vision import image_limit
+from tandem_serve.proto.vision import image_limit, read_spec
 
 
 @dataclass(frozen=True)
@@ -281,10 +282,7 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
-    try:
-        image_limit(cfg.limit_mm_per_prompt)
-    except ValueError as exc:
-        out.append(str(exc))
+    out += _vision_problems(cfg)
     return out + _parallel_problems(cfg)
 
 
@@ -300,6 +298,23 @@ ATTENTION_BACKENDS = ("auto", "flash", "triton", "flex", "sdpa")
 # a test keeps the lists equal): proto/ imports nothing of ours.
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+def _vision_problems(cfg: ServerConfig) -> list[str]:
+    out = []
+    try:
+        image_limit(cfg.limit_mm_per_prompt)
+    except ValueError as exc:
+        out.append(str(exc))
+    if cfg.speculative_config and os.path.isfile(os.path.join(cfg.model, "config.json")):
+        try:
+            spec = read_spec(cfg.model)
+        except (ValueError, OSError):
+            spec = None  # an unreadable or unsupported config is preflight's to report
+        if spec is not None:
+            out.append(f"--speculative-config is not supported with a vision-language model "
+                       f"({spec.architecture}): its drafts would not see the images")
+    return out
 
 
 def _attention_problems(cfg: ServerConfig) -> list[str]:

@@ -132,3 +132,15 @@ def test_block_hashes_follow_the_images_they_hold() -> None:
     assert len({a[1], b[1], plain[1]}) == 3  # the image's block, and all after it, differ
     assert a[3] != b[3]
     assert prompt_block_hashes(prompt, 16, None, [image(20, b"a" * 16)]) == a
+
+
+def test_speculation_on_a_vl_model_is_a_flag_error(tmp_path: Any) -> None:
+    from tandem_serve.proto.config import ServerConfig
+
+    nested, _ = _configs()
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    with pytest.raises(ValueError, match="--speculative-config is not supported with a "
+                                         "vision-language model"):
+        ServerConfig(model=str(tmp_path), speculative_config='{"method": "ngram", '
+                                                             '"num_speculative_tokens": 2}')
+    assert ServerConfig(model=str(tmp_path)).limit_mm_per_prompt == ""
