@@ -5,6 +5,10 @@
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
+    POST /v1/messages                     Anthropic's Messages API, and .../count_tokens
+                                          (openai_api/anthropic/): errors in its shape
+    POST /tokenize, /detokenize           vLLM's: text or a chat <-> token ids
+                                          (openai_api/tokenize.py)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
@@ -27,14 +31,24 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.openai_api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from tandem_serve.openai_api.anthropic.protocol import error_body as anthropic_error
+from tandem_serve.openai_api.anthropic.serving import count_tokens, create_message
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tandem_serve.openai_api.responses.protocol import ResponsesRequest
 from tandem_serve.openai_api.responses.serving import respond
+from tandem_serve.openai_api.tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    detokenize,
+    tokenize,
+)
 
 log = logging.getLogger("tandem.http")
 
+ANTHROPIC_PREFIX = "/v1/messages"
 MAX_BODY_BYTES = 64 << 20  # as the gRPC server's max_receive_message_length
 # Names pydantic puts in an error's location for the members of a union type.
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -53,7 +67,7 @@ class BodyLimit:
             return
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send)
+            await self._too_large(send, scope.get("path", ""))
             return
         seen = 0
 
@@ -67,8 +81,8 @@ class BodyLimit:
 
         await self.app(scope, counting, send)
 
-    async def _too_large(self, send: Send) -> None:
-        response = error_response(ApiError(413, f"request body over {self.limit} bytes"))
+    async def _too_large(self, send: Send, path: str) -> None:
+        response = error_response(ApiError(413, f"request body over {self.limit} bytes"), path)
         await response({"type": "http"}, _no_body, send)
 
 
@@ -76,7 +90,11 @@ async def _no_body() -> Message:
     return {"type": "http.disconnect"}
 
 
-def error_response(exc: ApiError) -> JSONResponse:
+def error_response(exc: ApiError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API `path` belongs to: Anthropic's under /v1/messages,
+    OpenAI's elsewhere."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error(exc), status_code=exc.status)
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
@@ -121,22 +139,22 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(ApiError(exc.status_code, message))
+        return error_response(ApiError(exc.status_code, message), request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                       None, "internal_error"))
+                                       None, "internal_error"), request.url.path)
 
     def max_model_len() -> int | None:
         return frontend.limits.max_model_len if frontend.limits is not None else None
@@ -160,6 +178,24 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         return await respond(serving, request, body)
+
+    # Anthropic's clients send `anthropic-version` (and `x-api-key`) headers: nothing here
+    # depends on the version, so any is accepted.
+    @app.post(ANTHROPIC_PREFIX)
+    async def messages(request: Request, body: MessagesRequest) -> Response:
+        return await create_message(serving, request, body)
+
+    @app.post(ANTHROPIC_PREFIX + "/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict[str, int]:
+        return await count_tokens(serving, body)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(serving, body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, str]:
+        return detokenize(serving, body)
 
     @app.get("/health")
     async def health() -> Response:
