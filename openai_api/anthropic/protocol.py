@@ -14,8 +14,9 @@ naming the block: the engine takes text only.
 Tools are custom tools (`name`, `description`, `input_schema`); `tool_choice` `auto` needs
 the server's tool parser (--enable-auto-tool-choice), `any` is chat's `required`, `tool` a
 named function and `none` leaves the text as text; `disable_parallel_tool_use` is chat's
-`parallel_tool_calls: false`. `thinking` sets the chat template's `enable_thinking`, which
-the templates of reasoning models read.
+`parallel_tool_calls: false`. Structured outputs (`output_config.format`, a JSON schema) are
+chat's json_schema `response_format`, guided the same way. `thinking` sets the chat
+template's `enable_thinking`, which the templates of reasoning models read.
 
 Errors are Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`, and name
 the Messages API's fields (`messages[2].content[1]`, `tools[0].input_schema`,
@@ -55,6 +56,17 @@ class InputMessage(_Strict):
     content: str | list[dict[str, Any]]
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    # `schema` would shadow BaseModel.schema: the JSON key is an alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Strict):
+    format: OutputFormat | None = None
+    effort: str | None = None  # only unset (check_unsupported)
+
+
 class CountTokensRequest(_Strict):
     """What `/v1/messages/count_tokens` reads: the prompt's parts."""
 
@@ -64,6 +76,9 @@ class CountTokensRequest(_Strict):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
+    # A cache breakpoint: prefix caching reuses every prompt's cached prefix without one.
+    cache_control: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -221,6 +236,20 @@ def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"enable_thinking": kind != "disabled"}
 
 
+def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    """Structured outputs (`output_config.format`) as chat's json_schema response format."""
+    if config is None:
+        return None
+    if config.effort is not None:
+        raise ValidationError("output_config.effort", "not supported by this server (the "
+                                                      "model reasons as its template says); "
+                                                      "leave it unset")
+    if config.format is None:
+        return None
+    return {"type": "json_schema", "json_schema": {"name": "output",
+                                                   "schema": config.format.json_schema}}
+
+
 def chat_request(body: CountTokensRequest) -> Translation:
     """The chat completion request that answers this Messages request."""
     turns = _Turns()
@@ -237,6 +266,7 @@ def chat_request(body: CountTokensRequest) -> Translation:
         "model": body.model, "messages": turns.messages, "tools": _tools(body.tools),
         "tool_choice": choice, "parallel_tool_calls": parallel,
         "chat_template_kwargs": _thinking(body.thinking),
+        "response_format": _response_format(body.output_config),
         "add_generation_prompt": not prefill, "continue_final_message": prefill}
     if isinstance(body, MessagesRequest):
         user = (body.metadata or {}).get("user_id")
@@ -246,10 +276,12 @@ def chat_request(body: CountTokensRequest) -> Translation:
     return Translation(ChatCompletionRequest.model_validate(fields), turns.origins)
 
 
-_RENAMES = [(re.compile(r"^stop(?=\[|$|\b)"), "stop_sequences"),
+_RENAMES = [(re.compile(r"^stop(?=\[|$)"), "stop_sequences"),
             (re.compile(r"^tools\[(\d+)\]\.function\.parameters"), r"tools[\1].input_schema"),
             (re.compile(r"^tools\[(\d+)\]\.function"), r"tools[\1]"),
-            (re.compile(r"^chat_template_kwargs"), "thinking")]
+            (re.compile(r"^chat_template_kwargs"), "thinking"),
+            (re.compile(r"^response_format\.json_schema\.schema"), "output_config.format.schema"),
+            (re.compile(r"^response_format"), "output_config.format")]
 
 
 def renamed(exc: ApiError, origins: list[str]) -> ApiError:

@@ -161,6 +161,16 @@ def test_tool_choice_any_and_tool_are_guided(app: AgentApp,
     spec = app.compiler.specs[-1]
     assert spec.kind == SpecKind.JSON_SCHEMA and json.loads(spec.value) == WEATHER[
         "input_schema"]
+    shaped = client.messages.create(model="tiny", max_tokens=200, messages=ask("named"),
+                                    output_config={"format": {"type": "json_schema",
+                                                              "schema": WEATHER["input_schema"]}},
+                                    cache_control={"type": "ephemeral"},
+                                    thinking={"type": "disabled"})
+    assert json.loads(shaped.content[0].text) == {  # type: ignore[union-attr]
+        "city": "Paris", "unit": "celsius"} and shaped.stop_reason == "end_turn"
+    spec = app.compiler.specs[-1]
+    assert spec.kind == SpecKind.JSON_SCHEMA and json.loads(spec.value) == WEATHER[
+        "input_schema"]
     none = client.messages.create(model="tiny", max_tokens=200, messages=ask("weather"),
                                   tools=TOOLS, tool_choice={"type": "none"})
     assert [b.type for b in none.content] == ["text"] and none.stop_reason == "end_turn"
@@ -181,6 +191,9 @@ BAD: list[tuple[str, dict[str, Any]]] = [
         *ask("hello"), {"role": "assistant", "content": [
             {"type": "tool_use", "id": "t", "name": "f", "input": "{}"}]}]}),
     ("frobnicate: unknown parameter", {"frobnicate": 1}),
+    ("output_config.format.schema", {"output_config": {"format": {
+        "type": "json_schema", "schema": {"type": 7}}}}),
+    ("output_config.effort: not supported", {"output_config": {"effort": "high"}}),
 ]
 
 
