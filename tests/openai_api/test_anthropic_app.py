@@ -11,6 +11,8 @@ from typing import Any
 import anthropic
 import httpx2 as httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tandem_serve.guided.spec import SpecKind
 from tandem_serve.openai_api.agents.tools import AgentSettings
@@ -264,3 +266,69 @@ def test_tokenize_and_detokenize_equal_the_hf_tokenizer(app: AgentApp) -> None:
                               ("/tokenize", {"prompt": "a", "messages": ask("a")}, "prompt")]:
         r = httpx.post(app.url + path, json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ------------------------------------------------------------------ random bodies
+
+def _blocks_strategy() -> st.SearchStrategy[Any]:
+    text = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20)})
+    use = st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(max_size=6),
+                                 "name": st.sampled_from(["get_weather", "nope"]),
+                                 "input": st.one_of(st.dictionaries(st.text(max_size=5),
+                                                                    st.integers()), JSON)})
+    result = st.fixed_dictionaries({"type": st.just("tool_result"),
+                                    "tool_use_id": st.text(max_size=6),
+                                    "content": st.one_of(st.text(max_size=10),
+                                                         st.lists(text, max_size=2), JSON)})
+    odd = st.fixed_dictionaries({"type": st.sampled_from(["image", "thinking", "document",
+                                                          "weird"])})
+    return st.lists(st.one_of(text, use, result, odd), max_size=3)
+
+
+JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40),
+                              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8)),
+                    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                            st.dictionaries(st.text(max_size=6), inner,
+                                                            max_size=3)), max_leaves=8)
+FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "max_tokens": st.integers(-1, 40), "stream": st.booleans(),
+    "temperature": st.floats(-1, 3), "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 9),
+    "stop_sequences": st.lists(st.text(max_size=4), max_size=3),
+    "system": st.one_of(st.text(max_size=10), _blocks_strategy()),
+    "tools": st.lists(st.sampled_from([WEATHER, TIME, {"name": "x"}, {"type": "bash"}]),
+                      max_size=3),
+    "tool_choice": st.one_of(st.fixed_dictionaries({"type": st.sampled_from(
+        ["auto", "any", "none", "tool", "odd"]), "name": st.sampled_from(["get_time", "zz"])}),
+        JSON),
+    "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "x"])}),
+    "output_config": st.one_of(st.just({"format": {"type": "json_schema", "schema": {
+        "type": "object"}}}), JSON),
+    "messages": st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "assistant", "system"]),
+        "content": st.one_of(st.text(max_size=20), _blocks_strategy())}), max_size=3),
+}
+
+
+@settings(max_examples=100, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_bodies_are_answered_200_or_an_anthropic_400(app: AgentApp,
+                                                            data: st.DataObject) -> None:
+    keys = data.draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=7, unique=True))
+    body = {"model": "tiny", "messages": ask("hello"), "max_tokens": 5,
+            **{k: data.draw(FIELDS[k] if data.draw(st.integers(0, 5)) else JSON)
+               for k in keys}}
+    path = data.draw(st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+    if path.endswith("count_tokens"):
+        body = {k: v for k, v in body.items() if k in ("model", "messages", "system", "tools",
+                                                       "tool_choice", "thinking")}
+    r = httpx.post(app.url + path, json=body, timeout=10)
+    assert r.status_code in (200, 400), f"{r.status_code} {body} -> {r.text[:300]}"
+    if r.status_code == 400:
+        error = r.json()
+        assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+        assert error["error"]["message"]
+    elif body.get("stream") is True and path == "/v1/messages":
+        assert r.text.rstrip().endswith('data: {"type":"message_stop"}'), r.text[-300:]
+    else:
+        assert r.json()["type" if path == "/v1/messages" else "input_tokens"]
