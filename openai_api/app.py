@@ -6,6 +6,9 @@
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
     GET  /health                          200 when serving; 503 while starting or draining
+    GET  /live                            liveness: 503 when requests are open and no engine
+                                          plan completed for --liveness-timeout seconds
+                                          (frontend/liveness.py); 200 otherwise, draining too
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
     GET  /server_info                     sglang's worker description, the part its router
@@ -17,6 +20,7 @@ vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -27,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.openai_api.auth import ApiKeyGuard
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -114,7 +119,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
+              api_key: str = "") -> FastAPI:
+    """The app; `api_key` (`--api-key`): the key the protected routes need
+    (openai_api/auth.py)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -168,6 +176,18 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
         why = "server is shutting down" if not frontend.accepting else "server is starting"
         return error_response(ApiError(503, why, None, "service_unavailable"))
 
+    @app.get("/live")
+    async def live() -> Response:
+        engine = frontend.engine
+        if not engine.ready.is_set():  # loading: the startup probe's time, not liveness's
+            return JSONResponse({"status": "starting"})
+        stalled = engine.liveness.stalled_for(engine.num_in_flight, time.monotonic())
+        if stalled is None:
+            return JSONResponse({"status": "ok"})
+        why = (f"no engine plan has completed for {stalled:.1f} s with {engine.num_in_flight} "
+               f"requests open (--liveness-timeout {engine.liveness.timeout:g})")
+        return error_response(ApiError(503, why, None, "engine_stalled"))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
@@ -185,4 +205,6 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
         return info
 
     app.add_middleware(BodyLimit)
+    if api_key:  # outermost: a request without the key is answered before its body is read
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app

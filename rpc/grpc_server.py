@@ -17,6 +17,7 @@ from tandem_serve.frontend.frontend import Frontend
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.rpc.auth import ApiKeyInterceptor
 from tandem_serve.rpc.server import ADMIN_SERVICE_NAME, GenerationServicer, add_admin_service
 from tandem_serve.rpc.wire import add_generation_service
 
@@ -35,8 +36,10 @@ GRPC_OPTIONS = [
 
 
 def bound_grpc_server(cfg: ServerConfig) -> grpc.aio.Server:
-    """A server listening on `--host:--port` (TLS and mutual TLS with the --tls-* flags)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """A server listening on `--host:--port` (TLS and mutual TLS with the --tls-* flags;
+    every service but health behind `--api-key`: rpc/auth.py)."""
+    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else None
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
     target = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         with open(cfg.tls_key, "rb") as f:
