@@ -115,6 +115,8 @@ class EngineClient:
         self.ready = asyncio.Event()
         self.dead: str | None = None  # set when a process of the engine died
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
+        # Request traces: the scheduler's per-request queue times (ids, seconds).
+        self.on_queue_times: Callable[[list[int], list[float]], None] | None = None
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
         self.liveness = Liveness(cfg.liveness_timeout, time.monotonic())  # GET /live
         self._reader: asyncio.Task | None = None
@@ -157,7 +159,9 @@ class EngineClient:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
-                self.liveness.on_stats(msg, len(self._streams), time.monotonic())
+                self.liveness.on_stats(msg, time.monotonic())
+                if self.on_queue_times is not None:
+                    self.on_queue_times(msg.queue_time_ids, msg.queue_times_s)
                 metrics.on_stats(msg)
                 self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):

@@ -7,9 +7,10 @@ messages and reports the count (`EngineStats.num_plans`) with its queue lengths 
 
 Live means: no work (no open request, nothing running or waiting in the last report), or a
 plan completed within `--liveness-timeout` seconds. Idle time never counts against the engine:
-every report that shows no work restarts the clock, so the first request after an idle hour
-has the whole timeout. A scheduler that stops reporting stops the clock too, and a frontend
-with open requests then turns not live, as it should. Draining changes nothing: a draining
+every report with nothing running or waiting restarts the clock, so the first request after
+an idle hour has the whole timeout, and a slow client still reading its output is no stall.
+A scheduler that stops reporting stops the clock too, and a frontend with open requests then
+turns not live, as it should. Draining changes nothing: a draining
 server whose plans still complete is live (and must not be killed in its drain), one whose
 engine is stuck is not.
 """
@@ -27,12 +28,12 @@ class Liveness:
         self._busy = False  # the last report had requests running or waiting
         self._progress_at = now  # the last completed plan, or the last report of no work
 
-    def on_stats(self, stats: EngineStats, open_requests: int, now: float) -> None:
+    def on_stats(self, stats: EngineStats, now: float) -> None:
         self._busy = bool(stats.num_running or stats.num_waiting)
         if stats.num_plans != self._plans:
             self._plans = stats.num_plans
             self._progress_at = now
-        elif not (open_requests or self._busy):
+        elif not self._busy:  # nothing to do (a client still reading its output is no work)
             self._progress_at = now
 
     def reset(self, now: float) -> None:

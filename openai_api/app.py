@@ -31,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.openai_api.auth import ApiKeyGuard
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
@@ -75,6 +76,24 @@ class BodyLimit:
     async def _too_large(self, send: Send) -> None:
         response = error_response(ApiError(413, f"request body over {self.limit} bytes"))
         await response({"type": "http"}, _no_body, send)
+
+
+class TraceContext:
+    """The caller's W3C trace context headers, for the request's trace span
+    (frontend/request_traces.py): set for the request's task, which submits it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1")
+                       for k, v in scope.get("headers") or () if k in _TRACE_HEADERS}
+            CALLER_TRACE.set(caller_headers(headers))
+        await self.app(scope, receive, send)
+
+
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
 async def _no_body() -> Message:
@@ -205,6 +224,7 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
         return info
 
     app.add_middleware(BodyLimit)
+    app.add_middleware(TraceContext)
     if api_key:  # outermost: a request without the key is answered before its body is read
         app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app
