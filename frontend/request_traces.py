@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -88,7 +88,8 @@ class RequestTraces:
     """The span of every request; `close()` flushes what is still queued."""
 
     def __init__(self, endpoint: str, model_name: str,
-                 processor: BatchSpanProcessor | None = None) -> None:
+                 processor: SpanProcessor | None = None) -> None:
+        """`processor`: where spans go (default: batches to `endpoint` over OTLP/HTTP)."""
         self._provider = TracerProvider(resource=Resource.create({"service.name": "tandem"}))
         self._provider.add_span_processor(
             processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))

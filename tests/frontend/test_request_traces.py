@@ -23,7 +23,7 @@ PARENT = "00f067aa0ba902b7"
 def traces() -> tuple[rt.RequestTraces, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
     processor = SimpleSpanProcessor(exporter)
-    return rt.RequestTraces("", "tiny", processor), exporter  # type: ignore[arg-type]
+    return rt.RequestTraces("", "tiny", processor), exporter
 
 
 async def engine(n: int, fail_after: int = -1, closed: list[bool] | None = None
