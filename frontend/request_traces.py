@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from tandem_serve.frontend.vllm_metrics import FINISH_REASON
 from tandem_serve.proto.request_params import FinishReason, SamplingParams
@@ -49,7 +50,7 @@ class RequestFacts:
     request_id: int
     arrived: float
     prompt_tokens: int
-    attributes: dict[str, object]
+    attributes: dict[str, AttributeValue]
     carrier: Mapping[str, str] | None
     first_token_at: float | None = None
     completion_tokens: int = 0
@@ -63,7 +64,7 @@ class RequestFacts:
 def request_facts(request_id: int, arrived: float, prompt_tokens: int,
                   sampling: SamplingParams, n: int) -> RequestFacts:
     """A request's facts as it is submitted, with the caller's trace context."""
-    attributes: dict[str, object] = {
+    attributes: dict[str, AttributeValue] = {
         "gen_ai.request.temperature": sampling.temperature,
         "gen_ai.request.top_p": sampling.top_p,
         "gen_ai.request.top_k": sampling.top_k,
@@ -143,7 +144,7 @@ class RequestTraces:
         self._send(facts)
 
     def _send(self, f: RequestFacts) -> None:
-        attrs = dict(f.attributes)
+        attrs: dict[str, AttributeValue] = dict(f.attributes)
         attrs.update({
             "gen_ai.request.id": str(f.request_id),
             "gen_ai.response.model": self._model,

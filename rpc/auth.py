@@ -40,7 +40,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(OPEN_SERVICES):
             return handler
-        presented = bearer_key(details.invocation_metadata)  # type: ignore[arg-type]
+        presented = bearer_key(details.invocation_metadata)
         # compare_digest still runs for a missing key, so its absence is not timed apart.
         if hmac.compare_digest(presented or b"", self._key) and presented is not None:
             return handler

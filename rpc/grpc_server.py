@@ -77,7 +77,7 @@ class TraceContextInterceptor(grpc.aio.ServerInterceptor):
             self, continuation: Callable[[grpc.HandlerCallDetails],
                                          Awaitable[grpc.RpcMethodHandler]],
             details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
-        pairs = {k: v for k, v in details.invocation_metadata or ()  # type: ignore[misc]
+        pairs = {k: v for k, v in details.invocation_metadata or ()
                  if isinstance(v, str)}
         CALLER_TRACE.set(caller_headers(pairs))
         return await continuation(details)

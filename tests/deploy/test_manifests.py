@@ -29,7 +29,8 @@ RENDERS = {
                       "--set", "serviceMonitor.enabled=true", "--set", "replicaCount=3"),
     # The API key from a Secret, beside env entries of the user's own.
     "api-key": ("--set", "server.apiKey.existingSecret=tandem-api-key",
-                "--set", "server.env[0].name=HF_HUB_OFFLINE", "--set-string", "server.env[0].value=1",
+                "--set", "server.env[0].name=HF_HUB_OFFLINE",
+                "--set-string", "server.env[0].value=1",
                 "--set", "server.livenessTimeout=120"),
 }
 KUSTOMIZE = {"base": DEPLOY / "kustomize" / "base",
