@@ -40,6 +40,9 @@ from tandem_serve.proto.token_messages import OutputDelta
 CALLER_TRACE: ContextVar[Mapping[str, str] | None] = ContextVar("caller_trace", default=None)
 TRACE_HEADERS = ("traceparent", "tracestate")
 QUEUE_WAIT = 1.0  # seconds a finished request's span waits for its time in queue
+# Seconds one export may take, retries included (the SDK's default is 10): it also bounds the
+# last flush at shutdown, which must fit in the pod's termination grace.
+EXPORT_TIMEOUT = 5.0
 SPAN_NAME = "llm_request"  # vLLM's
 
 
@@ -93,7 +96,8 @@ class RequestTraces:
         """`processor`: where spans go (default: batches to `endpoint` over OTLP/HTTP)."""
         self._provider = TracerProvider(resource=Resource.create({"service.name": "tandem"}))
         self._provider.add_span_processor(
-            processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+            processor or BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint,
+                                                             timeout=EXPORT_TIMEOUT)))
         self._tracer = self._provider.get_tracer("tandem_serve")
         self._propagator = TraceContextTextMapPropagator()
         self._model = model_name

@@ -3,6 +3,7 @@ names, the caller's parent, the scheduler's late queue time, errors and abandone
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -111,3 +112,30 @@ def test_a_caller_that_leaves_closes_the_engine_stream_at_once() -> None:
     t.close()
     (span,) = exporter.get_finished_spans()
     assert tuple(span.attributes["gen_ai.response.finish_reasons"]) == ("abort",)
+
+
+def test_a_collector_that_never_answers_does_not_slow_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OTLP exporter to a port that takes connections and never answers: the requests
+    run at their own pace, and the last flush stops at the export timeout."""
+    monkeypatch.setattr(rt, "EXPORT_TIMEOUT", 0.5)
+    monkeypatch.setattr(rt, "QUEUE_WAIT", 0.0)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "1")  # export at once: into the wall
+    with socket.socket() as deaf:
+        deaf.bind(("127.0.0.1", 0))
+        deaf.listen(64)
+        t = rt.RequestTraces(f"http://127.0.0.1:{deaf.getsockname()[1]}/v1/traces", "tiny")
+
+        async def many() -> float:
+            start = time.monotonic()
+            for _ in range(200):
+                await drain(t.traced(engine(1), facts()))
+            return time.monotonic() - start
+
+        took = asyncio.run(many())
+        closing = time.monotonic()
+        t.close()
+        closed_in = time.monotonic() - closing
+    # 200 one-token requests at 1 ms each (engine's sleep) plus their spans.
+    assert took < 2.0, took
+    assert closed_in < 3.0, closed_in
