@@ -136,7 +136,7 @@ class ServerConfig:
     # A key every API request must carry (`Authorization: Bearer KEY`; gRPC metadata the
     # same); "": open.  Only the frontend reads it: the launcher writes it out of the config
     # its children read.
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)  # never in a log line or a traceback
     # OTLP/HTTP collector for one OpenTelemetry span per request ("": no tracing).
     otlp_traces_endpoint: str = ""
     # GET /live answers 503 once requests are open and no plan has completed for this long.

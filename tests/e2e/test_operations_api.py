@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pathlib
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -109,6 +110,16 @@ def test_http_needs_the_key(server: Server) -> None:
     assert good.models.list().data
     for path in ("/health", "/live", "/metrics"):
         assert http(server, path).status_code == 200, path
+
+
+def test_only_the_frontend_holds_the_key(server: Server) -> None:
+    """The children's config file (and their command lines) do not carry it."""
+    tmp = tempfile.gettempdir()
+    (run_dir,) = [n for n in os.listdir(tmp) if n.startswith(f"tandem-{server.proc.pid}-")]
+    config = pathlib.Path(tmp, run_dir, "config.json").read_text()
+    assert '"api_key": ""' in config and KEY not in config
+    for pid in server.role_pids().values():
+        assert KEY not in pathlib.Path(f"/proc/{pid}/cmdline").read_text()
 
 
 def test_grpc_needs_the_key_but_for_health(server: Server) -> None:
