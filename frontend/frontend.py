@@ -146,4 +146,4 @@ class Frontend:
         if self.traces is None:
             return deltas
         return self.traces.traced(deltas, request_facts(p.rid, p.arrived, len(p.ids),
-                                                        p.req.sampling, p.n))
+                                                        p.req.sampling, p.n, name))

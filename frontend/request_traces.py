@@ -65,9 +65,11 @@ class RequestFacts:
 
 
 def request_facts(request_id: int, arrived: float, prompt_tokens: int,
-                  sampling: SamplingParams, n: int) -> RequestFacts:
-    """A request's facts as it is submitted, with the caller's trace context."""
+                  sampling: SamplingParams, n: int, correlation_id: str = "") -> RequestFacts:
+    """A request's facts as it is submitted, with the caller's trace context.
+    `correlation_id`: what the server's log lines about the request are tagged with."""
     attributes: dict[str, AttributeValue] = {
+        "tandem.correlation_id": correlation_id,
         "gen_ai.request.temperature": sampling.temperature,
         "gen_ai.request.top_p": sampling.top_p,
         "gen_ai.request.top_k": sampling.top_k,

@@ -144,13 +144,15 @@ def test_a_request_span_reaches_the_collector(server: Server, collector: Collect
                         max_retries=0)
     out = api.completions.create(model=api.models.list().data[0].id, prompt="Once upon a time",
                                  max_tokens=7, temperature=0.5, top_p=0.9, seed=3,
-                                 extra_headers={"traceparent": traceparent})
+                                 extra_headers={"traceparent": traceparent,
+                                                "x-request-id": "trace-me-1"})
     assert out.usage is not None
     span, attrs = collector.span(TRACE_ID)
     assert span.name == "llm_request" and span.parent_span_id.hex() == PARENT_ID
     assert attrs["gen_ai.usage.prompt_tokens"] == out.usage.prompt_tokens
     assert attrs["gen_ai.usage.completion_tokens"] == out.usage.completion_tokens
     assert attrs["gen_ai.request.max_tokens"] == 7 and attrs["gen_ai.request.n"] == 1
+    assert attrs["tandem.correlation_id"] == "trace-me-1"  # the server log's tag
     assert attrs["gen_ai.request.temperature"] == 0.5 and attrs["gen_ai.request.top_p"] == 0.9
     e2e, ttft = attrs["gen_ai.latency.e2e"], attrs["gen_ai.latency.time_to_first_token"]
     assert 0 <= attrs["gen_ai.latency.time_in_queue"] <= ttft <= e2e
