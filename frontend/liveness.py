@@ -27,14 +27,17 @@ class Liveness:
         self._plans = -1
         self._busy = False  # the last report had requests running or waiting
         self._progress_at = now  # the last completed plan, or the last report of no work
+        self._said = False  # this stall was logged already
 
     def on_stats(self, stats: EngineStats, now: float) -> None:
         self._busy = bool(stats.num_running or stats.num_waiting)
         if stats.num_plans != self._plans:
             self._plans = stats.num_plans
             self._progress_at = now
+            self._said = False
         elif not self._busy:  # nothing to do (a client still reading its output is no work)
             self._progress_at = now
+            self._said = False
 
     def reset(self, now: float) -> None:
         """A new set of roles (roles on their own): its plan count starts again."""
@@ -51,3 +54,8 @@ class Liveness:
             return None
         stalled = now - self._progress_at
         return stalled if stalled > self.timeout else None
+
+    def first_word(self) -> bool:
+        """True once per stall: the first 503 is logged, not every probe's."""
+        said, self._said = self._said, True
+        return not said

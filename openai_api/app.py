@@ -205,6 +205,8 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
             return JSONResponse({"status": "ok"})
         why = (f"no engine plan has completed for {stalled:.1f} s with {engine.num_in_flight} "
                f"requests open (--liveness-timeout {engine.liveness.timeout:g})")
+        if engine.liveness.first_word():  # why the orchestrator is about to restart us
+            log.warning("not live: %s", why)
         return error_response(ApiError(503, why, None, "engine_stalled"))
 
     @app.get("/metrics")

@@ -245,3 +245,5 @@ def test_live_stays_200_while_draining(server: Server) -> None:
     for s in streams:
         s.end()
     assert server.proc.wait(60) == 0
+    log = server.log()
+    assert log.count("not live: no engine plan has completed") == 1, log  # the SIGSTOP's

@@ -33,8 +33,10 @@ def test_completed_plans_keep_it_live_and_their_end_is_noticed() -> None:
         live.on_stats(report(19, running=1, waiting=2), now=float(t))
     assert live.stalled_for(1, now=29.0) == 10.0
     assert live.stalled_for(0, now=29.0) == 10.0  # the scheduler still holds work
+    assert live.first_word() and not live.first_word()  # one log line per stall
     live.on_stats(report(20, running=1), now=30.0)
     assert live.stalled_for(1, now=30.0) is None
+    assert live.first_word()  # a new stall is news again
 
 
 def test_a_silent_scheduler_with_open_requests_is_not_live() -> None:
