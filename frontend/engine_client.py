@@ -20,6 +20,7 @@ import numpy as np
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.constraints import ConstraintSender
+from tandem_serve.frontend.liveness import Liveness
 from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
@@ -114,7 +115,10 @@ class EngineClient:
         self.ready = asyncio.Event()
         self.dead: str | None = None  # set when a process of the engine died
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
+        # Request traces: the scheduler's per-request queue times (ids, seconds).
+        self.on_queue_times: Callable[[list[int], list[float]], None] | None = None
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
+        self.liveness = Liveness(cfg.liveness_timeout, time.monotonic())  # GET /live
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -155,6 +159,9 @@ class EngineClient:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
+                self.liveness.on_stats(msg, time.monotonic())
+                if self.on_queue_times is not None:
+                    self.on_queue_times(msg.queue_time_ids, msg.queue_times_s)
                 metrics.on_stats(msg)
                 self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):
@@ -205,6 +212,7 @@ class EngineClient:
         self._ready_postproc.clear()
         self.ready.clear()
         self.stats = None
+        self.liveness.reset(time.monotonic())
 
     def new_request_id(self) -> int:
         return next(self._ids)

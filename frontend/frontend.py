@@ -20,6 +20,7 @@ from tandem_serve.frontend import metrics
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.frontend.engine_client import EngineClient, EngineError
 from tandem_serve.frontend.guided import Compiled, attach, compile_spec
+from tandem_serve.frontend.request_traces import RequestTraces, request_facts
 from tandem_serve.frontend.validation import Limits, ValidatedRequest
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
@@ -78,6 +79,7 @@ class Prepared:
     arrived: float  # time.monotonic() of the request's arrival
     guided: Compiled | None = None  # the compiled output constraint, if any
     adapter_id: str = ""  # a validated LoRA adapter ("": the base model)
+    n: int = 1  # choices asked for with this prompt (the trace's gen_ai.request.n)
 
 
 class Frontend:
@@ -97,6 +99,7 @@ class Frontend:
         self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
         self.serving = False
+        self.traces: RequestTraces | None = None  # --otlp-traces-endpoint
 
     def ready_limits(self) -> Limits:
         """The limits, or UNAVAILABLE while starting or draining."""
@@ -137,6 +140,10 @@ class Frontend:
         """The request's deltas until its last; leaving early aborts it in the engine."""
         if p.adapter_id:
             metrics.ADAPTER_REQUESTS.labels(p.adapter_id).inc()
-        return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=name, request_id=p.rid, arrived=p.arrived,
-                                    guided=p.guided, adapter_id=p.adapter_id)
+        deltas = self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
+                                      name=name, request_id=p.rid, arrived=p.arrived,
+                                      guided=p.guided, adapter_id=p.adapter_id)
+        if self.traces is None:
+            return deltas
+        return self.traces.traced(deltas, request_facts(p.rid, p.arrived, len(p.ids),
+                                                        p.req.sampling, p.n, name))

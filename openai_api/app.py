@@ -10,6 +10,9 @@
     POST /tokenize, /detokenize           vLLM's: text or a chat <-> token ids
                                           (openai_api/tokenize.py)
     GET  /health                          200 when serving; 503 while starting or draining
+    GET  /live                            liveness: 503 when requests are open and no engine
+                                          plan completed for --liveness-timeout seconds
+                                          (frontend/liveness.py); 200 otherwise, draining too
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
     GET  /server_info                     sglang's worker description, the part its router
@@ -21,6 +24,7 @@ vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI
@@ -34,6 +38,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tandem_serve.openai_api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tandem_serve.openai_api.anthropic.protocol import error_body as anthropic_error
 from tandem_serve.openai_api.anthropic.serving import count_tokens, create_message
+from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
+from tandem_serve.openai_api.auth import ApiKeyGuard
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -86,6 +92,24 @@ class BodyLimit:
         await response({"type": "http"}, _no_body, send)
 
 
+class TraceContext:
+    """The caller's W3C trace context headers, for the request's trace span
+    (frontend/request_traces.py): set for the request's task, which submits it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1"): v.decode("latin-1")
+                       for k, v in scope.get("headers") or () if k in _TRACE_HEADERS}
+            CALLER_TRACE.set(caller_headers(headers))
+        await self.app(scope, receive, send)
+
+
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
+
+
 async def _no_body() -> Message:
     return {"type": "http.disconnect"}
 
@@ -132,7 +156,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
+              api_key: str = "") -> FastAPI:
+    """The app; `api_key` (`--api-key`): the key the protected routes need
+    (openai_api/auth.py)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -204,6 +231,20 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
         why = "server is shutting down" if not frontend.accepting else "server is starting"
         return error_response(ApiError(503, why, None, "service_unavailable"))
 
+    @app.get("/live")
+    async def live() -> Response:
+        engine = frontend.engine
+        if not engine.ready.is_set():  # loading: the startup probe's time, not liveness's
+            return JSONResponse({"status": "starting"})
+        stalled = engine.liveness.stalled_for(engine.num_in_flight, time.monotonic())
+        if stalled is None:
+            return JSONResponse({"status": "ok"})
+        why = (f"no engine plan has completed for {stalled:.1f} s with {engine.num_in_flight} "
+               f"requests open (--liveness-timeout {engine.liveness.timeout:g})")
+        if engine.liveness.first_word():  # why the orchestrator is about to restart us
+            log.warning("not live: %s", why)
+        return error_response(ApiError(503, why, None, "engine_stalled"))
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
@@ -221,4 +262,7 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
         return info
 
     app.add_middleware(BodyLimit)
+    app.add_middleware(TraceContext)
+    if api_key:  # outermost: a request without the key is answered before its body is read
+        app.add_middleware(ApiKeyGuard, api_key=api_key)
     return app

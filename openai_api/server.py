@@ -89,5 +89,5 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
     agents = AgentSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                            cfg.reasoning_parser)
-    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics)
+    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics, cfg.api_key)
     return HTTPServer(app, sock, cfg)

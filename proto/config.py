@@ -133,6 +133,14 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    # A key every API request must carry (`Authorization: Bearer KEY`; gRPC metadata the
+    # same); "": open.  Only the frontend reads it: the launcher writes it out of the config
+    # its children read.
+    api_key: str = field(default="", repr=False)  # never in a log line or a traceback
+    # OTLP/HTTP collector for one OpenTelemetry span per request ("": no tracing).
+    otlp_traces_endpoint: str = ""
+    # GET /live answers 503 once requests are open and no plan has completed for this long.
+    liveness_timeout: float = 60.0
     log_level: str = "INFO"
     # Guided decoding: compiled constraints on disk ("" = memory only), the longest one
     # compile may take, and whether format=JSON (slow: seconds) compiles at start-up.
@@ -246,6 +254,7 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
+    "liveness_timeout": (0.1, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
     "guided_compile_timeout": (0.1, 3600),
     "max_loras": (1, 256), "max_lora_rank": (1, 512),

@@ -51,6 +51,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_per_pos: list[int] = field(default_factory=list)  # by draft position
+    # The request ids of queue_times_s, in its order (request traces' time in queue).
+    queue_time_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

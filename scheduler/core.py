@@ -196,6 +196,10 @@ class Scheduler:
         previous call (a resumed request counts once, at its first start)."""
         return self.state.take_queue_times()
 
+    def take_queue_ids(self) -> list[int]:
+        """The request ids of `take_queue_times`'s answer, in its order (call both)."""
+        return self.state.take_queue_ids()
+
     def take_failures(self) -> list[RequestFailed]:
         return self.state.take_failures()
 

@@ -118,6 +118,7 @@ class SchedulerState:
         self._prefix_hit_blocks = 0
         # Arrival (the frontend's clock: one monotonic clock per host) to first scheduling.
         self._queue_times: list[float] = []
+        self._queue_ids: list[int] = []  # whose they are, in the same order
 
     # ================================================================== state changes
 
@@ -137,6 +138,7 @@ class SchedulerState:
         `now` on the frontend's clock, for its queue time when it runs for the first time."""
         if not req.known_to_worker:
             self._queue_times.append(max(0.0, now - req.arrival_time))
+            self._queue_ids.append(req.request_id)
         self.waiting.popleft()
         self._waiting_tokens -= req.prompt_len
         self.running.append(req)
@@ -222,6 +224,10 @@ class SchedulerState:
     def take_queue_times(self) -> list[float]:
         times, self._queue_times = self._queue_times, []
         return times
+
+    def take_queue_ids(self) -> list[int]:
+        ids, self._queue_ids = self._queue_ids, []
+        return ids
 
     def take_pending_drops(self, plan_id: int) -> list[int]:
         drops, self._pending_drops = self._pending_drops, []

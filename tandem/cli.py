@@ -162,6 +162,17 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default="")
     p.add_argument("--tls-key", default="")
     p.add_argument("--tls-client-ca", default="")
+    p.add_argument("--api-key", default=d.api_key, metavar="KEY",
+                   help="every /v1/* route (and the control endpoints) and every gRPC service "
+                        "but health need `Authorization: Bearer KEY`; prefer TANDEM_API_KEY, "
+                        "which `ps` does not show (default: open)")
+    p.add_argument("--otlp-traces-endpoint", default=d.otlp_traces_endpoint, metavar="URL",
+                   help="export one OpenTelemetry span per request (gen_ai.* attributes) to "
+                        "this OTLP/HTTP collector, e.g. http://otel-collector:4318/v1/traces")
+    p.add_argument("--liveness-timeout", type=float, default=d.liveness_timeout,
+                   metavar="SECONDS",
+                   help="GET /live answers 503 when requests are open and no engine plan has "
+                        "completed for this long (a wedged gpu worker or scheduler)")
     p.add_argument("--log-level", default=d.log_level)
     p.add_argument("--fault", default="", help=argparse.SUPPRESS)
     _env_defaults(p)

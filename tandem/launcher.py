@@ -127,7 +127,8 @@ class Launcher:
             return
         path = os.path.join(self.run_dir, "config.json")
         with open(path, "w") as f:
-            f.write(self.cfg.to_json())
+            # The API key is the frontend's alone: no file of ours holds it.
+            f.write(self.cfg.replace(api_key="").to_json())
         # Tensor parallelism: this host's gpu worker ranks, each a child like any other.
         roles = [("scheduler", 0)] + [("gpu-worker", r) for r in self.cfg.node_ranks()] + [
             ("postproc", i) for i in range(self.cfg.num_postproc_workers)]

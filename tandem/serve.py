@@ -38,6 +38,7 @@ from tandem_serve.frontend.engine_client import EngineClient
 from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.frontend.metrics import exposition, serve_metrics
 from tandem_serve.frontend.ports import bound_socket, check_ports
+from tandem_serve.frontend.request_traces import RequestTraces
 from tandem_serve.frontend.standalone import SetKeeper
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.service import GuidedCompiler
@@ -116,6 +117,10 @@ class FrontendMain:
         engine = EngineClient(self.cfg, served_names(self.cfg)[0])
         engine.start()
         frontend = Frontend(engine, tok, adapters)
+        if self.cfg.otlp_traces_endpoint:
+            frontend.traces = RequestTraces(self.cfg.otlp_traces_endpoint,
+                                            served_names(self.cfg)[0])
+            engine.on_queue_times = frontend.traces.on_queue_times
         metrics = exposition(engine.vllm_metrics.registry)
         failed = self.supervisor.start()
         s = Servers(frontend, server, add_services(server, frontend))
@@ -196,6 +201,8 @@ class FrontendMain:
         if s.frontend.guided is not None:
             await s.frontend.guided.close()  # its compile worker too
         s.frontend.engine.close()
+        if s.frontend.traces is not None:  # the last spans, off the loop
+            await asyncio.to_thread(s.frontend.traces.close)
         self.supervisor.stop(failed=self.exit_code != 0)
 
     # ------------------------------------------------------------------ readiness

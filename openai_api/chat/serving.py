@@ -328,6 +328,7 @@ class Serving:
                 p = self.frontend.prepared(replace(req, sampling=sampling), prompt.text,
                                            prompt.ids, self.frontend.engine.new_request_id(),
                                            arrived, adapter_id)
+                p.n = params.n
                 out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos,
                                   output=output,
                                   message=output.stream() if output is not None else None))

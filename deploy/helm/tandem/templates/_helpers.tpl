@@ -98,6 +98,8 @@ app.kubernetes.io/component: server
 - {{ .Values.server.httpPort | quote }}
 - --shutdown-timeout
 - {{ .Values.server.shutdownTimeout | quote }}
+- --liveness-timeout
+- {{ .Values.server.livenessTimeout | quote }}
 - --guided-cache-dir
 - /cache/guided
 {{- with .Values.model.servedModelName }}
