@@ -5,6 +5,8 @@
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
+    POST /v1/load_lora_adapter,           with --allow-runtime-lora-updating: serve a LoRA
+         /v1/unload_lora_adapter          folder under a name (openai_api/lora_admin.py)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
@@ -29,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
+from tandem_serve.openai_api.lora_admin import add_lora_routes
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tandem_serve.openai_api.responses.protocol import ResponsesRequest
 from tandem_serve.openai_api.responses.serving import respond
@@ -114,7 +117,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
+              runtime_lora: bool = False) -> FastAPI:
+    """`runtime_lora`: the load / unload adapter routes (vLLM has them only when allowed)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -184,5 +189,7 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
             info["context_length"] = max_model_len()
         return info
 
+    if runtime_lora:
+        add_lora_routes(app, models)
     app.add_middleware(BodyLimit)
     return app

@@ -59,6 +59,7 @@ class CommonRequest(Strict):
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     # vLLM extensions
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -61,6 +61,9 @@ class SamplingParams:
     # on the device (ids unique, each bias in [-100, 100]).
     logit_bias_ids: list[int] = field(default_factory=list)
     logit_bias_values: list[float] = field(default_factory=list)
+    # Scheduling, read by the scheduler only: under --scheduling-policy priority a lower value
+    # runs first (ties by arrival); always 0 under fcfs.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -25,6 +25,7 @@ from tandem_serve.frontend.validation import (
     Limits,
     ValidatedRequest,
     ValidationError,
+    check_priority,
     check_prompt,
 )
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
@@ -166,12 +167,13 @@ def _sampling(body: CommonRequest, limits: Limits) -> SamplingParams:
                                   f"must be in [0, {limits.vocab_size}), got {t}")
     eos = [] if body.ignore_eos else list(limits.eos_token_ids)
     bias = logit_bias(body.logit_bias or {}, limits.vocab_size)
+    priority = check_priority(body.priority, limits)
     return SamplingParams(
         temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p,
         repetition_penalty=rp, presence_penalty=presence, frequency_penalty=frequency,
         min_new_tokens=body.min_tokens,
         stop_token_ids=list(dict.fromkeys(eos + stop_ids)),
-        logit_bias_ids=list(bias), logit_bias_values=list(bias.values()))
+        logit_bias_ids=list(bias), logit_bias_values=list(bias.values()), priority=priority)
 
 
 def logit_bias(raw: dict[str, float], vocab_size: int) -> dict[int, float]:

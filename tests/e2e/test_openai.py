@@ -206,6 +206,7 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("stop", {"stop": ["a"] * 7}),
     ("presence_penalty", {"presence_penalty": 5}),
     ("logit_bias", {"logit_bias": {"5": 101}}),
+    ("priority", {"extra_body": {"priority": 1}}),  # needs --scheduling-policy priority
     ("suffix", {"suffix": "tail"}),
     ("guided_regex", {"extra_body": {"guided_regex": "(unclosed"}}),
     ("response_format.json_schema.schema", {"extra_body": {"response_format": {
@@ -235,6 +236,10 @@ def test_every_bad_parameter_is_a_400_while_a_stream_completes(client: openai.Op
         assert param in body["message"] or param == "model", body
     stream.join(120)
     assert "".join(got) == want
+    # Runtime LoRA's routes exist only with --allow-runtime-lora-updating.
+    with pytest.raises(openai.NotFoundError):
+        client.post("/load_lora_adapter", cast_to=str,
+                    body={"lora_name": "x", "lora_path": str(pathlib.Path.cwd())})
 
 
 def test_32_concurrent_async_streams(server: Server, hf: HF) -> None:

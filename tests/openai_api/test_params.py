@@ -2,6 +2,7 @@
 ValidationError naming the parameter (and its limit) for every value the engine cannot do."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -112,6 +113,8 @@ BAD: list[tuple[str, Any, str]] = [
     ("top_logprobs", chat(top_logprobs=2), "needs logprobs: true"),
     ("seed", completion(seed=1 << 64), "64-bit"),
     ("stream_options", completion(stream_options={"include_usage": True}), "stream: true"),
+    ("priority", completion(priority=1), "--scheduling-policy priority"),
+    ("priority", chat(priority=-3), "must be 0 unless"),
     ("logit_bias", completion(logit_bias={"100": 1.0}), "[0, 100)"),
     ("logit_bias", completion(logit_bias={"-1": 1.0}), "[0, 100)"),
     ("logit_bias", completion(logit_bias={"five": 1.0}), "token ids"),
@@ -151,6 +154,14 @@ def test_logit_bias_travels_as_ids_and_values() -> None:
     assert p.req.sampling.logit_bias_ids == [7, 3, 99]
     assert p.req.sampling.logit_bias_values == [-100.0, 2.5, 100.0]
     assert P.validate(completion(), LIMITS).req.sampling.logit_bias_ids == []
+
+
+def test_priority_needs_the_priority_policy() -> None:
+    assert P.validate(chat(priority=0), LIMITS).req.sampling.priority == 0
+    limits = dataclasses.replace(LIMITS, priority_scheduling=True)
+    assert P.validate(chat(priority=-7), limits).req.sampling.priority == -7
+    with pytest.raises(ValidationError, match="priority: must be a 32-bit integer"):
+        P.validate(completion(priority=1 << 40), limits)
 
 
 def test_neutral_values_of_unsupported_fields_pass() -> None:
