@@ -61,6 +61,22 @@ def test_bias_moves_greedy_and_sampled_rows() -> None:
     assert out.token_ids.tolist() == [20, 30, 7]
 
 
+def test_a_guided_mask_beats_any_bias() -> None:
+    """The guide's mask comes after the bias: +100 cannot make a forbidden token win, and
+    the biased favourite among the allowed ones does."""
+    logits = torch.zeros(2, V)
+    st, hints = make_rows([{"temperature": 0.0}, {"temperature": 1.0, "seed": 5}])
+    st.bias_ids = torch.tensor([[30, 12], [30, 12]])
+    st.bias_values = torch.tensor([[100.0, 50.0], [100.0, 50.0]])
+
+    def forbid_30(x: torch.Tensor) -> None:
+        x[:, 30] = float("-inf")
+
+    out = Sampler()(logits, SamplingBatch(st, hints=hints), torch.zeros(2, dtype=torch.int32),
+                    mask=forbid_30)
+    assert out.token_ids.tolist() == [12, 12]
+
+
 def _hf_biased(hf: HFReference, prompt: list[int], bias: dict[int, float], n: int) -> list[int]:
     ids = torch.tensor([prompt])
     proc = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
