@@ -5,13 +5,13 @@
     POST /v1/completions                  prompt(s) -> text (JSON, or SSE with stream)
     POST /v1/chat/completions             messages -> assistant message (JSON or SSE)
     POST /v1/responses                    OpenAI's Responses API, text (openai_api/responses/)
-    POST /v1/load_lora_adapter,           with --allow-runtime-lora-updating: serve a LoRA
-         /v1/unload_lora_adapter          folder under a name (openai_api/lora_admin.py)
     GET  /health                          200 when serving; 503 while starting or draining
     GET  /metrics                         every process's Prometheus metrics: tandem_* and
                                           vLLM's (frontend/vllm_metrics.py)
     GET  /server_info                     sglang's worker description, the part its router
                                           reads (the model's name)
+    POST /v1/load_lora_adapter,           with --allow-runtime-lora-updating: serve a LoRA
+         /v1/unload_lora_adapter          folder under a name (openai_api/lora_admin.py)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
