@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -92,8 +93,10 @@ def test_a_later_high_priority_request_finishes_first(client: openai.OpenAI,
     low = [threading.Thread(target=run, args=(name, 5, 400)) for name in ("low-1", "low-2")]
     low[0].start()
     assert first_token.wait(60)  # low-1 holds the only seat
-    low[1].start()
-    server.wait_stats(lambda s: s.num_waiting >= 1)  # low-2 waits behind it
+    low[1].start()  # and low-2 waits behind it
+    time.sleep(0.05)
+    # `high` must arrive while low-1 runs (its 400 tokens take 50 plans); whether before or
+    # after low-2 does not change the order the policy gives.
     high = threading.Thread(target=run, args=("high", 0, 8))
     high.start()
     for t in [*low, high]:
