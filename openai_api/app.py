@@ -17,6 +17,8 @@
                                           vLLM's (frontend/vllm_metrics.py)
     GET  /server_info                     sglang's worker description, the part its router
                                           reads (the model's name)
+    POST /v1/load_lora_adapter,           with --allow-runtime-lora-updating: serve a LoRA
+         /v1/unload_lora_adapter          folder under a name (openai_api/lora_admin.py)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
@@ -42,6 +44,7 @@ from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.openai_api.auth import ApiKeyGuard
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
+from tandem_serve.openai_api.lora_admin import add_lora_routes
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from tandem_serve.openai_api.responses.protocol import ResponsesRequest
 from tandem_serve.openai_api.responses.serving import respond
@@ -157,9 +160,10 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 
 def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
-              api_key: str = "") -> FastAPI:
+              api_key: str = "", runtime_lora: bool = False) -> FastAPI:
     """The app; `api_key` (`--api-key`): the key the protected routes need
-    (openai_api/auth.py)."""
+    (openai_api/auth.py); `runtime_lora`: the load / unload adapter routes (vLLM has them
+    only when allowed)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -261,6 +265,8 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
             info["context_length"] = max_model_len()
         return info
 
+    if runtime_lora:
+        add_lora_routes(app, models)
     app.add_middleware(BodyLimit)
     app.add_middleware(TraceContext)
     if api_key:  # outermost: a request without the key is answered before its body is read

@@ -89,5 +89,6 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
     agents = AgentSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                            cfg.reasoning_parser)
-    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics, cfg.api_key)
+    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics, cfg.api_key,
+                    runtime_lora=cfg.allow_runtime_lora_updating and frontend.adapters is not None)
     return HTTPServer(app, sock, cfg)

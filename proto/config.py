@@ -83,6 +83,9 @@ class ServerConfig:
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    # The waiting queue's order (`scheduler.priority`): "fcfs", or "priority" (a request's
+    # `priority`, lower first, ties by arrival; lower-priority running requests are preempted).
+    scheduling_policy: str = "fcfs"
     # Output a stream may hold for a client that stopped reading before its request is
     # cancelled with RESOURCE_EXHAUSTED (frontend/stream_buffer.py); 0: no limit.
     max_stream_buffer_bytes: int = 1 << 20
@@ -152,6 +155,9 @@ class ServerConfig:
     adapter_cache: str = ""
     max_loras: int = 8
     max_lora_rank: int = 16
+    # HTTP /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters from any folder under
+    # a name of the caller's choosing (vLLM's flag; needs adapter_cache for the slots).
+    allow_runtime_lora_updating: bool = False
     # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
     speculative_config: str = ""
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
@@ -280,12 +286,21 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is not one of "
                    f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)")
     out += _attention_problems(cfg)
+    if cfg.scheduling_policy not in SCHEDULING_POLICIES:
+        out.append(f"--scheduling-policy {cfg.scheduling_policy!r} is not one of "
+                   f"{', '.join(SCHEDULING_POLICIES)}")
+    if cfg.allow_runtime_lora_updating and not cfg.adapter_cache:
+        out.append("--allow-runtime-lora-updating needs --adapter-cache DIR (the adapters' "
+                   "slots are LoRA serving's)")
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
     return out + _parallel_problems(cfg)
 
+
+# --scheduling-policy's values (`scheduler.priority` reads them).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # --kv-cache-dtype's values (`gpu_worker.attention.kv_cache` maps them; a test keeps the
 # lists equal).

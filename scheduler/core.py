@@ -59,6 +59,7 @@ class _Draft:
     preempt: list[int] = field(default_factory=list)
     chunks: dict[int, tuple[Request, Split]] = field(default_factory=dict)  # id -> its work
     loads: list[AdapterLoad] = field(default_factory=list)  # adapters new to the worker
+    yielded: int = 0  # of `preempt`, those preempted for a higher priority (not for blocks)
 
     def schedule(self, req: Request, split: Split) -> None:
         self.chunks[req.request_id] = (req, split)
@@ -216,11 +217,12 @@ class Scheduler:
         draft = _Draft(self.state.next_plan_id, StepBudget(
             params.num_steps, params.max_num_batched_tokens, params.prefill_phase,
             0 if params.prefill_phase else params.attention_tokens))
+        self._yield_to_priority(draft)
         self._continue_decodes(draft)
         if not draft.chunks:
             draft.budget.prefill_only()
         self._continue_prefills(draft)
-        if not draft.preempt:  # blocks ran short for running requests: admit nobody now
+        if len(draft.preempt) == draft.yielded:  # blocks ran short for running ones: admit nobody
             self._admit_waiting(draft)
         drop = self.state.take_pending_drops(draft.plan_id)
         # Before _advance: requests that finish by counts inside this plan still need theirs.
@@ -229,6 +231,21 @@ class Scheduler:
         plan = self._issue(draft, drop)
         plan.tables, plan.drop_tables = tables, drop_tables
         return plan
+
+    def _yield_to_priority(self, draft: _Draft) -> None:
+        """--scheduling-policy priority: lower-priority running requests make room for a
+        higher-priority head of the queue (`scheduler/priority.py`)."""
+        state = self.state
+        state.order_running()
+        for req in state.policy.victims(state.waiting, state.running, self.params.max_num_seqs,
+                                        self._fits_after):
+            self._preempt(req, draft)
+            draft.yielded += 1
+
+    def _fits_after(self, head: Request, victims: list[Request]) -> bool:
+        """Whether `head` would find blocks for its first plan once `victims` are freed."""
+        needed = self.state.blocks.blocks_for(head.num_tokens - 1 + self._steps(head))
+        return needed <= self.state.blocks.num_free + sum(len(v.blocks) for v in victims)
 
     def _continue_decodes(self, draft: _Draft) -> None:
         for req in list(self.state.running):

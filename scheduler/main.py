@@ -60,7 +60,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
         max_loras=cfg.max_loras if cfg.adapter_cache else 0,
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        scheduling_policy=cfg.scheduling_policy)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:

@@ -20,6 +20,7 @@ from tandem_serve.proto.request_params import FinishReason, GuidedKind
 from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
 from tandem_serve.scheduler.lora_slots import LoraSlots
+from tandem_serve.scheduler.priority import WaitingPolicy
 from tandem_serve.scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
@@ -57,6 +58,7 @@ class SchedulerParams:
     max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
     # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
     num_speculative_tokens: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority" (`scheduler.priority`)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,9 @@ class SchedulerState:
         self.constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self.ledger = TokenLedger()
         self.requests: dict[int, Request] = {}  # waiting, preempted and running
-        self.waiting: deque[Request] = deque()  # preempted ones at the front
+        # fcfs: preempted ones at the front; priority: by (priority, arrival)
+        self.waiting: deque[Request] = deque()
+        self.policy = WaitingPolicy(params.scheduling_policy)
         self.running: list[Request] = []  # oldest admission first; preempted newest first
         self._waiting_tokens = 0
         self._pending_drops: list[int] = []
@@ -123,9 +127,9 @@ class SchedulerState:
     # ================================================================== state changes
 
     def queue(self, req: Request) -> None:
-        """A new request joins the back of the waiting queue."""
+        """A new request joins the back of the waiting queue (by priority: its place)."""
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.policy.enqueue(self.waiting, req)
         self._waiting_tokens += req.prompt_len
 
     def reject(self, request_id: int, why: str) -> RequestRejected:
@@ -155,7 +159,7 @@ class SchedulerState:
 
     def preempt(self, req: Request) -> None:
         """Recompute, not swap: the worker frees the KV and keeps the token history, and the
-        request waits at the front of the queue."""
+        request waits at the front of the queue (by priority: its place)."""
         self.running.remove(req)
         self.blocks.free(req.blocks)
         req.blocks = []
@@ -166,8 +170,13 @@ class SchedulerState:
             self.constraints.stop(req.sampling.guided_id)
         req.num_preemptions += 1
         self._num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
         self._waiting_tokens += req.prompt_len
+
+    def order_running(self) -> None:
+        """By the waiting policy's order (priority: highest first), so that preemption under
+        KV pressure, which takes the running list's last requests, takes the lowest."""
+        self.policy.order_running(self.running)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if _guided(req):

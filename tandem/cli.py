@@ -73,6 +73,11 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
+    p.add_argument("--scheduling-policy", default=d.scheduling_policy,
+                   choices=["fcfs", "priority"],
+                   help="the waiting queue's order: fcfs, or priority (a request's priority "
+                        "field, lower first, ties by arrival; a higher-priority request "
+                        "preempts lower-priority running ones when seats or KV run out)")
     p.add_argument("--max-stream-buffer-bytes", type=int, default=d.max_stream_buffer_bytes,
                    help="output held for a client that stopped reading before its request is "
                         "cancelled with RESOURCE_EXHAUSTED (0: no limit)")
@@ -155,6 +160,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
                    help="the largest adapter rank served (the device cost per token grows "
                         "with it)")
+    _bool_flag(p, "allow-runtime-lora-updating", d.allow_runtime_lora_updating,
+               "HTTP POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): serve a "
+               "PEFT folder under a name of the caller's choosing (needs --adapter-cache)")
     p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
                    help='speculative decoding, as vLLM spells it: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '

@@ -214,7 +214,8 @@ class FrontendMain:
                       default_max_new_tokens=self.cfg.default_max_new_tokens,
                       vocab_size=engine.limits.vocab_size,
                       eos_token_ids=tuple(tok.eos_token_ids),
-                      include_stop_sequence=self.cfg.include_stop_sequence)
+                      include_stop_sequence=self.cfg.include_stop_sequence,
+                      priority_scheduling=self.cfg.scheduling_policy == "priority")
 
     async def _become_ready(self, s: Servers) -> None:
         frontend = s.frontend
