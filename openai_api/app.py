@@ -10,6 +10,8 @@
                                           vLLM's (frontend/vllm_metrics.py)
     GET  /server_info                     sglang's worker description, the part its router
                                           reads (the model's name)
+    POST /sleep, /wake_up, /pause, ...    the rollout controls, with --enable-control-endpoints
+                                          (openai_api/control.py)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
@@ -27,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CompletionRequest
@@ -114,7 +117,9 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, message, param or None, "invalid_parameter")
 
 
-def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) -> FastAPI:
+def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
+              controls: EngineControls | None = None) -> FastAPI:
+    """`controls`: serve the rollout controls too (openai_api/control.py)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -184,5 +189,9 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY) 
             info["context_length"] = max_model_len()
         return info
 
+    if controls is not None:
+        from tandem_serve.openai_api.control import add_control_routes
+
+        add_control_routes(app, controls)
     app.add_middleware(BodyLimit)
     return app
