@@ -82,10 +82,12 @@ def parse_line(number: int, text: str) -> BatchLine:
 
 
 async def call_app(app: FastAPI, path: str, body: bytes) -> tuple[int, bytes]:
-    """POST `body` to `path` through the ASGI application, without a socket."""
+    """POST `body` to `path` (with any ?query) through the ASGI application, without a
+    socket."""
+    path, _, query = path.partition("?")
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
              "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 0),
+             "query_string": query.encode(), "root_path": "", "client": ("127.0.0.1", 0),
              "server": ("127.0.0.1", 0),
              "headers": [(b"content-type", b"application/json"),
                          (b"content-length", str(len(body)).encode())]}

@@ -208,3 +208,37 @@ def test_reset_prefix_cache_leaves_no_prefix_hit(server: Server) -> None:
     server.client.generate([text], opts)
     time.sleep(0.5)  # two stats reports
     assert server.client.stats().prefix_hit_tokens == hits
+
+
+def test_run_batch_lines_equal_the_server_and_bad_lines_do_not_stop_the_file(
+        llm: LLM, server: Server) -> None:
+    from tqdm import tqdm
+
+    from tandem_serve.openai_api.app import build_app
+    from tandem_serve.tandem.offline.run_batch import parse_line, run_lines, summary
+
+    completion = {"prompt": PROMPTS[0][0], "max_tokens": 6, "min_tokens": 6, "temperature": 0}
+    chat = {"messages": CHAT, "max_tokens": 6, "min_tokens": 6, "temperature": 0}
+    raw = [{"custom_id": "c", "method": "POST", "url": "/v1/completions", "body": completion},
+           {"custom_id": "h", "method": "POST", "url": "/v1/chat/completions", "body": chat},
+           {"custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+           {"custom_id": "u", "method": "POST", "url": "/v1/nothing", "body": {}},
+           {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": "x", "temperature": -2}}]
+    lines = [parse_line(i, json.dumps(r)) for i, r in enumerate(raw, 1)]
+    lines.append(parse_line(len(lines) + 1, "{not json"))
+    with tqdm(total=len(lines), disable=True) as bar:
+        out = llm.engine.call(run_lines(build_app(llm.engine.serving), lines, 4, bar))
+    assert [r["custom_id"] for r in out] == ["c", "h", "e", "u", "b", None]
+    c, h, e, u, b, bad = out
+    assert c["response"]["body"]["choices"][0]["text"] == \
+        post(server, "/v1/completions", completion)["choices"][0]["text"]
+    assert h["response"]["body"]["choices"][0]["message"]["content"] == \
+        post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
+    assert c["response"]["status_code"] == 200 and c["error"] is None
+    assert e["error"]["code"] == "unsupported_url" and e["response"] is None
+    assert u["error"]["code"] == "invalid_url"
+    assert b["response"]["status_code"] == 400
+    assert b["response"]["body"]["error"]["param"] == "temperature"
+    assert bad["error"]["code"] == "invalid_json"
+    assert summary(out, 1.0).startswith("run-batch: 6 requests in 1.0 s: 2 succeeded, 4 failed")
