@@ -78,8 +78,9 @@ class BackgroundEngine:
         self.frontend = Frontend(engine, tok, adapters)
         failed = launcher.start()
         self._watching = asyncio.create_task(launcher.watch(None))
-        ready = asyncio.ensure_future(engine.ready.wait())
-        await asyncio.wait({ready, failed}, return_when=asyncio.FIRST_COMPLETED)
+        ready: asyncio.Future[Any] = asyncio.ensure_future(engine.ready.wait())
+        first: set[asyncio.Future[Any]] = {ready, failed}
+        await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
             ready.cancel()
             raise StartupError(launcher.startup_error or failed.result())

@@ -87,7 +87,7 @@ class LLM:
         token ids, or {"prompt": str} / {"prompt_token_ids": [...]}."""
         items = [prompts] if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)) \
-            else list(prompts)  # type: ignore[arg-type]
+            else list(prompts)
         jobs = [(self._completion_body, p, sp) for p, sp in
                 zip(items, _per_prompt(sampling_params, len(items)), strict=True)]
         return self._run(jobs, use_tqdm)
@@ -167,12 +167,12 @@ class LLM:
                          ) -> tuple[CompletionRequest, str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return CompletionRequest(prompt=list(prompt["prompt_token_ids"]),
-                                         **sp.body()), None
+                ids = list(prompt["prompt_token_ids"])
+                return CompletionRequest.model_validate({"prompt": ids, **sp.body()}), None
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
-            return CompletionRequest(prompt=prompt, **sp.body()), prompt
-        return CompletionRequest(prompt=list(prompt), **sp.body()), None
+            return CompletionRequest.model_validate({"prompt": prompt, **sp.body()}), prompt
+        return CompletionRequest.model_validate({"prompt": list(prompt), **sp.body()}), None
 
     @staticmethod
     def _chat_body(prompt: tuple[list[dict[str, Any]], dict[str, Any]], sp: SamplingParams
@@ -180,9 +180,9 @@ class LLM:
         conv, extra = prompt
         fields = sp.body()
         top = fields.pop("logprobs")
-        body = ChatCompletionRequest(messages=conv, logprobs=top is not None,
-                                     top_logprobs=top or None, **fields,
-                                     **{k: v for k, v in extra.items() if v is not None})
+        body = ChatCompletionRequest.model_validate(
+            {"messages": conv, "logprobs": top is not None, "top_logprobs": top or None,
+             **fields, **{k: v for k, v in extra.items() if v is not None}})
         return body, None
 
     async def _complete(self, out: RequestOutput, choices: list[Prepared]) -> RequestOutput:

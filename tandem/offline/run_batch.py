@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,7 @@ async def call_app(app: FastAPI, path: str, body: bytes) -> tuple[int, bytes]:
 
     status, chunks = 500, []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         nonlocal status
         if message["type"] == "http.response.start":
             status = message["status"]
