@@ -142,8 +142,8 @@ class SleepMode:
         if self.level:  # into host memory; wake-up moves them to the device
             self._assign(self._read(path, HOST))
             self.weights_on_host = True
-        else:
-            fresh = self._read(path, runner.device)
+        else:  # read on the host: the device never holds two copies of the weights
+            fresh = self._read(path, HOST)
             with torch.no_grad():
                 for name, tensor in self._tensors().items():
                     tensor.copy_(fresh[name])

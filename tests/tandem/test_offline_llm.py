@@ -242,3 +242,16 @@ def test_run_batch_lines_equal_the_server_and_bad_lines_do_not_stop_the_file(
     assert b["response"]["body"]["error"]["param"] == "temperature"
     assert bad["error"]["code"] == "invalid_json"
     assert summary(out, 1.0).startswith("run-batch: 6 requests in 1.0 s: 2 succeeded, 4 failed")
+
+
+def test_tensor_parallel_ranks_load_new_weights_while_asleep(
+        weights_b: pathlib.Path, tiny_model_dir: pathlib.Path) -> None:
+    """Every rank reads its own shard: a rank left on the old weights would change the
+    gathered logits."""
+    with LLM(str(tiny_model_dir), num_postproc_workers=1, tensor_parallel_size=2,
+             reserved_cpus=0) as tp:
+        tp.sleep(2)
+        tp.load_weights(str(weights_b))
+        tp.wake_up()
+        outs = tp.generate([t for t, _ in PROMPTS], [exactly(n) for _, n in PROMPTS])
+    assert [o.outputs[0].text for o in outs] == hf_greedy(weights_b, PROMPTS)
