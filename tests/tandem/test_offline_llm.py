@@ -255,3 +255,23 @@ def test_tensor_parallel_ranks_load_new_weights_while_asleep(
         tp.wake_up()
         outs = tp.generate([t for t, _ in PROMPTS], [exactly(n) for _, n in PROMPTS])
     assert [o.outputs[0].text for o in outs] == hf_greedy(weights_b, PROMPTS)
+
+
+def test_http_sleep_holds_requests_until_wake_up(server: Server,
+                                                 tiny_model_dir: pathlib.Path) -> None:
+    body = {"prompt": PROMPTS[1][0], "max_tokens": 5, "min_tokens": 5, "temperature": 0}
+    before = post(server, "/v1/completions", body)["choices"][0]["text"]
+    assert post(server, "/sleep?level=2")["op"] == "sleep"
+    url = f"http://127.0.0.1:{server.http_port}/is_sleeping"
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        assert json.loads(resp.read()) == {"is_sleeping": True}
+    answers: list[dict[str, Any]] = []
+    thread = threading.Thread(target=lambda: answers.append(post(server, "/v1/completions",
+                                                                 body)))
+    thread.start()
+    thread.join(1.0)
+    assert thread.is_alive()  # it waits for wake_up, it is not refused
+    assert post(server, "/load_weights", {"path": str(tiny_model_dir)})["status"] == "ok"
+    post(server, "/wake_up")
+    thread.join(60)
+    assert answers[0]["choices"][0]["text"] == before
