@@ -76,6 +76,10 @@ class BackgroundEngine:
         engine = EngineClient(cfg, served_names(cfg)[0])
         engine.start()
         self.frontend = Frontend(engine, tok, adapters)
+        # The children are started from this (the engine's) thread, and a child's
+        # PR_SET_PDEATHSIG fires when the thread that started it ends: the thread lives as
+        # long as the engine, so they go with it.  They ignore SIGINT, so a Ctrl-C that
+        # interrupts `generate` leaves the engine usable.
         failed = launcher.start()
         self._watching = asyncio.create_task(launcher.watch(None))
         ready: asyncio.Future[Any] = asyncio.ensure_future(engine.ready.wait())
