@@ -27,7 +27,7 @@ from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.control_messages import Ready
+from tandem_serve.proto.control_messages import ControlDone, EngineControl, Ready
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable, GuidedWanted
 from tandem_serve.proto.monitor_messages import (
     EngineStats,
@@ -119,6 +119,7 @@ class EngineClient:
         self.on_queue_times: Callable[[list[int], list[float]], None] | None = None
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
         self.liveness = Liveness(cfg.liveness_timeout, time.monotonic())  # GET /live
+        self.on_control: Callable[[ControlDone], None] | None = None  # engine_control.py
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -166,6 +167,9 @@ class EngineClient:
                 self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):
                 metrics.on_postproc_stats(msg)
+            elif isinstance(msg, ControlDone):
+                if self.on_control is not None:
+                    self.on_control(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -303,6 +307,10 @@ class EngineClient:
                 return None
         stream.buf.took(item)
         return item
+
+    def control(self, msg: EngineControl) -> None:
+        """A rollout control, to the scheduler (`frontend/engine_control.py`)."""
+        self._to_scheduler.put(msg)
 
     def abort(self, rid: int) -> None:
         if self.dead:

@@ -82,6 +82,9 @@ class ModelRunner:
         check_backend(cfg.attention_backend, self.device, self.dtype, self.kv_dtype,
                       cfg.block_size)
         self.model = _load(cfg, self.dtype, self.device, tp)
+        self.shard = tp.shard if tp is not None else None  # what a weight reload reads
+        self.model_dir = cfg.model
+        self.onednn = cfg.onednn
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
@@ -132,16 +135,30 @@ class ModelRunner:
                                             self.executor.forward_decode, self.device,
                                             self.max_model_len, cfg.block_size,
                                             tp.max_float if tp is not None else None)
+        self._cfg = cfg
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self.executor.forward_decode, cfg.max_num_seqs,
-                                       -(-self.max_model_len // cfg.block_size),
-                                       cfg.block_size, self.device,
-                                       self.lora.full_context if self.lora else None)
             # Before the worker reports ready: never a capture while streams wait.
-            self.graphs.capture_all(lora=self.lora is not None)
+            self.graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
+
+        cfg = self._cfg
+        graphs = DecodeGraphs(self.executor.forward_decode, cfg.max_num_seqs,
+                              -(-self.max_model_len // cfg.block_size), cfg.block_size,
+                              self.device, self.lora.full_context if self.lora else None)
+        graphs.capture_all(lora=self.lora is not None)
+        return graphs
+
+    def recapture_graphs(self) -> None:
+        """Capture the graphs again after the weights or the KV cache moved (wake-up): a
+        graph replays the buffers it was captured with."""
+        if self.executor.mixed_graphs is not None:
+            self.executor.mixed_graphs = MixedGraphs(
+                self.model, MIXED_GRAPH_TOKENS + self._cfg.max_num_seqs, True)
+        if self.graphs is not None:
+            self.graphs = self._capture_decode_graphs()
 
     @property
     def requests(self) -> dict[int, RequestState]:

@@ -19,6 +19,8 @@
                                           reads (the model's name)
     POST /v1/load_lora_adapter,           with --allow-runtime-lora-updating: serve a LoRA
          /v1/unload_lora_adapter          folder under a name (openai_api/lora_admin.py)
+    POST /sleep, /wake_up, /pause, ...    the rollout controls, with --enable-control-endpoints
+                                          (openai_api/control.py)
 
 Why FastAPI: pydantic request models give exact per-field errors for free, and it is what
 vLLM serves its OpenAI API with, so clients meet the same behaviour at the edges.
@@ -42,6 +44,7 @@ from tandem_serve.openai_api.anthropic.protocol import error_body as anthropic_e
 from tandem_serve.openai_api.anthropic.serving import count_tokens, create_message
 from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.openai_api.auth import ApiKeyGuard
+from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.lora_admin import add_lora_routes
@@ -160,10 +163,11 @@ def validation_error(exc: RequestValidationError) -> ApiError:
 
 
 def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
-              api_key: str = "", runtime_lora: bool = False) -> FastAPI:
+              api_key: str = "", runtime_lora: bool = False,
+              controls: EngineControls | None = None) -> FastAPI:
     """The app; `api_key` (`--api-key`): the key the protected routes need
     (openai_api/auth.py); `runtime_lora`: the load / unload adapter routes (vLLM has them
-    only when allowed)."""
+    only when allowed); `controls`: serve the rollout controls too (openai_api/control.py)."""
     frontend = serving.frontend
     models = serving.models
     app = FastAPI(title="Tandem", docs_url=None, redoc_url=None)
@@ -267,6 +271,10 @@ def build_app(serving: Serving, metrics_registry: CollectorRegistry = REGISTRY,
 
     if runtime_lora:
         add_lora_routes(app, models)
+    if controls is not None:
+        from tandem_serve.openai_api.control import add_control_routes
+
+        add_control_routes(app, controls)
     app.add_middleware(BodyLimit)
     app.add_middleware(TraceContext)
     if api_key:  # outermost: a request without the key is answered before its body is read

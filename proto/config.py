@@ -124,6 +124,9 @@ class ServerConfig:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API (`openai_api/`) beside gRPC, on the same host; 0: off.
     http_port: int = 8000
+    # Rollout controls over HTTP (/sleep, /wake_up, /pause, /load_weights, ...; 404 without):
+    # they stop or change the engine for every client, so a server offers them only when asked.
+    enable_control_endpoints: bool = False
     # The `model` name HTTP clients use (empty: the model folder's name).
     served_model_name: str = ""
     # OpenAI tools and reasoning (openai_api/): tool_choice "auto" parses calls out of the

@@ -149,6 +149,19 @@ class BlockManager:
         self._cached.add(block_hash, block)
         return True
 
+    def reset_cache(self) -> int:
+        """Forget every block's hash: nothing is found by `lookup` until blocks are filled
+        and registered again (new weights, or KV freed by sleep, make the old KV wrong).
+        Evictable blocks become free; blocks in use stay with their holders, unhashed.
+        Returns how many blocks had a hash."""
+        hashed = [b for b in range(self.num_blocks) if self._cached.has(b)]
+        for block in hashed:
+            self._cached.remove(block)
+            if self._refcount[block] == 0:
+                self._evictable.remove(block)
+                self._free.append(block)
+        return len(hashed)
+
     def _pop_free(self) -> int:
         if self._free:
             block = self._free.popleft()

@@ -35,6 +35,7 @@ from tandem_serve.proto.request_params import FinishReason
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
+from tandem_serve.scheduler.control import ControlGate
 from tandem_serve.scheduler.guided import constraint_id
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.speculation import SpecCounts
@@ -79,6 +80,7 @@ class Scheduler:
         self.spec = SpecCounts(params.num_speculative_tokens,
                                params.num_blocks * params.block_size)
         self.clock = time.monotonic  # tests replace it
+        self.gate = ControlGate()  # the rollout controls' holds (scheduler/control.py)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -207,7 +209,16 @@ class Scheduler:
     # ================================================================== planning
 
     def ready_to_plan(self) -> bool:
+        if self.gate.paused:
+            return False
+        if self.gate.holds_admission():  # only what runs already (and drops) make a plan
+            return self.state.pipeline_has_room() and self.state.has_running_work()
         return self.state.pipeline_has_room() and self.state.has_work()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block (the one place the prefix index is cleared);
+        how many blocks had a hash."""
+        return self.state.blocks.reset_cache()
 
     def build_plan(self) -> StepPlan:
         """Running requests first (decodes, then prefill chunks), then the waiting queue."""
@@ -222,7 +233,9 @@ class Scheduler:
         if not draft.chunks:
             draft.budget.prefill_only()
         self._continue_prefills(draft)
-        if len(draft.preempt) == draft.yielded:  # blocks ran short for running ones: admit nobody
+        # Blocks ran short for running requests (other than to yield to a higher priority), or a
+        # control holds admission: admit nobody.
+        if len(draft.preempt) == draft.yielded and not self.gate.holds_admission():
             self._admit_waiting(draft)
         drop = self.state.take_pending_drops(draft.plan_id)
         # Before _advance: requests that finish by counts inside this plan still need theirs.

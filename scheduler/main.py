@@ -19,6 +19,7 @@ from tandem_serve.ipc.role_loop import Handler, Inbox, RoleLoop
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.control_messages import EngineControl
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import PlanEnding, StepDone, WorkerReady
@@ -26,6 +27,7 @@ from tandem_serve.proto.request_messages import AbortRequest, AddRequest
 from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
+from tandem_serve.scheduler.control import ControlHandler
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports
 
@@ -105,6 +107,7 @@ class SchedulerLoop:
             GuidedLost: Scheduler.on_constraint_lost,
             PlanProcessed: Scheduler.on_plan_processed,
             ProfileControl: lambda sched, msg: self.role.profile(msg),
+            EngineControl: lambda sched, msg: self.controls(sched).on_control(msg),
         }
         return {WorkerReady: self.worker_ready,
                 **{kind: self._received(handle) for kind, handle in on_scheduler.items()}}
@@ -134,6 +137,11 @@ class SchedulerLoop:
             handle(self.sched, early)
         self.early.clear()
 
+    def controls(self, sched: Scheduler) -> ControlHandler:
+        """The rollout controls over this scheduler (scheduler/control.py)."""
+        return ControlHandler(sched.gate, sched.reset_prefix_cache, self.to_frontend.put,
+                              self.to_worker.put)
+
     def add_request(self, sched: Scheduler, msg: AddRequest) -> None:
         rejected = sched.add_request(msg)
         if rejected is not None:
@@ -160,6 +168,8 @@ class SchedulerLoop:
             self.role.maybe_fault(plan.plan_id)
             self.watchdog.sent(plan.plan_id)
             self.to_worker.put(plan)
+        if sched.gate.pending:  # behind the plans just sent, once nothing runs
+            self.controls(sched).forward_ready(len(sched.state.running))
         # Failures come from dispatch and from planning (a request that outgrew the cache).
         for failure in sched.take_failures():
             self.to_frontend.put(failure)

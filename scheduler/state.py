@@ -283,6 +283,10 @@ class SchedulerState:
         startable = bool(self.waiting) and self.constraints.ready(self.waiting[0].sampling)
         return bool(startable or self.running or self._pending_drops)
 
+    def has_running_work(self) -> bool:
+        """Work for a plan without admitting anyone: running requests, or drops to send."""
+        return bool(self.running or self._pending_drops)
+
     def num_outstanding(self) -> int:
         return sum(1 for progress in self._plans.values() if not progress.step_done)
 

@@ -137,6 +137,9 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=d.http_port,
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /health, /metrics) on --host; 0: off")
+    _bool_flag(p, "enable-control-endpoints", d.enable_control_endpoints,
+               "HTTP: the rollout controls POST /sleep?level=N, /wake_up, /pause, /resume, "
+               "/reset_prefix_cache, /load_weights and GET /is_sleeping (404 without)")
     p.add_argument("--served-model-name", default=d.served_model_name,
                    help="the model name HTTP clients send (default: the model folder's name)")
     _bool_flag(p, "enable-auto-tool-choice", d.enable_auto_tool_choice,
@@ -302,6 +305,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(cfg)
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from tandem_serve.ipc.process import setup_logging
+    from tandem_serve.tandem.offline import run_batch
+
+    setup_logging("frontend", args.log_level)
+    return run_batch.run(config_from_args(args), args)
+
+
 def cmd_run_role(args: argparse.Namespace) -> int:
     from tandem_serve.ipc.process import exit_now, init_child
 
@@ -428,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0)
     p.set_defaults(func=cmd_run_role)
+
+    from tandem_serve.tandem.offline import run_batch
+
+    p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, without "
+                                         "a server")
+    add_server_arguments(p)
+    run_batch.add_arguments(p)
+    p.set_defaults(func=cmd_run_batch)
 
     p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
     from tandem_serve.harness.tiny_model import add_arguments

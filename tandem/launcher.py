@@ -18,6 +18,7 @@ set.  On every exit the children, sockets, run folder and shm segments are remov
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -74,7 +75,7 @@ class Launcher:
             self.cfg = cfg
         else:
             self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-")
-            addr = Addresses.local(self.run_dir, str(os.getpid()), cfg.num_postproc_workers,
+            addr = Addresses.local(self.run_dir, _ring_tag(), cfg.num_postproc_workers,
                                    cfg.shm_ring)
             if cfg.tensor_parallel_size > 1 and not cfg.dist_init_addr:
                 cfg = cfg.replace(dist_init_addr=free_local_addr())  # every rank is here
@@ -276,6 +277,16 @@ class Launcher:
             self._replace(message)
         else:
             self._fail(message)
+
+
+_launchers = itertools.count()
+
+
+def _ring_tag() -> str:
+    """The pid, and after the first launcher of a process a count: the offline API may run
+    several engines in one process, each with a ring of its own."""
+    n = next(_launchers)
+    return f"{os.getpid()}" if n == 0 else f"{os.getpid()}_{n}"
 
 
 def _dump_stacks(child: Child) -> bool:

@@ -208,14 +208,7 @@ class FrontendMain:
     # ------------------------------------------------------------------ readiness
 
     def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
-        assert engine.limits is not None
-        return Limits(max_model_len=engine.limits.max_model_len,
-                      max_new_tokens=self.cfg.max_new_tokens,
-                      default_max_new_tokens=self.cfg.default_max_new_tokens,
-                      vocab_size=engine.limits.vocab_size,
-                      eos_token_ids=tuple(tok.eos_token_ids),
-                      include_stop_sequence=self.cfg.include_stop_sequence,
-                      priority_scheduling=self.cfg.scheduling_policy == "priority")
+        return engine_limits(self.cfg, engine, tok)
 
     async def _become_ready(self, s: Servers) -> None:
         frontend = s.frontend
@@ -228,7 +221,7 @@ class FrontendMain:
                 GuidedCompiler.for_tokenizer, tok,
                 guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
-        await _warm_up(engine, tok)
+        await warm_up(engine, tok)
         freeze_heap()  # before the first client: no full collection walks start-up's objects
         await s.set_ready(True)
         frontend.serving = True
@@ -279,7 +272,19 @@ class FrontendMain:
             os._exit(128 + sig)
 
 
-async def _warm_up(engine: EngineClient, tok: Tokenizer) -> None:
+def engine_limits(cfg: ServerConfig, engine: EngineClient, tok: Tokenizer) -> Limits:
+    """What requests are validated against, once the gpu worker reported in."""
+    assert engine.limits is not None
+    return Limits(max_model_len=engine.limits.max_model_len,
+                  max_new_tokens=cfg.max_new_tokens,
+                  default_max_new_tokens=cfg.default_max_new_tokens,
+                  vocab_size=engine.limits.vocab_size,
+                  eos_token_ids=tuple(tok.eos_token_ids),
+                  include_stop_sequence=cfg.include_stop_sequence,
+                  priority_scheduling=cfg.scheduling_policy == "priority")
+
+
+async def warm_up(engine: EngineClient, tok: Tokenizer) -> None:
     """One short greedy request through every process before readiness turns on."""
     ids = tok.encode("warm up") or [0]
     sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))
