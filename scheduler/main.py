@@ -20,6 +20,7 @@ from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
+from tandem_serve.proto.kv_events import parse_kv_events
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import PlanEnding, StepDone, WorkerReady
 from tandem_serve.proto.request_messages import AbortRequest, AddRequest
@@ -27,6 +28,7 @@ from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.scheduler.kv_events import KvEventPublisher
 from tandem_serve.scheduler.stats import STATS_INTERVAL, Reports
 
 log = logging.getLogger("tandem.scheduler")
@@ -60,7 +62,9 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
         max_loras=cfg.max_loras if cfg.adapter_cache else 0,
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        num_host_blocks=ready.num_host_blocks,
+        record_kv_events=parse_kv_events(cfg.kv_events_config).publishing)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:
@@ -90,6 +94,7 @@ class SchedulerLoop:
         self.early: list[tuple[OnScheduler, object]] = []  # what came before that
         self.watchdog = PlanWatchdog(cfg.step_timeout)  # supervision: a plan that never ends
         self.reports = Reports(to_frontend)
+        self.kv_events: KvEventPublisher | None = None  # --kv-events-config
 
     def handlers(self) -> dict[type, Handler]:
         on_scheduler: dict[type, OnScheduler] = {
@@ -125,6 +130,12 @@ class SchedulerLoop:
             return
         self.sched = Scheduler(make_params(self.cfg, msg))
         params = self.sched.params
+        if params.record_kv_events:
+            self.kv_events = self.role.own(KvEventPublisher(
+                parse_kv_events(self.cfg.kv_events_config), params.block_size))
+        if params.num_host_blocks:
+            log.info("host KV tier: %d blocks of %d tokens", params.num_host_blocks,
+                     params.block_size)
         log.info("ready: %d KV blocks of %d, max_model_len %d, %d tokens per %s",
                  msg.num_kv_blocks, msg.block_size, msg.max_model_len,
                  params.max_num_batched_tokens, "plan" if params.prefill_phase else "step")
@@ -162,6 +173,8 @@ class SchedulerLoop:
         # Failures come from dispatch and from planning (a request that outgrew the cache).
         for failure in sched.take_failures():
             self.to_frontend.put(failure)
+        if self.kv_events is not None:  # what planning (or a cache reset) changed
+            self.kv_events.publish(sched.take_kv_events())
         wanted = sched.take_wanted_constraints()
         if wanted:
             self.to_frontend.put(GuidedWanted(wanted))
