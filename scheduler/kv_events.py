@@ -9,12 +9,14 @@ before events became maps keyed by field name):
   sequence number (0, 1, 2, ... with no gaps) as 8 bytes big-endian, and the payload;
 * the payload is msgpack of ``KVEventBatch`` = ``[ts, [event, ...], data_parallel_rank]``
   (ts: time.time(); rank 0: one engine per Tandem server);
-* each event is a tagged array, its class name first:
+* each event is a tagged array, its class name first, every field written (msgspec's
+  omit_defaults does not shorten array-like structs), as in vLLM's last array-like schema:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-  medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]`` (defaulted trailing fields are omitted, as msgspec's
-  omit_defaults does; a subscriber with the older six-field BlockStored, which ends at
-  `medium`, reads it too: msgspec ignores trailing extras).
+  medium, lora_name, extra_keys, group_idx]``, ``["BlockRemoved", block_hashes, medium,
+  group_idx]``, ``["AllBlocksCleared"]`` (extra_keys and group_idx are nil: no
+  multimodal keys, one KV cache group).  Subscribers built on an older array-like schema
+  (v0.10.2-v0.11: BlockStored ends at `medium`, BlockRemoved at `medium`) read it too:
+  msgspec ignores trailing extras of an array-like struct.
 * block hashes are vLLM's default external form (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1):
   the last 8 bytes of the block's digest as an unsigned big-endian integer.  The same
   block has the same hash on both media, "GPU" (the device cache, whatever the device)
@@ -73,9 +75,9 @@ def wire_event(event: KvEvent, block_size: int) -> list[object]:
         parent = None if event.parent is None else wire_hash(event.parent)
         return ["BlockStored", [wire_hash(h) for h in event.hashes], parent, event.token_ids,
                 block_size, lora_int_id(event.adapter_id), event.medium,
-                event.adapter_id or None]
+                event.adapter_id or None, None, None]  # extra_keys, group_idx
     if isinstance(event, Removed):
-        return ["BlockRemoved", [wire_hash(h) for h in event.hashes], event.medium]
+        return ["BlockRemoved", [wire_hash(h) for h in event.hashes], event.medium, None]
     assert isinstance(event, Cleared)
     return ["AllBlocksCleared"]
 
