@@ -120,7 +120,8 @@ def build_dataset(config: BenchConfig, tokenizer: Any, *, warmup: bool = False
                         num_prompts=config.warmup if warmup else config.num_prompts,
                         input_len=config.input_len, output_len=config.output_len,
                         range_ratio=config.range_ratio, prefix_len=config.prefix_len,
-                        dataset_path=config.dataset_path, seed=config.seed, warmup=warmup)
+                        dataset_path=config.dataset_path, seed=config.seed, warmup=warmup,
+                        turns=config.turns)
 
 
 async def run_benchmark(config: BenchConfig, *, items: Sequence[BenchItem] | None = None,

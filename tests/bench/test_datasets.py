@@ -236,3 +236,19 @@ def test_infinite_rate_sends_all_at_once() -> None:
     assert arrival_offsets(0, 1.0) == []
     with pytest.raises(ValueError):
         arrival_offsets(3, 0.0)
+
+
+def test_multi_turn_conversations_grow_turn_by_turn(any_tok: Tokenizer) -> None:
+    items = load_dataset("multi-turn", any_tok, num_prompts=7, input_len=12, output_len=4,
+                         prefix_len=20, seed=3, turns=3)
+    assert [i.index for i in items] == list(range(7))
+    # Three conversations, round-robin: turns 1 of 0, 1, 2, then turns 2, then turn 3 of 0.
+    for earlier, later in ((0, 3), (1, 4), (2, 5), (3, 6)):
+        a, b = items[earlier], items[later]
+        assert b.prompt.startswith(a.prompt)
+        assert any_tok.encode(b.prompt)[:a.prompt_len] == any_tok.encode(a.prompt)
+        assert 8 <= b.prompt_len - a.prompt_len <= 16
+    assert not items[1].prompt.startswith(items[0].prompt)
+    with pytest.raises(ValueError, match="--turns"):
+        load_dataset("multi-turn", any_tok, num_prompts=2, input_len=4, output_len=1,
+                     turns=0)

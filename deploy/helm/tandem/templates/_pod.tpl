@@ -110,9 +110,18 @@ image: {{ include "tandem.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 args:
   {{- include "tandem.serveArgs" . | trim | nindent 2 }}
-{{- with .Values.server.env }}
+{{- if or .Values.server.env .Values.kvCache.events.enabled }}
 env:
+{{- if .Values.kvCache.events.enabled }}
+  # For the KV events' topic ($(POD_IP) in kvCache.events.topic): routers key on the pod.
+  - name: POD_IP
+    valueFrom:
+      fieldRef:
+        fieldPath: status.podIP
+{{- end }}
+{{- with .Values.server.env }}
   {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 ports:
   - name: grpc
