@@ -100,7 +100,7 @@ class KvEventPublisher:
     def __init__(self, cfg: KvEventsConfig, block_size: int) -> None:
         self.block_size = block_size
         self.topic = cfg.topic.encode()
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context = zmq.Context.instance()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.set_hwm(cfg.hwm)
         self.pub.setsockopt(zmq.LINGER, 0)

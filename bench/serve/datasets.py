@@ -250,12 +250,11 @@ def file_dataset(path: str | Path, num_prompts: int, output_len: int,
 
 def load_dataset(name: str, tok: TokenizerLike | None, *, num_prompts: int, input_len: int,
                  output_len: int, range_ratio: float = 0.0, prefix_len: int = 0,
-                 dataset_path: str = "", seed: int = 0, warmup: bool = False,
-                 turns: int = 4) -> list[BenchItem]:
+                 dataset_path: str = "", seed: int = 0, warmup: bool = False
+                 ) -> list[BenchItem]:
     """Build a dataset by name. `warmup=True` draws different prompts from the same seed,
     so warm-up requests do not pre-fill the prefix cache with the measured prompts."""
-    stream = _STREAM_WARMUP if warmup else _STREAM_DATASET
-    rng = np.random.default_rng([seed, stream])
+    rng = dataset_rng(seed, warmup)
     if name == "file":
         if not dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
@@ -271,9 +270,13 @@ def load_dataset(name: str, tok: TokenizerLike | None, *, num_prompts: int, inpu
         return shared_prefix_dataset(tok, num_prompts, prefix_len, input_len, output_len,
                                      range_ratio, rng=rng, prefix_rng=prefix_rng)
     if name == "multi-turn":
-        return multi_turn_dataset(tok, num_prompts, prefix_len, input_len, output_len, turns,
-                                  rng)
+        return multi_turn_dataset(tok, num_prompts, prefix_len, input_len, output_len, 4, rng)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def dataset_rng(seed: int, warmup: bool = False) -> np.random.Generator:
+    """The draws of a dataset (`warmup`: of its warm-up requests, apart from the measured)."""
+    return np.random.default_rng([seed, _STREAM_WARMUP if warmup else _STREAM_DATASET])
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int = 0) -> list[float]:
