@@ -397,6 +397,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
+    ("offload", "offload.main", "host KV tier vs device cache alone: re-send and multi-turn TTFT"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
