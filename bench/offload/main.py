@@ -31,7 +31,8 @@ from tandem_serve.bench.serve.datasets import (
 from tandem_serve.bench.serve.run import load_tokenizer, run_benchmark
 from tandem_serve.harness.server import Served, serving
 
-ARMS = (("device cache only", []), ("with host tier", ["--kv-offloading-size"]))
+ARMS: tuple[tuple[str, list[str]], ...] = (
+    ("device cache only", []), ("with host tier", ["--kv-offloading-size"]))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -18,27 +18,14 @@ vLLM's is); the scheduler only indexes it, so it may run on another host.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 
 import torch
 
-from tandem_serve.ipc.process import StartupError
+from tandem_serve.ipc.process import StartupError, available_host_bytes
 from tandem_serve.proto.plan_messages import StepPlan
 
 log = logging.getLogger(__name__)
-
-
-def available_host_bytes() -> int:
-    """Memory the host can still give without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class HostKvPool:
