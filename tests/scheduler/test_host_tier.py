@@ -130,6 +130,11 @@ def test_random_workload_with_a_host_tier(async_mode: bool, num_host_blocks: int
 
 
 def test_random_workload_with_a_host_tier_and_adapters() -> None:
-    p = small_cache(4, True, num_host_blocks=32, max_loras=2)
+    p = small_cache(4, True, num_host_blocks=32, max_loras=2, record_kv_events=True)
     sim = Simulation(p, seed=9, adapters=3, p_guided=0.0).run()
     assert sim.worker.copied[1] > 0
+    stored = [e for e in sim.sched.take_kv_events() if isinstance(e, Stored)]
+    # KV computed under an adapter is its own (its hash chain starts from the adapter's
+    # salt), and its events say which adapter, on both media.
+    assert {e.adapter_id for e in stored if e.medium == GPU} >= {"", "lora-0", "lora-1"}
+    assert {e.adapter_id for e in stored if e.medium == CPU} - {""}
