@@ -27,7 +27,9 @@ class KvEventsConfig:
     replay_endpoint: str = ""  # ROUTER address serving replays ("": none)
     buffer_steps: int = 10_000  # batches kept for replay
     hwm: int = 100_000  # the PUB socket's send high-water mark
-    max_queue_size: int = 100_000  # batches waiting to be sent before the oldest are dropped
+    # vLLM's publisher thread's queue; accepted (and checked) for the same JSON to work,
+    # but Tandem's scheduler sends each batch itself and queues nothing.
+    max_queue_size: int = 100_000
     topic: str = ""
 
     @property

@@ -133,9 +133,11 @@ class SchedulerLoop:
         if params.record_kv_events:
             self.kv_events = self.role.own(KvEventPublisher(
                 parse_kv_events(self.cfg.kv_events_config), params.block_size))
-        if params.num_host_blocks:
+        if params.num_host_blocks and params.enable_prefix_caching:
             log.info("host KV tier: %d blocks of %d tokens", params.num_host_blocks,
                      params.block_size)
+        elif params.num_host_blocks:
+            log.warning("host KV tier unused: prefix caching is off")
         log.info("ready: %d KV blocks of %d, max_model_len %d, %d tokens per %s",
                  msg.num_kv_blocks, msg.block_size, msg.max_model_len,
                  params.max_num_batched_tokens, "plan" if params.prefill_phase else "step")
