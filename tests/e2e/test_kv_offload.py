@@ -126,6 +126,9 @@ def test_a_resent_prompt_comes_back_from_the_host_tier(
     after = settled(server, mid)
     host_hits = after[0] - mid[0]
     assert host_hits >= 0.9 * full * BLOCK, (host_hits, full, after[1] - mid[1], took)
+    scrape = Scrape(f"http://127.0.0.1:{server.http_port}/metrics")
+    assert 0 < scrape.total("tandem_kv_offload_usage_ratio") <= 1
+    assert scrape.total("tandem_kv_offload_blocks") > full
     assert not [e for e in sub.drain() if isinstance(e, vllm.BlockStored)
                 and e.medium == "GPU" and set(e.block_hashes) - set(hashes)], (
         "re-sending a prompt stored blocks it did not have before")
@@ -143,8 +146,9 @@ def test_concurrent_shared_prefixes_under_eviction_equal_hf(
     jobs = [(f"{prefixes[i % 2]} question {i}: {text_of(rng, rng.randint(2, 12))}", 12)
             for i in range(8)]
     want = hf_greedy(fast_model_dir, jobs)
+    before = counters(server)
     for _ in range(2):  # the second round finds the prefixes on the device or the host
         with ThreadPoolExecutor(len(jobs)) as pool:
             got = list(pool.map(lambda job: generate(server, *job), jobs))
         assert got == want
-    assert counters(server)[0] > 0
+    assert settled(server, before)[0] > before[0], "no prefix came back from the host tier"
