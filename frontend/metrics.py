@@ -34,6 +34,9 @@ RUNNING = Gauge("tandem_num_requests_running", "Requests holding KV blocks")
 WAITING = Gauge("tandem_num_requests_waiting", "Queued requests (preempted included)")
 KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use")
 PREFIX_HIT = Gauge("tandem_prefix_cache_hit_ratio", "Prompt tokens served from the cache")
+HOST_TIER_USAGE = Gauge("tandem_kv_offload_usage_ratio",
+                        "Share of the host KV tier's blocks in use (--kv-offloading-size)")
+HOST_TIER_BLOCKS = Gauge("tandem_kv_offload_blocks", "Blocks the host KV tier holds in all")
 PREEMPTIONS = Gauge("tandem_num_preemptions", "Preemptions since start")
 DEVICE_BUSY = Gauge("tandem_device_busy_ratio", "Gpu worker time inside plans / uptime")
 WASTED = Gauge("tandem_tokens_after_finish", "Tokens computed after a request finished")
@@ -108,6 +111,9 @@ def on_stats(s: EngineStats) -> None:
     if s.prefix_query_tokens:
         PREFIX_HIT.set(s.prefix_hit_tokens / s.prefix_query_tokens)
     PREEMPTIONS.set(s.num_preemptions)
+    if s.host_blocks_total:
+        HOST_TIER_BLOCKS.set(s.host_blocks_total)
+        HOST_TIER_USAGE.set(s.host_blocks_used / s.host_blocks_total)
     if s.uptime_s > 0:
         DEVICE_BUSY.set(min(1.0, s.worker_busy_s / s.uptime_s))
     WASTED.set(s.tokens_after_finish)

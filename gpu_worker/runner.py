@@ -27,6 +27,7 @@ from tandem_serve.gpu_worker.attention.kv_cache import (
     blocks_for,
     resolve_kv_dtype,
 )
+from tandem_serve.gpu_worker.attention.kv_offload import HostKvPool
 from tandem_serve.gpu_worker.attention.registry import check_backend, select_backend
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
@@ -117,6 +118,11 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks,
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
+        # The host KV tier (--kv-offloading-size): every KV tensor's blocks, the draft's too.
+        self.host_pool = _host_pool(cfg, self.kv_caches, self.proposer, self.device)
+        self.num_host_blocks = self.host_pool.num_slots if self.host_pool else 0
+        if tp is not None:
+            self.num_host_blocks = tp.min_int(self.num_host_blocks)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
                   and self.attention.decode_graphs)
@@ -193,6 +199,8 @@ class ModelRunner:
         ends (paced planning: the scheduler then builds the next one)."""
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
+            if self.host_pool is not None:  # before the forwards, in the plan's order
+                self.host_pool.run(plan)
             self.table.apply(plan)
         layout = lay_out(self.requests.values(), plan.num_steps, plan.prefill_phase)
         if ending is not None and not layout.decoding:  # no steps to time: ask now
@@ -313,6 +321,15 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
              model.config.architecture, dtype, device)
     return model
+
+
+def _host_pool(cfg: WorkerConfig, caches: list[tuple[torch.Tensor, torch.Tensor]],
+               proposer: object, device: torch.device) -> HostKvPool | None:
+    if cfg.kv_offloading_gib <= 0:
+        return None
+    draft = getattr(proposer, "caches", [])  # a draft model's cache mirrors our block ids
+    return HostKvPool([t for kv in (*caches, *draft) for t in kv], cfg.kv_offloading_gib,
+                      device)
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,

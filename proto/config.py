@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_serve.proto.kv_events import parse_kv_events
 from tandem_serve.proto.speculative import (
     SpeculativeConfig,
     parse_speculative,
@@ -81,6 +82,13 @@ class ServerConfig:
     # of bf16 in the same memory; `gpu_worker.attention.kv_cache`).  vLLM's spellings.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # The host-memory KV tier (vLLM's --kv-offloading-size): GiB of host memory, summed over
+    # the tensor-parallel ranks, that blocks evicted from the device cache move to and come
+    # back from instead of being recomputed (`gpu_worker/attention/kv_offload.py`,
+    # `scheduler/host_tier.py`); 0: off.
+    kv_offloading_size: float = 0.0
+    # Published prefix-cache changes (`proto.kv_events`): vLLM's KVEventsConfig as JSON.
+    kv_events_config: str = ""
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
     # The waiting queue's order (`scheduler.priority`): "fcfs", or "priority" (a request's
@@ -216,6 +224,7 @@ class ServerConfig:
             attention_backend=self.attention_backend, adapter_cache=self.adapter_cache,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
+            kv_offloading_gib=self.kv_offloading_size / self.tensor_parallel_size,
             speculative=parse_speculative(self.speculative_config))
 
     def worker_role(self, rank: int) -> str:
@@ -250,6 +259,7 @@ class WorkerConfig:
     max_lora_rank: int = 16
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
+    kv_offloading_gib: float = 0.0  # this rank's host KV tier (0: off)
 
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.
@@ -258,7 +268,8 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "num_scheduler_steps": (1, 1024), "max_num_seqs": (1, None),
     "max_num_batched_tokens": (0, None), "max_model_len": (0, None),
     "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
-    "kv_cache_memory": (0, None), "max_queued_requests": (1, None),
+    "kv_cache_memory": (0, None), "kv_offloading_size": (0, 1 << 20),
+    "max_queued_requests": (1, None),
     "max_queued_tokens": (1, None), "max_stream_buffer_bytes": (0, None),
     "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
@@ -299,6 +310,13 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
+    try:
+        parse_kv_events(cfg.kv_events_config)
+    except ValueError as exc:
+        out.append(str(exc))
+    if cfg.kv_offloading_size and not cfg.enable_prefix_caching:
+        out.append("--kv-offloading-size needs prefix caching (the host tier is indexed by "
+                   "the prefix cache's block hashes): drop --no-prefix-caching")
     return out + _parallel_problems(cfg)
 
 

@@ -37,6 +37,8 @@ from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hash
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
 from tandem_serve.scheduler.control import ControlGate
 from tandem_serve.scheduler.guided import constraint_id
+from tandem_serve.scheduler.host_tier import KvEvent
+from tandem_serve.scheduler.kv_events import record_stored
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.speculation import SpecCounts
 from tandem_serve.scheduler.state import (
@@ -218,7 +220,7 @@ class Scheduler:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prompt block (the one place the prefix index is cleared);
         how many blocks had a hash."""
-        return self.state.blocks.reset_cache()
+        return self.state.blocks.clear()
 
     def build_plan(self) -> StepPlan:
         """Running requests first (decodes, then prefill chunks), then the waiting queue."""
@@ -243,6 +245,9 @@ class Scheduler:
         self._advance(draft)
         plan = self._issue(draft, drop)
         plan.tables, plan.drop_tables = tables, drop_tables
+        copies = self.state.tier.take_copies()  # the host tier's, run before the forwards
+        plan.offload_blocks, plan.offload_slots = copies.offload_blocks, copies.offload_slots
+        plan.onload_slots, plan.onload_blocks = copies.onload_slots, copies.onload_blocks
         return plan
 
     def _yield_to_priority(self, draft: _Draft) -> None:
@@ -259,6 +264,9 @@ class Scheduler:
         """Whether `head` would find blocks for its first plan once `victims` are freed."""
         needed = self.state.blocks.blocks_for(head.num_tokens - 1 + self._steps(head))
         return needed <= self.state.blocks.num_free + sum(len(v.blocks) for v in victims)
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's changes since the last call (vLLM's KV events)."""
+        return self.state.tier.take_events()
 
     def _continue_decodes(self, draft: _Draft) -> None:
         for req in list(self.state.running):
@@ -319,9 +327,10 @@ class Scheduler:
         if not self.state.constraints.ready(req.sampling):
             return False  # its constraint's table is on its way from the frontend
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
-        hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
-            self._cacheable_hashes(req))
-        num_cached = len(hits) * self.params.block_size
+        hashes = [] if req.sampling.prompt_logprobs else self._cacheable_hashes(req)
+        hits = self.state.blocks.lookup(hashes)
+        host = self.state.tier.lookup(hashes[len(hits):])  # then the host tier's run
+        num_cached = (len(hits) + len(host)) * self.params.block_size
         split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
                                    context=num_cached)
         if split is None:
@@ -331,12 +340,15 @@ class Scheduler:
         if num_new > self.state.blocks.num_free - self.state.blocks.num_evictable(hits):
             return False
         self.state.blocks.take(hits)
-        req.blocks = hits + self.state.blocks.allocate(num_new)
+        self.state.tier.pin(host)  # before allocating: evictions offload into other slots
+        new_blocks = self.state.blocks.allocate(num_new)
+        self.state.tier.onload(host, new_blocks[:len(host)])
+        req.blocks = hits + new_blocks
         if req.adapter_id and not req.lora_slot:  # a preempted request kept its slot
             req.lora_slot, load = self.state.lora.take(req.adapter_id)
             if load is not None:
                 draft.loads.append(load)
-        self.state.start_running(req, num_cached, len(hits), self.clock())
+        self.state.start_running(req, num_cached, len(hits), self.clock(), len(host))
         draft.schedule(req, split)
         draft.new.append(self._new_request_message(req, num_cached, split))
         req.known_to_worker = True
@@ -430,9 +442,12 @@ class Scheduler:
         # after this plan wrote them.  Registered at the end of planning, they cannot be hit
         # by another request of this same plan, whose forward may run alongside.
         filled = min(req.num_computed // self.params.block_size, len(req.prompt_block_hashes))
-        for index in range(req.num_registered_blocks, filled):
-            self.state.blocks.register(req.blocks[index], req.prompt_block_hashes[index])
+        stored = [index for index in range(req.num_registered_blocks, filled)
+                  if self.state.blocks.register(req.blocks[index],
+                                                req.prompt_block_hashes[index])]
         req.num_registered_blocks = max(req.num_registered_blocks, filled)
+        if stored and self.state.tier.record_events:
+            record_stored(self.state.tier, req, stored)
 
     def _new_request_message(self, req: Request, num_cached: int, split: Split) -> NewRequest:
         if req.known_to_worker:  # resuming: the worker kept the history and sampling params

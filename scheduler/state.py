@@ -19,6 +19,7 @@ from tandem_serve.proto.request_messages import RequestFailed, RequestRejected
 from tandem_serve.proto.request_params import FinishReason, GuidedKind
 from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
+from tandem_serve.scheduler.host_tier import KvTier
 from tandem_serve.scheduler.lora_slots import LoraSlots
 from tandem_serve.scheduler.priority import WaitingPolicy
 from tandem_serve.scheduler.requests import Request, RequestStatus, TokenLedger
@@ -59,6 +60,10 @@ class SchedulerParams:
     # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
     num_speculative_tokens: int = 0
     scheduling_policy: str = "fcfs"  # or "priority" (`scheduler.priority`)
+    # The host KV tier's blocks (0: off; `scheduler/host_tier.py`), and whether the prefix
+    # cache's changes are recorded for vLLM's KV events (`scheduler/kv_events.py`).
+    num_host_blocks: int = 0
+    record_kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class SchedulerStats:
     adapter_loads: int = 0
     running_adapters: tuple[str, ...] = ()  # of running requests, in order of first appearance
     waiting_adapters: tuple[str, ...] = ()  # of waiting (and preempted) requests, likewise
+    external_query_tokens: int = 0  # the host tier's (vLLM's external_prefix_cache_*)
+    external_hit_tokens: int = 0
+    host_blocks_used: int = 0
 
 
 @dataclass
@@ -101,6 +109,11 @@ class SchedulerState:
         self.params = params
         self.blocks = BlockManager(params.num_blocks, params.block_size,
                                    params.enable_prefix_caching)
+        self.tier = KvTier(params.num_blocks, params.block_size,
+                           params.num_host_blocks if params.enable_prefix_caching else 0,
+                           params.record_kv_events and params.enable_prefix_caching)
+        if self.tier.active:
+            self.blocks.observer = self.tier
         self.lora = LoraSlots(params.max_loras)
         self.constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self.ledger = TokenLedger()
@@ -137,9 +150,11 @@ class SchedulerState:
         return RequestRejected(request_id, why)
 
     def start_running(self, req: Request, num_cached: int, num_hit_blocks: int,
-                      now: float) -> None:
-        """The head of the waiting queue runs, its first `num_cached` tokens from the cache;
-        `now` on the frontend's clock, for its queue time when it runs for the first time."""
+                      now: float, num_host_blocks: int = 0) -> None:
+        """The head of the waiting queue runs, its first `num_cached` tokens from the cache
+        (`num_hit_blocks` of them the device's, `num_host_blocks` the host tier's, which
+        are registered once the plan is built); `now` on the frontend's clock, for its queue
+        time when it runs for the first time."""
         if not req.known_to_worker:
             self._queue_times.append(max(0.0, now - req.arrival_time))
             self._queue_ids.append(req.request_id)
@@ -156,6 +171,7 @@ class SchedulerState:
             self._prefix_queries += 1
             self._prefix_query_tokens += req.num_tokens
             self._prefix_hit_blocks += num_hit_blocks
+            self.tier.count_query(req.num_tokens, num_host_blocks)
 
     def preempt(self, req: Request) -> None:
         """Recompute, not swap: the worker frees the KV and keeps the token history, and the
@@ -318,11 +334,15 @@ class SchedulerState:
             adapter_loads=self.lora.num_loads,
             running_adapters=adapters_of(self.running) if self.params.max_loras else (),
             waiting_adapters=adapters_of(self.waiting) if self.params.max_loras else (),
+            external_query_tokens=self.tier.query_tokens,
+            external_hit_tokens=self.tier.hit_tokens,
+            host_blocks_used=self.tier.num_used,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the scheduler's bookkeeping contradicts itself."""
         self.blocks.check_invariants()
+        self.tier.check_invariants()
         self._check_queues()
         holders: Counter[int] = Counter()
         for req in self.running:

@@ -71,6 +71,15 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type: auto (the model dtype) or fp8 (= fp8_e4m3: "
                         "float8 e4m3, scale 1.0, twice the blocks of bfloat16 per GiB)")
     _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
+    p.add_argument("--kv-offloading-size", type=float, default=d.kv_offloading_size,
+                   metavar="GIB",
+                   help="host-memory KV tier: GiB of host memory (summed over tensor-parallel "
+                        "ranks; pinned on CUDA) that blocks evicted from the device cache move "
+                        "to, and come back from instead of being recomputed (0: off)")
+    p.add_argument("--kv-events-config", default=d.kv_events_config, metavar="JSON",
+                   help='publish prefix-cache events as vLLM does: {"enable_kv_cache_events": '
+                        'true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": ""} (default: off)')
     p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
     p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
     p.add_argument("--scheduling-policy", default=d.scheduling_policy,
@@ -418,6 +427,7 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("guided", "guided.main", "TPOT and throughput with guided requests, per kind"),
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
+    ("offload", "offload.main", "host KV tier vs device cache alone: re-send and multi-turn TTFT"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 

@@ -27,7 +27,7 @@ def test_reset_cache_forgets_every_hash_and_frees_evictable_blocks() -> None:
         assert bm.register(block, digest)
     assert bm.lookup(hashes) == held
     bm.free(held[1:])  # one block evictable, one still in use
-    assert bm.reset_cache() == 2
+    assert bm.clear() == 2
     assert bm.lookup(hashes) == [] and bm.num_cached == 0
     assert bm.num_free == 7
     bm.check_invariants()

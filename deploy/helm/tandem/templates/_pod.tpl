@@ -110,7 +110,7 @@ image: {{ include "tandem.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 args:
   {{- include "tandem.serveArgs" . | trim | nindent 2 }}
-{{- if or .Values.server.env .Values.server.apiKey.existingSecret }}
+{{- if or .Values.server.env .Values.server.apiKey.existingSecret .Values.kvCache.events.enabled }}
 env:
 {{- with .Values.server.apiKey.existingSecret }}
   # --api-key, out of every command line.
@@ -119,6 +119,13 @@ env:
       secretKeyRef:
         name: {{ . | quote }}
         key: {{ $.Values.server.apiKey.secretKey | quote }}
+{{- end }}
+{{- if .Values.kvCache.events.enabled }}
+  # For the KV events' topic ($(POD_IP) in kvCache.events.topic): routers key on the pod.
+  - name: POD_IP
+    valueFrom:
+      fieldRef:
+        fieldPath: status.podIP
 {{- end }}
 {{- with .Values.server.env }}
   {{- toYaml . | nindent 2 }}
