@@ -20,13 +20,14 @@ import numpy as np
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.constraints import ConstraintSender
+from tandem_serve.frontend.liveness import Liveness
 from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
 from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.control_messages import Ready
+from tandem_serve.proto.control_messages import ControlDone, EngineControl, Ready
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable, GuidedWanted
 from tandem_serve.proto.monitor_messages import (
     EngineStats,
@@ -120,7 +121,11 @@ class EngineClient:
         self.ready = asyncio.Event()
         self.dead: str | None = None  # set when a process of the engine died
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
+        # Request traces: the scheduler's per-request queue times (ids, seconds).
+        self.on_queue_times: Callable[[list[int], list[float]], None] | None = None
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
+        self.liveness = Liveness(cfg.liveness_timeout, time.monotonic())  # GET /live
+        self.on_control: Callable[[ControlDone], None] | None = None  # engine_control.py
         self._reader: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -161,10 +166,16 @@ class EngineClient:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
+                self.liveness.on_stats(msg, time.monotonic())
+                if self.on_queue_times is not None:
+                    self.on_queue_times(msg.queue_time_ids, msg.queue_times_s)
                 metrics.on_stats(msg)
                 self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):
                 metrics.on_postproc_stats(msg)
+            elif isinstance(msg, ControlDone):
+                if self.on_control is not None:
+                    self.on_control(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -211,6 +222,7 @@ class EngineClient:
         self._ready_postproc.clear()
         self.ready.clear()
         self.stats = None
+        self.liveness.reset(time.monotonic())
 
     def new_request_id(self) -> int:
         return next(self._ids)
@@ -308,6 +320,10 @@ class EngineClient:
                 return None
         stream.buf.took(item)
         return item
+
+    def control(self, msg: EngineControl) -> None:
+        """A rollout control, to the scheduler (`frontend/engine_control.py`)."""
+        self._to_scheduler.put(msg)
 
     def abort(self, rid: int) -> None:
         if self.dead:

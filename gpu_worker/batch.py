@@ -86,6 +86,14 @@ def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
     return out
 
 
+def _pad_float(rows: list[list[float]]) -> np.ndarray:
+    width = max(1, max((len(r) for r in rows), default=1))
+    out = np.zeros((len(rows), width), dtype=np.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.device,
                        guided: GuidedRegistry | None = None,
                        join_steps: list[int] | None = None, stride: int = 1) -> DecodeBatch:
@@ -127,6 +135,10 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
             out = torch.tensor(r.history[r.num_prompt:], dtype=torch.int64)
             counts[i].index_add_(0, out, torch.ones(len(out)))
         counts = counts.to(device)
+    if any(p.logit_bias_ids for p in params):
+        st.bias_ids = torch.from_numpy(_pad([p.logit_bias_ids for p in params], 0)).to(device)
+        st.bias_values = torch.from_numpy(
+            _pad_float([p.logit_bias_values for p in params])).to(device)
     positions = [len(r.history) - 1 for r in reqs]
     return DecodeBatch(
         request_ids=np.array([r.request_id for r in reqs], dtype=np.int64),

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.frontend.images import Images
 from tandem_serve.frontend.media import MediaPolicy
@@ -78,10 +79,9 @@ class HTTPServer:
             log.warning("HTTP server stopped with %s", exc)
 
 
-def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket,
-                       metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
-    """The OpenAI-compatible API on `sock`, with the model folder's chat template;
-    `metrics`: what GET /metrics shows."""
+def build_serving(cfg: ServerConfig, frontend: Frontend) -> Serving:
+    """The completions and chat logic over `frontend`, with the model folder's chat template
+    (also what `tandem run-batch` and the offline `LLM` run requests through)."""
     try:
         template = ChatTemplate.load(cfg.model, frontend.tok, cfg.chat_template)
     except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
@@ -94,5 +94,16 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
                            cfg.reasoning_parser)
     policy = MediaPolicy(cfg.allowed_local_media_path, image_limit(cfg.limit_mm_per_prompt))
     images = Images.for_model(cfg.model, policy)
-    app = build_app(Serving(frontend, served_names(cfg), template, agents, images), metrics)
+    return Serving(frontend, served_names(cfg), template, agents, images)
+
+
+def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket,
+                       metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
+    """The OpenAI-compatible API on `sock`, with the model folder's chat template;
+    `metrics`: what GET /metrics shows; the rollout controls with
+    --enable-control-endpoints."""
+    controls = EngineControls(frontend.engine) if cfg.enable_control_endpoints else None
+    app = build_app(build_serving(cfg, frontend), metrics, cfg.api_key,
+                    runtime_lora=cfg.allow_runtime_lora_updating and frontend.adapters is not None,
+                    controls=controls)
     return HTTPServer(app, sock, cfg)

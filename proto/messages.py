@@ -11,6 +11,8 @@ from tandem_serve.proto.adapter_messages import (
     AdapterLoad,
 )
 from tandem_serve.proto.control_messages import (
+    ControlDone,
+    EngineControl,
     ProcessFailed,
     Ready,
     Shutdown,
@@ -95,5 +97,7 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AdapterFailed,
     GuidedWanted,
     GuidedLost,
+    EngineControl,
+    ControlDone,
     ImageInput,
 )

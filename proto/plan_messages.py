@@ -68,6 +68,14 @@ class StepPlan:
     # LoRA adapters to load before this plan's forwards (into slots no running request uses).
     adapters: list[AdapterLoad] = field(default_factory=list)
     prefill_phase: bool = False
+    # The host KV tier (`scheduler/host_tier.py`), before anything else of the plan: device
+    # block offload_blocks[i] is copied to host slot offload_slots[i] (its content is final:
+    # earlier plans wrote it; this plan may reuse it), then host slot onload_slots[i] to
+    # device block onload_blocks[i] (a request of this plan takes it as computed).
+    offload_blocks: list[int] = field(default_factory=list)
+    offload_slots: list[int] = field(default_factory=list)
+    onload_slots: list[int] = field(default_factory=list)
+    onload_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -120,3 +128,5 @@ class WorkerReady:
     # Context length at which a prefill token's attention costs what the rest of its
     # forward does (0: unknown); the scheduler's per-step budget weighs pieces by it.
     attention_tokens: int = 0
+    # Blocks of the host KV tier each rank holds (0: no tier; `--kv-offloading-size`).
+    num_host_blocks: int = 0

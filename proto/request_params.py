@@ -59,6 +59,13 @@ class SamplingParams:
     # on its own, once per id on each hop (frontend -> scheduler -> gpu worker).
     guided_kind: GuidedKind = GuidedKind.NONE
     guided_id: str = ""
+    # OpenAI's logit_bias: added to these tokens' logits before every other processing step,
+    # on the device (ids unique, each bias in [-100, 100]).
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    # Scheduling, read by the scheduler only: under --scheduling-policy priority a lower value
+    # runs first (ties by arrival); always 0 under fcfs.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

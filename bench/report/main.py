@@ -20,6 +20,7 @@ from tandem_serve.bench.report.sections import (
     ipc,
     lora,
     machine,
+    offload,
     overhead,
     postproc,
     robustness,
@@ -50,6 +51,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "postproc": ("Postprocessing headroom (`tandem bench postproc`)", postproc),
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "lora": ("LoRA adapters (`tandem bench lora`)", lora),
+    "offload": ("Host KV tier (`tandem bench offload`)", offload),
     "robustness": ("Robustness (`make fuzz`, `tandem bench robustness`)", robustness),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }

@@ -305,3 +305,9 @@ class CausalLM(nn.Module):
         self._packed_lm_head = pack_linear(self.lm_head)
         for layer in self.layers:
             cast(DecoderLayer, layer).pack()
+
+    def unpack_weights(self) -> None:
+        """Drop the packed copies (`pack_weights` makes them again from the weights)."""
+        self._packed_lm_head = None
+        for layer in self.layers:
+            cast(DecoderLayer, layer).packed = {}

@@ -346,6 +346,7 @@ class Serving:
                                            prompt.ids, self.frontend.engine.new_request_id(),
                                            arrived, adapter_id)
                 p.images = prompt.images
+                p.n = params.n
                 out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos,
                                   output=output,
                                   message=output.stream() if output is not None else None))
