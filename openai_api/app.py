@@ -39,12 +39,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tandem_serve.frontend.engine_control import EngineControls
+from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.openai_api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from tandem_serve.openai_api.anthropic.protocol import error_body as anthropic_error
 from tandem_serve.openai_api.anthropic.serving import count_tokens, create_message
-from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.openai_api.auth import ApiKeyGuard
-from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.lora_admin import add_lora_routes

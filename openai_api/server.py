@@ -21,8 +21,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.frontend.frontend import Frontend, served_names
-from tandem_serve.frontend.images import Images
-from tandem_serve.frontend.media import MediaPolicy
+from tandem_serve.frontend.media.fetch import MediaPolicy
+from tandem_serve.frontend.media.images import Images
 from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate

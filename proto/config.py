@@ -173,7 +173,7 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False
     # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
     speculative_config: str = ""
-    # Image input on a vision-language model (`frontend.media`), vLLM's flags: images per
+    # Image input on a vision-language model (`frontend.media.fetch`), vLLM's flags: images per
     # prompt as JSON ('{"image": N}'; "": `proto.vision.DEFAULT_IMAGE_LIMIT`), and the folder
     # file:// image URLs may read from ("": none).
     limit_mm_per_prompt: str = ""

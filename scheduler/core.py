@@ -101,7 +101,7 @@ class Scheduler:
         more KV than the whole cache) is not rejected but failed: see `take_failures`.
         """
         prompt_ids = np.ascontiguousarray(msg.prompt_ids, dtype=np.int32)
-        rejection = self._admission_refusal(msg.request_id, len(prompt_ids))
+        rejection = self.state.queue_refusal(msg.request_id, len(prompt_ids))
         if rejection is not None:
             return self.state.reject(msg.request_id, rejection)
         req = Request(msg.request_id, prompt_ids, msg.sampling, msg.arrival_time,
@@ -469,18 +469,6 @@ class Scheduler:
         draft.preempt.append(req.request_id)
 
     # ================================================================== admission
-
-    def _admission_refusal(self, request_id: int, prompt_len: int) -> str | None:
-        params = self.params
-        if request_id in self.state.requests:
-            return f"request id {request_id} is already queued or running"
-        if len(self.state.waiting) >= params.max_queued_requests:
-            return (f"queue full: {len(self.state.waiting)} requests waiting "
-                    f"(max_queued_requests={params.max_queued_requests})")
-        if self.state.waiting_tokens + prompt_len > params.max_queued_tokens:
-            return (f"queue full: {self.state.waiting_tokens} prompt tokens waiting, this prompt "
-                    f"adds {prompt_len} (max_queued_tokens={params.max_queued_tokens})")
-        return None
 
     def _unrunnable(self, req: Request) -> str | None:
         params = self.params

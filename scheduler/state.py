@@ -139,6 +139,20 @@ class SchedulerState:
 
     # ================================================================== state changes
 
+    def queue_refusal(self, request_id: int, prompt_len: int) -> str | None:
+        """Why a new request may not join the queue now (a duplicate id, or the queue's
+        limits), or None."""
+        params = self.params
+        if request_id in self.requests:
+            return f"request id {request_id} is already queued or running"
+        if len(self.waiting) >= params.max_queued_requests:
+            return (f"queue full: {len(self.waiting)} requests waiting "
+                    f"(max_queued_requests={params.max_queued_requests})")
+        if self.waiting_tokens + prompt_len > params.max_queued_tokens:
+            return (f"queue full: {self.waiting_tokens} prompt tokens waiting, this prompt "
+                    f"adds {prompt_len} (max_queued_tokens={params.max_queued_tokens})")
+        return None
+
     def queue(self, req: Request) -> None:
         """A new request joins the back of the waiting queue (by priority: its place)."""
         self.requests[req.request_id] = req

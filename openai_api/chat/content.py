@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tandem_serve.frontend.images import ImageRef
+from tandem_serve.frontend.media.images import ImageRef
 from tandem_serve.frontend.validation import ValidationError
 
 TEXT_KINDS = ("text", "input_text", "output_text")

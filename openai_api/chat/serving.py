@@ -22,8 +22,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
-from tandem_serve.frontend.images import ImageError, ImageRef, Images
-from tandem_serve.frontend.media import MediaPolicy
+from tandem_serve.frontend.media.fetch import MediaPolicy
+from tandem_serve.frontend.media.images import ImageError, ImageRef, Images
 from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.openai_api.agents.chat_plan import Agents
 from tandem_serve.openai_api.agents.message import Output
@@ -166,7 +166,7 @@ class Serving:
                  chat_template: ChatTemplate | None, agents: AgentSettings | None = None,
                  images: Images | None = None) -> None:
         self.frontend = frontend
-        # Image parts (`frontend.images`); without one, images are refused as on a text model.
+        # Image parts (`frontend.media.images`); without one, images are refused as on a text model.
         self.images = images or Images(MediaPolicy(), None)
         # The base model's names (the first is the one /v1/models lists) and its adapters.
         self.models = Models(model_names, frontend.adapters, int(time.time()))

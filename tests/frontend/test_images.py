@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tandem_serve.frontend.images import ImagePreprocessor, ImageRef, Images, Processed
-from tandem_serve.frontend.media import MediaPolicy, decode_image
+from tandem_serve.frontend.media.fetch import MediaPolicy, decode_image
+from tandem_serve.frontend.media.images import ImagePreprocessor, ImageRef, Images, Processed
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.proto.request_params import ImageInput

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from tandem_serve.frontend.media import MediaPolicy, load_image
+from tandem_serve.frontend.media.fetch import MediaPolicy, load_image
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.vision import VisionSpec, read_spec
