@@ -52,8 +52,9 @@ _UNSUPPORTED_SETTINGS: dict[str, str] = {
     "monteclora_config": "MonteCLoRA (monteclora_config)",
 }
 
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])"
-                  r"\.weight")
+# A VL model's language model nests its layers (`model.language_model.layers...`).
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.(?:language_model\.)?layers\.(\d+)\.(\w+)"
+                  r"\.(\w+)\.lora_([AB])\.weight")
 _FLOAT_DTYPES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 _MAX_HEADER = 100 << 20  # bytes; a longer header is not a LoRA adapter
 
@@ -199,8 +200,26 @@ def folder_stamp(folder: str) -> tuple[int, ...] | None:
 
 def read_adapter(cache_dir: str, adapter_id: str, shapes: ModelShapes,
                  max_rank: int) -> LoraAdapter:
-    """Everything the server needs to know about an adapter, or AdapterError."""
-    folder = adapter_folder(cache_dir, adapter_id)
+    """Everything the server needs to know about an adapter, or AdapterError.
+
+    An absolute `adapter_id` is a folder of its own, loaded at runtime
+    (`/v1/load_lora_adapter`; the frontend makes such ids, clients cannot: `adapter_folder`
+    refuses them), read wherever it is."""
+    if os.path.isabs(adapter_id):
+        return read_adapter_folder(adapter_id, shapes, max_rank)
+    return _read(adapter_id, adapter_folder(cache_dir, adapter_id), shapes, max_rank)
+
+
+def read_adapter_folder(folder: str, shapes: ModelShapes, max_rank: int) -> LoraAdapter:
+    """An adapter outside the cache, loaded at runtime: its id is its folder's real path, so
+    the engine's slots and prefix-cache salts never mix it with another folder."""
+    real = os.path.realpath(folder)
+    if not os.path.isdir(real):
+        raise AdapterError(folder, "no such folder")
+    return _read(real, real, shapes, max_rank)
+
+
+def _read(adapter_id: str, folder: str, shapes: ModelShapes, max_rank: int) -> LoraAdapter:
     config = _read_config(adapter_id, folder)
     _check_config(adapter_id, config, shapes)
     _check_added_tokens(adapter_id, folder, shapes.vocab_size)

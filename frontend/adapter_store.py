@@ -6,6 +6,12 @@ failure is a `ValidationError` on `adapter_id` (INVALID_ARGUMENT), naming the ad
 the reason.  Answers are cached per adapter and file stamp (mtimes and sizes of its config
 and weights), so a request costs a few stat calls, and an edited adapter is read again.
 The gpu worker reads the weights itself, from the same folder.
+
+With `--allow-runtime-lora-updating` adapters are also registered at runtime under a name,
+from a folder anywhere the server can read (`load`, `unload`; vLLM's `/v1/load_lora_adapter`).
+Such an adapter's id, the one requests carry to the engine, is its folder's real path
+(`adapters.peft.read_adapter_folder`), which no client can send itself: `adapter_folder`
+refuses absolute ids. A name is resolved before the cache's ids, over both APIs.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from tandem_serve.adapters.peft import (
     find_adapters,
     folder_stamp,
     read_adapter,
+    read_adapter_folder,
 )
 from tandem_serve.frontend.validation import ValidationError
 
@@ -37,9 +44,13 @@ class AdapterStore:
         self.shapes = shapes
         self.max_rank = max_rank
         self._checked: OrderedDict[str, _Entry] = OrderedDict()
+        self.runtime: dict[str, LoraAdapter] = {}  # loaded at runtime: name -> adapter
 
     def resolve(self, adapter_id: str, field: str = "adapter_id") -> LoraAdapter:
         """The adapter, or ValidationError(field) naming the adapter and the reason."""
+        loaded = self.runtime.get(adapter_id)
+        if loaded is not None:
+            return loaded
         try:
             entry = self._check(adapter_id, self._checked.get(adapter_id))
         except AdapterError as exc:
@@ -60,6 +71,14 @@ class AdapterStore:
             return stamp, read_adapter(self.cache_dir, adapter_id, self.shapes, self.max_rank)
         except AdapterError as exc:
             return stamp, exc
+
+    def read_folder(self, path: str) -> LoraAdapter:
+        """A runtime adapter's folder checked against the model (files read: call it off the
+        event loop); ValidationError on `lora_path` naming the reason."""
+        try:
+            return read_adapter_folder(path, self.shapes, self.max_rank)
+        except AdapterError as exc:
+            raise ValidationError("lora_path", str(exc)) from None
 
     def names_an_adapter(self, name: str) -> bool:
         """Whether `name` is the id of a folder in the cache that holds an adapter config (a

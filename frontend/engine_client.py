@@ -20,6 +20,7 @@ import numpy as np
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.constraints import ConstraintSender
+from tandem_serve.frontend.liveness import Liveness
 from tandem_serve.frontend.pooling import Pooler
 from tandem_serve.frontend.stream_buffer import StreamBuffer
 from tandem_serve.frontend.vllm_metrics import RequestMeter, VllmMetrics
@@ -27,7 +28,7 @@ from tandem_serve.ipc.channels import AsyncReceiver, Sender
 from tandem_serve.ipc.token_channel import owner
 from tandem_serve.ipc.tracing import TRACER, ProfileWindow, set_role
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.proto.control_messages import Ready
+from tandem_serve.proto.control_messages import ControlDone, EngineControl, Ready
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable, GuidedWanted
 from tandem_serve.proto.monitor_messages import (
     EngineStats,
@@ -46,7 +47,12 @@ from tandem_serve.proto.request_messages import (
     RequestFailed,
     RequestRejected,
 )
-from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import (
+    FinishReason,
+    ImageInput,
+    OutputOptions,
+    SamplingParams,
+)
 from tandem_serve.proto.token_messages import OutputBatch, OutputDelta
 
 log = logging.getLogger("tandem.frontend")
@@ -113,12 +119,17 @@ class EngineClient:
         self._streams: dict[int, OpenStream] = {}
         # Ids unique across restarts of the frontend, so stale messages never alias.
         self._ids = itertools.count((os.getpid() << 32) | (int(time.time()) & 0xFFFF) << 16)
+        self._images: dict[int, list[ImageInput]] = {}  # by request id, until sent
         self.limits: WorkerReady | None = None
         self._ready_postproc: set[int] = set()
         self.ready = asyncio.Event()
         self.dead: str | None = None  # set when a process of the engine died
         self.on_heartbeat: Callable[[Heartbeat], None] | None = None  # roles on their own
+        # Request traces: the scheduler's per-request queue times (ids, seconds).
+        self.on_queue_times: Callable[[list[int], list[float]], None] | None = None
         self.stats: EngineStats | None = None  # the scheduler's latest report (admin service)
+        self.liveness = Liveness(cfg.liveness_timeout, time.monotonic())  # GET /live
+        self.on_control: Callable[[ControlDone], None] | None = None  # engine_control.py
         self._reader: asyncio.Task | None = None
         # --runner pooling: prefill-only requests whose outputs are vectors.
         self.pooler = Pooler(self._to_scheduler.put, self.new_request_id, self.vllm_metrics)
@@ -165,10 +176,16 @@ class EngineClient:
                     self.on_heartbeat(msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
+                self.liveness.on_stats(msg, time.monotonic())
+                if self.on_queue_times is not None:
+                    self.on_queue_times(msg.queue_time_ids, msg.queue_times_s)
                 metrics.on_stats(msg)
                 self.vllm_metrics.on_stats(msg)
             elif isinstance(msg, PostprocStats):
                 metrics.on_postproc_stats(msg)
+            elif isinstance(msg, ControlDone):
+                if self.on_control is not None:
+                    self.on_control(msg)
             else:
                 log.error("unexpected message %s", type(msg).__name__)
 
@@ -216,9 +233,15 @@ class EngineClient:
         self._ready_postproc.clear()
         self.ready.clear()
         self.stats = None
+        self.liveness.reset(time.monotonic())
 
     def new_request_id(self) -> int:
         return next(self._ids)
+
+    def attach_images(self, request_id: int, images: list[ImageInput]) -> None:
+        """Images that request `request_id` (an id from `new_request_id`) carries to the
+        scheduler and the gpu worker; `generate` takes them when it sends the request."""
+        self._images[request_id] = images
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        options: OutputOptions, deadline: float | None = None,
@@ -239,6 +262,7 @@ class EngineClient:
         `metered`: False leaves the request out of the vLLM-named metrics, which count clients'
         requests (the frontend's warm-up is not one).
         """
+        images = self._images.pop(request_id, []) if request_id is not None else []
         if self.dead:
             raise EngineError("UNAVAILABLE", self.dead)
         if self.cfg.runner == "pooling":
@@ -257,7 +281,8 @@ class EngineClient:
             self._to_postproc[owner(rid, len(self._to_postproc))].put(
                 RegisterRequest(rid, prompt, options, sampling.max_new_tokens))
             self._to_scheduler.put(AddRequest(rid, prompt, sampling, stream.started,
-                                              adapter_id=adapter_id))
+                                              adapter_id=adapter_id,
+                                              images=images))
             last_at: float | None = None
             while True:
                 item = await self._next(stream, deadline)
@@ -309,6 +334,10 @@ class EngineClient:
                 return None
         stream.buf.took(item)
         return item
+
+    def control(self, msg: EngineControl) -> None:
+        """A rollout control, to the scheduler (`frontend/engine_control.py`)."""
+        self._to_scheduler.put(msg)
 
     def abort(self, rid: int) -> None:
         if self.dead:

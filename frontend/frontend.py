@@ -13,17 +13,19 @@ import itertools
 import logging
 import os
 from collections.abc import AsyncIterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem_serve.frontend import metrics
 from tandem_serve.frontend.adapter_store import AdapterStore
 from tandem_serve.frontend.engine_client import EngineClient, EngineError
 from tandem_serve.frontend.guided import Compiled, attach, compile_spec
+from tandem_serve.frontend.request_traces import RequestTraces, request_facts
 from tandem_serve.frontend.validation import Limits, ValidatedRequest
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.token_messages import OutputDelta
 from tandem_serve.tokenization.tokenizer import Tokenizer
 
@@ -78,6 +80,8 @@ class Prepared:
     arrived: float  # time.monotonic() of the request's arrival
     guided: Compiled | None = None  # the compiled output constraint, if any
     adapter_id: str = ""  # a validated LoRA adapter ("": the base model)
+    images: list[ImageInput] = field(default_factory=list)  # a VL model's prompt images
+    n: int = 1  # choices asked for with this prompt (the trace's gen_ai.request.n)
 
 
 class Frontend:
@@ -97,6 +101,7 @@ class Frontend:
         self.guided: GuidedCompiler | None = None  # set before `limits`
         self.accepting = True
         self.serving = False
+        self.traces: RequestTraces | None = None  # --otlp-traces-endpoint
 
     def ready_limits(self) -> Limits:
         """The limits, or UNAVAILABLE while starting or draining."""
@@ -137,6 +142,12 @@ class Frontend:
         """The request's deltas until its last; leaving early aborts it in the engine."""
         if p.adapter_id:
             metrics.ADAPTER_REQUESTS.labels(p.adapter_id).inc()
-        return self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
-                                    name=name, request_id=p.rid, arrived=p.arrived,
-                                    guided=p.guided, adapter_id=p.adapter_id)
+        if p.images:
+            self.engine.attach_images(p.rid, p.images)
+        deltas = self.engine.generate(p.ids, p.req.sampling, p.req.options, p.deadline,
+                                      name=name, request_id=p.rid, arrived=p.arrived,
+                                      guided=p.guided, adapter_id=p.adapter_id)
+        if self.traces is None:
+            return deltas
+        return self.traces.traced(deltas, request_facts(p.rid, p.arrived, len(p.ids),
+                                                        p.req.sampling, p.n, name))

@@ -34,6 +34,9 @@ RUNNING = Gauge("tandem_num_requests_running", "Requests holding KV blocks")
 WAITING = Gauge("tandem_num_requests_waiting", "Queued requests (preempted included)")
 KV_USAGE = Gauge("tandem_kv_cache_usage_ratio", "Share of KV blocks in use")
 PREFIX_HIT = Gauge("tandem_prefix_cache_hit_ratio", "Prompt tokens served from the cache")
+HOST_TIER_USAGE = Gauge("tandem_kv_offload_usage_ratio",
+                        "Share of the host KV tier's blocks in use (--kv-offloading-size)")
+HOST_TIER_BLOCKS = Gauge("tandem_kv_offload_blocks", "Blocks the host KV tier holds in all")
 PREEMPTIONS = Gauge("tandem_num_preemptions", "Preemptions since start")
 DEVICE_BUSY = Gauge("tandem_device_busy_ratio", "Gpu worker time inside plans / uptime")
 WASTED = Gauge("tandem_tokens_after_finish", "Tokens computed after a request finished")
@@ -57,6 +60,11 @@ SPEC_ACCEPTED = Counter("tandem_spec_decode_num_accepted_tokens",
 SPEC_ACCEPTED_AT = Counter("tandem_spec_decode_num_accepted_tokens_per_pos",
                            "Speculative decoding: draft tokens accepted, by draft position "
                            "(0: the first draft)", ["position"])
+PROCESS_BUSY = Counter("tandem_process_busy_seconds",
+                       "Seconds busy since start, by process: the gpu worker inside plans, a "
+                       "postproc worker (the average over them) on its token batches; the "
+                       "frontend's own is process_cpu_seconds_total", ["process"])
+_busy_seen: dict[str, float] = {}  # the totals PROCESS_BUSY holds, by process
 _spec_seen = [0, 0, 0]  # the totals the counters hold (EngineStats carries totals)
 _spec_seen_at: list[int] = []
 POSTPROC_LAG = Gauge("tandem_postproc_lag_steps",
@@ -103,6 +111,9 @@ def on_stats(s: EngineStats) -> None:
     if s.prefix_query_tokens:
         PREFIX_HIT.set(s.prefix_hit_tokens / s.prefix_query_tokens)
     PREEMPTIONS.set(s.num_preemptions)
+    if s.host_blocks_total:
+        HOST_TIER_BLOCKS.set(s.host_blocks_total)
+        HOST_TIER_USAGE.set(s.host_blocks_used / s.host_blocks_total)
     if s.uptime_s > 0:
         DEVICE_BUSY.set(min(1.0, s.worker_busy_s / s.uptime_s))
     WASTED.set(s.tokens_after_finish)
@@ -110,6 +121,8 @@ def on_stats(s: EngineStats) -> None:
     ADAPTER_LOADS.set(s.adapter_loads)
     for q in s.queue_times_s:
         QUEUE_TIME.observe(q)
+    for process, total in (("gpu-worker", s.worker_busy_s), ("postproc", s.postproc_busy_s)):
+        _count_busy(process, total)
     totals = (s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens)
     for i, (counter, total) in enumerate(zip((SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED),
                                              totals, strict=True)):
@@ -122,6 +135,15 @@ def on_stats(s: EngineStats) -> None:
         if total > _spec_seen_at[j]:
             SPEC_ACCEPTED_AT.labels(position=str(j)).inc(total - _spec_seen_at[j])
             _spec_seen_at[j] = total
+
+
+def _count_busy(process: str, total: float) -> None:
+    seen = _busy_seen.get(process, 0.0)
+    if total < seen:  # a new set of roles counts from 0 (roles on their own)
+        seen = 0.0
+    if total > seen:
+        PROCESS_BUSY.labels(process).inc(total - seen)
+    _busy_seen[process] = total
 
 
 def on_postproc_stats(s: PostprocStats) -> None:

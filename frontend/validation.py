@@ -47,6 +47,24 @@ class Limits:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     include_stop_sequence: bool  # default when the request leaves it unset
+    priority_scheduling: bool = False  # --scheduling-policy priority: `priority` may be set
+
+
+PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+def check_priority(priority: int, limits: Limits) -> int:
+    """A request's scheduling priority: 0 always; anything else needs the priority policy."""
+    if priority == 0:
+        return 0
+    if not limits.priority_scheduling:
+        raise ValidationError("priority", f"must be 0 unless the server runs with "
+                                          f"--scheduling-policy priority, got {priority}")
+    low, high = PRIORITY_RANGE
+    if not low <= priority <= high:
+        raise ValidationError("priority", f"must be a 32-bit integer in [{low}, {high}], "
+                                          f"got {priority}")
+    return priority
 
 
 @dataclass

@@ -73,6 +73,15 @@ class VllmMetrics:
             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = self._counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        # The host KV tier (--kv-offloading-size) is vLLM's "external" (connector) cache.
+        self.external_queries = self._counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.")
+        self.external_hits = self._counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.")
         self.prompt_tokens = self._counter("vllm:prompt_tokens",
                                            "Number of prefill tokens processed.")
         self.generation_tokens = self._counter("vllm:generation_tokens",
@@ -99,6 +108,7 @@ class VllmMetrics:
                                      "running_lora_adapters"], registry=self.registry)
             self._lora_requests([], [])
         self._prefix_seen = (0, 0)  # the scheduler's cumulative (queries, hits) last reported
+        self._external_seen = (0, 0)  # likewise, the host tier's
 
     def _gauge(self, name: str, doc: str) -> Gauge:
         return Gauge(name, doc, _LABELS, registry=self.registry).labels(*self._values)
@@ -133,6 +143,12 @@ class VllmMetrics:
         self.prefix_queries.inc(s.prefix_query_tokens - queries)
         self.prefix_hits.inc(max(0, s.prefix_hit_tokens - hits))
         self._prefix_seen = (s.prefix_query_tokens, s.prefix_hit_tokens)
+        queries, hits = self._external_seen
+        if s.external_query_tokens < queries:
+            queries, hits = 0, 0
+        self.external_queries.inc(s.external_query_tokens - queries)
+        self.external_hits.inc(max(0, s.external_hit_tokens - hits))
+        self._external_seen = (s.external_query_tokens, s.external_hit_tokens)
         if self._lora_info is not None:
             self._lora_requests(s.running_adapters, s.waiting_adapters)
 

@@ -51,6 +51,9 @@ class DecodeBatch:
     spec: SpecBatch | None = None
     stride: int = 1
     plan_id: int = -1  # for the profiler's spans inside a step
+    # An M-RoPE model's (Qwen VL) per-row offset of the rotary position past the prompt
+    # (`gpu_worker.vision.inputs`); None: rotary positions are the positions.
+    rope_delta: torch.Tensor | None = None
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):
@@ -78,6 +81,14 @@ class DecodeBatch:
 def _pad(rows: list[list[int]], fill: int) -> np.ndarray:
     width = max(1, max((len(r) for r in rows), default=1))
     out = np.full((len(rows), width), fill, dtype=np.int64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def _pad_float(rows: list[list[float]]) -> np.ndarray:
+    width = max(1, max((len(r) for r in rows), default=1))
+    out = np.zeros((len(rows), width), dtype=np.float32)
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
@@ -124,6 +135,10 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
             out = torch.tensor(r.history[r.num_prompt:], dtype=torch.int64)
             counts[i].index_add_(0, out, torch.ones(len(out)))
         counts = counts.to(device)
+    if any(p.logit_bias_ids for p in params):
+        st.bias_ids = torch.from_numpy(_pad([p.logit_bias_ids for p in params], 0)).to(device)
+        st.bias_values = torch.from_numpy(
+            _pad_float([p.logit_bias_values for p in params])).to(device)
     positions = [len(r.history) - 1 for r in reqs]
     return DecodeBatch(
         request_ids=np.array([r.request_id for r in reqs], dtype=np.int64),

@@ -37,6 +37,7 @@ from tandem_serve.proto.token_messages import PromptDetail
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.graphs.decode import GraphStep
     from tandem_serve.gpu_worker.publisher import TokenPublisher
+    from tandem_serve.gpu_worker.vision.inputs import VisionInputs
 
 # Prompt logprobs of a forward's pieces, still on the device, and what makes the messages.
 Scores = tuple[list[torch.Tensor], Callable[[list[np.ndarray]], list[PromptDetail]]]
@@ -47,8 +48,10 @@ class StepExecutor:
 
     def __init__(self, model: CausalLM, kv_caches: list[KVCache], block_size: int,
                  max_model_len: int, lora: LoraWeights | None,
-                 mixed_graphs: MixedGraphs | None) -> None:
+                 mixed_graphs: MixedGraphs | None, vision: VisionInputs | None = None
+                 ) -> None:
         self.model, self.kv_caches = model, kv_caches
+        self.vision = vision  # a VL model's image embeddings and M-RoPE positions
         self.block_size, self.max_model_len = block_size, max_model_len
         self.device = kv_caches[0][0].device
         self.lora = lora
@@ -67,8 +70,10 @@ class StepExecutor:
         baseline, and a plan with no decode row); their prompt logprobs are queued."""
         inp = prefill_inputs(pieces, self.block_size, self.device,
                              history_lens=self.model.uses_history_lens)
+        if self.vision is not None:
+            self.vision.attach(inp, pieces)
         hidden = self.model(inp.ids, inp.positions, self.kv_caches, prefill_metadata(inp),
-                            self.lora_context(inp.token_slots), inp.history_lens)
+                            self.lora_context(inp.token_slots), inp.history_lens, inp.mm)
         if inp.scores.rows:
             publish.send_scores(*self.scores(hidden, inp))
 
@@ -82,6 +87,8 @@ class StepExecutor:
         inp = prefill_inputs(pieces, self.block_size, self.device, len(decode_slots),
                              b.block_tables.shape[1], self.model.uses_history_lens)
         inp.lora = self.lora_context(decode_slots + inp.token_slots)
+        if self.vision is not None:
+            self.vision.attach(inp, pieces)
         return inp
 
     def decode_slots(self, positions: torch.Tensor, active: torch.Tensor,
@@ -95,15 +102,18 @@ class StepExecutor:
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        active: torch.Tensor, block_tables: torch.Tensor,
                        max_seq_len: int, lora: LoraContext | None = None,
-                       row_lens: list[int] | None = None) -> torch.Tensor:
+                       row_lens: list[int] | None = None,
+                       rope_delta: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only.
-        `row_lens`: host bounds of each row's context (rows far apart gather apart)."""
+        `row_lens`: host bounds of each row's context (rows far apart gather apart).
+        `rope_delta`: an M-RoPE model's per-row offset of the rotary position."""
         slots = self.decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
             max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
+        rope = positions if rope_delta is None else positions + rope_delta
+        hidden = self.model(input_ids, rope, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
     def forward_mixed(self, b: DecodeBatch | VerifyRows, step: int, pre: PrefillInputs
@@ -114,13 +124,26 @@ class StepExecutor:
         slots = self.decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
         meta.decode_lens = b.row_lens(step)
-        ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
+        ids = torch.cat((b.input_ids, pre.ids))
+        positions, mm = self._mixed_positions(b, pre)
         history = None
         if pre.history_lens is not None:  # a decode row's history ends at its position
             history = torch.cat((b.positions + 1, pre.history_lens))
         hidden = mixed_forward(self.mixed_graphs, self.model, ids, positions, self.kv_caches,
-                               meta, pre.lora, history)
+                               meta, pre.lora, history, mm)
         return self.model.compute_logits(hidden[: b.size]), hidden[b.size:]
+
+    @staticmethod
+    def _mixed_positions(b: DecodeBatch | VerifyRows, pre: PrefillInputs
+                         ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """A mixed forward's rotary positions (decode rows first) and image rows (shifted
+        past the decode rows)."""
+        delta = b.rope_delta if isinstance(b, DecodeBatch) else None
+        rows = b.positions if delta is None else b.positions + delta
+        mm = None if pre.mm is None else (pre.mm[0] + b.size, pre.mm[1])
+        if pre.positions.dim() == 2:  # M-RoPE: a decode row's axes are all equal
+            return torch.cat((rows.expand(3, -1), pre.positions), dim=1), mm
+        return torch.cat((rows, pre.positions)), mm
 
     def logits(self, b: DecodeBatch | VerifyRows, step: int, pre: PrefillInputs | None,
                lora: LoraContext | None, graph: GraphStep | None = None
@@ -133,7 +156,8 @@ class StepExecutor:
             assert isinstance(b, DecodeBatch)
             return graph(b), None
         return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                   b.max_seq_len(step), lora, b.row_lens(step)), None
+                                   b.max_seq_len(step), lora, b.row_lens(step),
+                                   b.rope_delta if isinstance(b, DecodeBatch) else None), None
 
     # ------------------------------------------------------------------ after the forward
 

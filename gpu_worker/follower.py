@@ -26,12 +26,14 @@ from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.build import build_runner
 from tandem_serve.gpu_worker.publisher import MakeDetails, TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.sleep import SleepMode
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
 from tandem_serve.ipc.channels import Receiver
 from tandem_serve.ipc.fanout import subscribe
 from tandem_serve.ipc.peers import HEARTBEAT_INTERVAL, PEER_TIMEOUT, START_GRACE
 from tandem_serve.ipc.role_loop import RoleLoop
 from tandem_serve.proto.config import ServerConfig, plans_address
+from tandem_serve.proto.control_messages import EngineControl
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import StepPlan
 from tandem_serve.proto.token_messages import PromptDetail
@@ -118,7 +120,8 @@ def run_follower(cfg: ServerConfig, rank: int) -> None:
         # On one host the launcher supervises every rank; across hosts we watch rank 0.
         silence = _Silence(watching=cfg.node_rank > 0)
         follower = Follower(role, runner, rank, silence)
-        role.run({StepPlan: follower.run_plan, ProfileControl: follower.profile},
+        role.run({StepPlan: follower.run_plan, ProfileControl: follower.profile,
+                  EngineControl: follower.control},
                  source=FromRankZero(role.inbox, silence))
 
 
@@ -130,6 +133,13 @@ class Follower:
         self.role, self.runner, self.rank, self.silence = role, runner, rank, silence
         self.publisher = NullPublisher()
         self.trace = TorchTrace(runner.device)
+        self.sleep = SleepMode(runner)
+
+    def control(self, msg: EngineControl) -> None:
+        """Rank 0's sleep, wake-up or weight reload, on this rank's shard (rank 0 answers;
+        a failure here has failed there too: the same folder, the same checks)."""
+        self.sleep.handle(msg)
+        self.silence.heard()
 
     def run_plan(self, plan: StepPlan) -> None:
         self.role.maybe_fault(plan.plan_id)

@@ -21,6 +21,7 @@ from tandem_serve.gpu_worker.build import build_runner
 from tandem_serve.gpu_worker.follower import run_follower
 from tandem_serve.gpu_worker.publisher import TokenPublisher
 from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.gpu_worker.sleep import SleepMode
 from tandem_serve.gpu_worker.steps import attention_tokens
 from tandem_serve.gpu_worker.torch_trace import TorchTrace
 from tandem_serve.ipc.channels import Receiver, Sender
@@ -28,6 +29,7 @@ from tandem_serve.ipc.role_loop import Announce, RoleLoop
 from tandem_serve.ipc.token_channel import TokenWriter
 from tandem_serve.ipc.tracing import TRACER, on_plan_done
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.control_messages import EngineControl
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import PlanEnding, StepPlan, WorkerReady
 
@@ -44,7 +46,7 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
         run_follower(cfg, rank)
         return
     addr = cfg.addresses
-    to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data only
+    to_frontend: Sender = Sender(addr.frontend_inbox)  # profile data, controls' answers
     with RoleLoop(cfg, "gpu-worker", title=cfg.worker_role(0), log=log, reply=to_frontend,
                   inbox=Receiver(addr.worker_inbox, bind=True)) as role:
         to_scheduler: Sender = role.own(Sender(addr.scheduler_inbox))
@@ -60,11 +62,13 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
         ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                             runner.vocab_size, long_rope_from=runner.long_rope_from,
                             device_type=runner.device.type,
-                            attention_tokens=attention_tokens(runner.model.config))
+                            attention_tokens=attention_tokens(runner.model.config),
+                            num_host_blocks=runner.num_host_blocks)
         # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
         # its set: the scheduler of our set may not be up yet, and one of the set we replace
         # may still hold its address.  The scheduler keeps the first.
-        role.run({StepPlan: worker.run_plan, ProfileControl: worker.profile},
+        role.run({StepPlan: worker.run_plan, ProfileControl: worker.profile,
+                  EngineControl: worker.control},
                  ready=Announce(to_scheduler, ready, f"pid {os.getpid()}", repeat=True),
                  idle=ranks.idle if ranks is not None else None, on_shutdown=worker.forward)
 
@@ -80,6 +84,7 @@ class GpuWorker:
         self.torch_trace = TorchTrace(runner.device)  # `tandem profile --torch-profiler FILE`
         self.paced = cfg.pace_plans and cfg.async_postproc  # tell the scheduler when it ends
         self.idle_since = time.monotonic_ns()
+        self.sleep = SleepMode(runner)  # the rollout controls (gpu_worker/sleep.py)
 
     def forward(self, msg: object) -> None:
         """To the other ranks, before rank 0 runs it: the ranks run each plan together."""
@@ -107,3 +112,8 @@ class GpuWorker:
     def profile(self, msg: ProfileControl) -> None:
         self.forward(msg)
         self.role.profile(msg, self.torch_trace)
+
+    def control(self, msg: EngineControl) -> None:
+        """Sleep, wake-up or a weight reload, on every rank; rank 0 answers the frontend."""
+        self.forward(msg)
+        self.to_frontend.put(self.sleep.handle(msg))

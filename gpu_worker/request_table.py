@@ -82,7 +82,8 @@ class RequestTable:
             assert new.sampling is not None, "a new request carries its sampling params"
             prompt = [int(t) for t in new.prompt_ids]
             req = RequestState(new.request_id, prompt, len(prompt), new.sampling,
-                               list(new.block_ids), lora_slot=new.lora_slot)
+                               list(new.block_ids), lora_slot=new.lora_slot,
+                               images=list(new.images))
             self.requests[new.request_id] = req
             if new.sampling.prompt_logprobs and len(prompt) == 1:
                 self._details.append(prompt_logprobs.empty_detail(req))

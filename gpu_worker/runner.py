@@ -27,6 +27,7 @@ from tandem_serve.gpu_worker.attention.kv_cache import (
     blocks_for,
     resolve_kv_dtype,
 )
+from tandem_serve.gpu_worker.attention.kv_offload import HostKvPool
 from tandem_serve.gpu_worker.attention.registry import check_backend, select_backend
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors, build_decode_batch
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
@@ -43,11 +44,14 @@ from tandem_serve.gpu_worker.spec.registry import ProposerContext, make_proposer
 from tandem_serve.gpu_worker.spec.verify import verify_step
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.gpu_worker.steps import PrefillInputs, StepWork, lay_out
+from tandem_serve.gpu_worker.vision.inputs import VisionInputs
+from tandem_serve.gpu_worker.vision.tower import VisionTower
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.plan_messages import StepDone, StepPlan
 from tandem_serve.proto.request_params import FinishReason
+from tandem_serve.proto.vision import read_spec
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, GraphStep
@@ -82,6 +86,9 @@ class ModelRunner:
         check_backend(cfg.attention_backend, self.device, self.dtype, self.kv_dtype,
                       cfg.block_size)
         self.model = _load(cfg, self.dtype, self.device, tp)
+        self.shard = tp.shard if tp is not None else None  # what a weight reload reads
+        self.model_dir = cfg.model
+        self.onednn = cfg.onednn
         mc = self.model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
@@ -114,14 +121,22 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks,
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
+        # The host KV tier (--kv-offloading-size): every KV tensor's blocks, the draft's too.
+        self.host_pool = _host_pool(cfg, self.kv_caches, self.proposer, self.device)
+        self.num_host_blocks = self.host_pool.num_slots if self.host_pool else 0
+        if tp is not None:
+            self.num_host_blocks = tp.min_int(self.num_host_blocks)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
+        self.vision = _vision(cfg, self.dtype, self.device) if mc.image_token_id >= 0 else None
+        # A VL model runs eager: its rotary positions carry a per-row offset and its prefill
+        # image embeddings, which the captured graphs do not take.
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.attention.decode_graphs)
+                  and self.attention.decode_graphs and self.vision is None)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
         mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True)
                  if graphs and (tp is None or tp.shard.size == 1) else None)
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
-                                     self.max_model_len, self.lora, mixed)
+                                     self.max_model_len, self.lora, mixed, self.vision)
         self.table = RequestTable(GuidedRegistry(self.device, self.vocab_size, cfg.model),
                                   self.lora, self.proposer)
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
@@ -132,16 +147,30 @@ class ModelRunner:
                                             self.executor.forward_decode, self.device,
                                             self.max_model_len, cfg.block_size,
                                             tp.max_float if tp is not None else None)
+        self._cfg = cfg
         self.graphs: DecodeGraphs | None = None
         if graphs:
-            from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
-
-            self.graphs = DecodeGraphs(self.executor.forward_decode, cfg.max_num_seqs,
-                                       -(-self.max_model_len // cfg.block_size),
-                                       cfg.block_size, self.device,
-                                       self.lora.full_context if self.lora else None)
             # Before the worker reports ready: never a capture while streams wait.
-            self.graphs.capture_all(lora=self.lora is not None)
+            self.graphs = self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> DecodeGraphs:
+        from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs
+
+        cfg = self._cfg
+        graphs = DecodeGraphs(self.executor.forward_decode, cfg.max_num_seqs,
+                              -(-self.max_model_len // cfg.block_size), cfg.block_size,
+                              self.device, self.lora.full_context if self.lora else None)
+        graphs.capture_all(lora=self.lora is not None)
+        return graphs
+
+    def recapture_graphs(self) -> None:
+        """Capture the graphs again after the weights or the KV cache moved (wake-up): a
+        graph replays the buffers it was captured with."""
+        if self.executor.mixed_graphs is not None:
+            self.executor.mixed_graphs = MixedGraphs(
+                self.model, MIXED_GRAPH_TOKENS + self._cfg.max_num_seqs, True)
+        if self.graphs is not None:
+            self.graphs = self._capture_decode_graphs()
 
     @property
     def requests(self) -> dict[int, RequestState]:
@@ -176,6 +205,8 @@ class ModelRunner:
         ends (paced planning: the scheduler then builds the next one)."""
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
+            if self.host_pool is not None:  # before the forwards, in the plan's order
+                self.host_pool.run(plan)
             self.table.apply(plan)
         layout = lay_out(self.requests.values(), plan.num_steps, plan.prefill_phase)
         if ending is not None and not layout.decoding:  # no steps to time: ask now
@@ -219,6 +250,8 @@ class ModelRunner:
         batch = build_decode_batch(decoding, self.vocab_size, self.device, self.guided,
                                    join_steps, spec.stride if spec else 1)
         batch.spec, batch.plan_id = spec, plan.plan_id
+        if self.vision is not None:
+            batch.rope_delta = self.vision.deltas(decoding)
         slots = verify_slots(spec, [r.lora_slot for r in decoding])
         batch.lora = self.executor.lora_context(slots)
         return batch, slots
@@ -296,6 +329,26 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
              model.config.architecture, dtype, device)
     return model
+
+
+def _vision(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device) -> VisionInputs:
+    """A VL checkpoint's vision tower and M-RoPE inputs (`gpu_worker.vision`)."""
+    if cfg.speculative is not None:
+        raise ValueError("--speculative-config is not supported with a vision-language model "
+                         "(its drafts would not see the images)")
+    spec = read_spec(cfg.model)
+    assert spec is not None, "a model with an image token has a vision spec"
+    tower = VisionTower(cfg.model, spec, dtype, device)
+    log.info("vision tower: %s, %.1f MiB", spec.architecture,
+             sum(p.nbytes for p in tower.model.parameters()) / 2**20)
+    return VisionInputs(tower, device)
+def _host_pool(cfg: WorkerConfig, caches: list[tuple[torch.Tensor, torch.Tensor]],
+               proposer: object, device: torch.device) -> HostKvPool | None:
+    if cfg.kv_offloading_gib <= 0:
+        return None
+    draft = getattr(proposer, "caches", [])  # a draft model's cache mirrors our block ids
+    return HostKvPool([t for kv in (*caches, *draft) for t in kv], cfg.kv_offloading_gib,
+                      device)
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,

@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem_serve.proto.request_params import FinishReason, SamplingParams
+import numpy as np
+
+from tandem_serve.proto.request_params import FinishReason, ImageInput, SamplingParams
 
 
 @dataclass
@@ -33,6 +35,12 @@ class RequestState:
     spec_rate: float = -1.0
     # Positions [0, draft_len) whose KV the draft model's cache holds (gpu_worker.spec.draft_model).
     draft_len: int = 0
+    # A VL model's prompt images (`gpu_worker.vision`), kept until the request is dropped so
+    # a resume can encode them again; M-RoPE's prompt positions [3, prompt] (None: not yet
+    # computed) and the delta of the positions after the prompt.
+    images: list[ImageInput] = field(default_factory=list)
+    mrope: np.ndarray | None = None
+    rope_delta: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -125,6 +125,9 @@ class PrefillInputs:
     lora: LoraContext | None = None  # a mixed step's adapter rows: decode rows, then these
     # LongRoPE: each token's request's history length (`LlamaModel.uses_history_lens`).
     history_lens: torch.Tensor | None = None
+    # A VL model's image embeddings: (rows among these P tokens, their values [1 + DeepStack
+    # levels, rows, hidden]); set, with M-RoPE positions [3, P], by `gpu_worker.vision`.
+    mm: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

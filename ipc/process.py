@@ -78,6 +78,18 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def available_host_bytes() -> int:
+    """Memory the host can still give without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def setup_logging(role: str, level: str = "INFO") -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),

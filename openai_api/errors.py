@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
 
-400 for bad parameters (naming the parameter in `param` and in the message), 404 for an
+400 for bad parameters (naming the parameter in `param` and in the message), 401 for a
+missing or wrong API key (`--api-key`, code "invalid_api_key" as OpenAI answers), 404 for an
 unknown model or path, 413 for a body over the limit, 429 where gRPC answers
 RESOURCE_EXHAUSTED (admission control), 503 where it answers UNAVAILABLE (starting,
 draining, a process died), 500 for anything else.
@@ -12,7 +13,8 @@ from typing import Any
 from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.validation import ValidationError
 
-TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+         405: "invalid_request_error",
          413: "invalid_request_error", 429: "rate_limit_error",
          503: "service_unavailable_error", 500: "internal_server_error"}
 # An engine error's status: INVALID_ARGUMENT and UNIMPLEMENTED come from compiling a

@@ -7,9 +7,9 @@ the way it picks a model.  Base names win over an adapter of the same id.  A nam
 neither is a 404 naming it; a folder of the cache with an adapter config that cannot be
 served (not LoRA, rank over the limit, corrupt) is a 400 on `model` with the reason.
 
-`GET /v1/models` lists the base model, then the servable adapters among the first 256
-adapter folders of the cache by id, each with `parent` = the base model's name (as vLLM
-lists LoRA modules).
+`GET /v1/models` lists the base model, then the adapters loaded at runtime under their names
+(`openai_api/lora_admin.py`), then the servable adapters among the first 256 adapter folders
+of the cache by id, each with `parent` = the base model's name (as vLLM lists LoRA modules).
 """
 from __future__ import annotations
 
@@ -43,6 +43,9 @@ class Models:
         folder that cannot be served."""
         if model is None or model in self.names:
             return Target(self.base)
+        loaded = self.adapters.runtime.get(model) if self.adapters is not None else None
+        if loaded is not None:
+            return Target(model, loaded.adapter_id)
         if self.adapters is not None and self.adapters.names_an_adapter(model):
             try:
                 return Target(model, self.adapters.resolve(model, "model").adapter_id)
@@ -64,6 +67,7 @@ class Models:
     async def listed(self, max_model_len: int | None) -> list[dict[str, Any]]:
         targets = [Target(self.base)]
         if self.adapters is not None:
+            targets += [Target(name, a.adapter_id) for name, a in self.adapters.runtime.items()]
             targets += [Target(a.adapter_id, a.adapter_id)
                         for a in await self.adapters.available()]
         return [self.card(t, max_model_len) for t in targets]

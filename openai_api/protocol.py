@@ -57,8 +57,9 @@ class CommonRequest(Strict):
     frequency_penalty: float | None = None
     user: str | None = None  # goes into the request's log tag
     response_format: ResponseFormat | None = None
-    logit_bias: dict[str, float] | None = None  # only empty
+    logit_bias: dict[str, float] | None = None  # token id -> bias in [-100, 100]
     # vLLM extensions
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

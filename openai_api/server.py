@@ -19,7 +19,10 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.frontend.frontend import Frontend, served_names
+from tandem_serve.frontend.media.fetch import MediaPolicy
+from tandem_serve.frontend.media.images import Images
 from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate
@@ -27,6 +30,7 @@ from tandem_serve.openai_api.chat.serving import Serving
 from tandem_serve.openai_api.pooling.serving import PoolingServing
 from tandem_serve.pooling.folder import PoolingSpec
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.vision import image_limit
 
 log = logging.getLogger("tandem.http")
 
@@ -77,12 +81,9 @@ class HTTPServer:
             log.warning("HTTP server stopped with %s", exc)
 
 
-def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket,
-                       metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
-    """The OpenAI-compatible API on `sock`, with the model folder's chat template;
-    `metrics`: what GET /metrics shows."""
-    if cfg.runner == "pooling":  # embeddings, rerank, score; no chat
-        return HTTPServer(pooling_app(cfg, frontend, metrics), sock, cfg)
+def build_serving(cfg: ServerConfig, frontend: Frontend) -> Serving:
+    """The completions and chat logic over `frontend`, with the model folder's chat template
+    (also what `tandem run-batch` and the offline `LLM` run requests through)."""
     try:
         template = ChatTemplate.load(cfg.model, frontend.tok, cfg.chat_template)
     except jinja2.TemplateError as exc:  # completions still work; chat says why it cannot
@@ -93,7 +94,22 @@ def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socke
         log.info("%s has no chat template: /v1/chat/completions answers 400", cfg.model)
     agents = AgentSettings(cfg.enable_auto_tool_choice, cfg.tool_call_parser,
                            cfg.reasoning_parser)
-    app = build_app(Serving(frontend, served_names(cfg), template, agents), metrics)
+    policy = MediaPolicy(cfg.allowed_local_media_path, image_limit(cfg.limit_mm_per_prompt))
+    images = Images.for_model(cfg.model, policy)
+    return Serving(frontend, served_names(cfg), template, agents, images)
+
+
+def create_http_server(cfg: ServerConfig, frontend: Frontend, sock: socket.socket,
+                       metrics: CollectorRegistry = REGISTRY) -> HTTPServer:
+    """The OpenAI-compatible API on `sock`, with the model folder's chat template;
+    `metrics`: what GET /metrics shows; the rollout controls with
+    --enable-control-endpoints."""
+    if cfg.runner == "pooling":  # embeddings, rerank, score; no chat
+        return HTTPServer(pooling_app(cfg, frontend, metrics), sock, cfg)
+    controls = EngineControls(frontend.engine) if cfg.enable_control_endpoints else None
+    app = build_app(build_serving(cfg, frontend), metrics, cfg.api_key,
+                    runtime_lora=cfg.allow_runtime_lora_updating and frontend.adapters is not None,
+                    controls=controls)
     return HTTPServer(app, sock, cfg)
 
 
@@ -102,4 +118,5 @@ def pooling_app(cfg: ServerConfig, frontend: Frontend, metrics: CollectorRegistr
     names = served_names(cfg)
     serving = Serving(frontend, names, None, AgentSettings(False, "", ""))
     spec = PoolingSpec.read(cfg.model, cfg.max_model_len)
-    return build_app(serving, metrics, PoolingServing(frontend, spec, serving.models))
+    return build_app(serving, metrics, cfg.api_key,
+                     pooling=PoolingServing(frontend, spec, serving.models))

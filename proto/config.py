@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_serve.proto.kv_events import parse_kv_events
 from tandem_serve.proto.speculative import (
     SpeculativeConfig,
     parse_speculative,
     speculative_problems,
 )
+from tandem_serve.proto.vision import image_limit, read_spec
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,18 @@ class ServerConfig:
     # of bf16 in the same memory; `gpu_worker.attention.kv_cache`).  vLLM's spellings.
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # The host-memory KV tier (vLLM's --kv-offloading-size): GiB of host memory, summed over
+    # the tensor-parallel ranks, that blocks evicted from the device cache move to and come
+    # back from instead of being recomputed (`gpu_worker/attention/kv_offload.py`,
+    # `scheduler/host_tier.py`); 0: off.
+    kv_offloading_size: float = 0.0
+    # Published prefix-cache changes (`proto.kv_events`): vLLM's KVEventsConfig as JSON.
+    kv_events_config: str = ""
     max_queued_requests: int = 1024
     max_queued_tokens: int = 1 << 20
+    # The waiting queue's order (`scheduler.priority`): "fcfs", or "priority" (a request's
+    # `priority`, lower first, ties by arrival; lower-priority running requests are preempted).
+    scheduling_policy: str = "fcfs"
     # Output a stream may hold for a client that stopped reading before its request is
     # cancelled with RESOURCE_EXHAUSTED (frontend/stream_buffer.py); 0: no limit.
     max_stream_buffer_bytes: int = 1 << 20
@@ -121,6 +134,9 @@ class ServerConfig:
     metrics_port: int = 0
     # The OpenAI-compatible HTTP API (`openai_api/`) beside gRPC, on the same host; 0: off.
     http_port: int = 8000
+    # Rollout controls over HTTP (/sleep, /wake_up, /pause, /load_weights, ...; 404 without):
+    # they stop or change the engine for every client, so a server offers them only when asked.
+    enable_control_endpoints: bool = False
     # The `model` name HTTP clients use (empty: the model folder's name).
     served_model_name: str = ""
     # OpenAI tools and reasoning (openai_api/): tool_choice "auto" parses calls out of the
@@ -133,6 +149,14 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    # A key every API request must carry (`Authorization: Bearer KEY`; gRPC metadata the
+    # same); "": open.  Only the frontend reads it: the launcher writes it out of the config
+    # its children read.
+    api_key: str = field(default="", repr=False)  # never in a log line or a traceback
+    # OTLP/HTTP collector for one OpenTelemetry span per request ("": no tracing).
+    otlp_traces_endpoint: str = ""
+    # GET /live answers 503 once requests are open and no plan has completed for this long.
+    liveness_timeout: float = 60.0
     log_level: str = "INFO"
     # Guided decoding: compiled constraints on disk ("" = memory only), the longest one
     # compile may take, and whether format=JSON (slow: seconds) compiles at start-up.
@@ -144,12 +168,20 @@ class ServerConfig:
     adapter_cache: str = ""
     max_loras: int = 8
     max_lora_rank: int = 16
+    # HTTP /v1/load_lora_adapter and /v1/unload_lora_adapter: adapters from any folder under
+    # a name of the caller's choosing (vLLM's flag; needs adapter_cache for the slots).
+    allow_runtime_lora_updating: bool = False
     # Speculative decoding (`proto.speculative`): a JSON object as vLLM spells it ("": off).
     speculative_config: str = ""
     # What the model is served for (vLLM's --runner): "generate" (text), or "pooling"
     # (embeddings, rerank and score: prefill-only batches, vectors back to the frontend, no
-    # postproc workers; docs/DESIGN.md section 18).
+    # postproc workers; docs/DESIGN.md section 24).
     runner: str = "generate"
+    # Image input on a vision-language model (`frontend.media.fetch`), vLLM's flags: images per
+    # prompt as JSON ('{"image": N}'; "": `proto.vision.DEFAULT_IMAGE_LIMIT`), and the folder
+    # file:// image URLs may read from ("": none).
+    limit_mm_per_prompt: str = ""
+    allowed_local_media_path: str = ""
     # Fault injection for tests (`ipc.faults`; from TANDEM_FAULT); empty in production.
     fault: str = ""
     # The launcher's private folder (sockets, config); children remove it if the launcher
@@ -203,6 +235,7 @@ class ServerConfig:
             attention_backend=self.attention_backend, adapter_cache=self.adapter_cache,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
+            kv_offloading_gib=self.kv_offloading_size / self.tensor_parallel_size,
             speculative=parse_speculative(self.speculative_config))
 
     def worker_role(self, rank: int) -> str:
@@ -237,6 +270,7 @@ class WorkerConfig:
     max_lora_rank: int = 16
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
+    kv_offloading_gib: float = 0.0  # this rank's host KV tier (0: off)
 
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.
@@ -245,11 +279,13 @@ _LIMITS: dict[str, tuple[float, float | None]] = {
     "num_scheduler_steps": (1, 1024), "max_num_seqs": (1, None),
     "max_num_batched_tokens": (0, None), "max_model_len": (0, None),
     "num_postproc_workers": (1, 64), "block_size": (1, 4096), "num_kv_blocks": (0, None),
-    "kv_cache_memory": (0, None), "max_queued_requests": (1, None),
+    "kv_cache_memory": (0, None), "kv_offloading_size": (0, 1 << 20),
+    "max_queued_requests": (1, None),
     "max_queued_tokens": (1, None), "max_stream_buffer_bytes": (0, None),
     "default_max_new_tokens": (1, None),
     "max_new_tokens": (1, None), "torch_threads": (0, None), "reserved_cpus": (-1, None),
     "plan_lead_ms": (0, None), "shutdown_timeout": (0, None), "step_timeout": (0, None),
+    "liveness_timeout": (0.1, None),
     "tensor_parallel_size": (1, 1024), "nnodes": (1, 1024), "node_rank": (0, 1023),
     "guided_compile_timeout": (0.1, 3600),
     "max_loras": (1, 256), "max_lora_rank": (1, 512),
@@ -275,13 +311,30 @@ def config_problems(cfg: ServerConfig) -> list[str]:
         out.append(f"--kv-cache-dtype {cfg.kv_cache_dtype!r} is not one of "
                    f"{', '.join(KV_CACHE_DTYPES)} (fp8 is e4m3; e5m2 is not supported)")
     out += _attention_problems(cfg)
+    if cfg.scheduling_policy not in SCHEDULING_POLICIES:
+        out.append(f"--scheduling-policy {cfg.scheduling_policy!r} is not one of "
+                   f"{', '.join(SCHEDULING_POLICIES)}")
+    if cfg.allow_runtime_lora_updating and not cfg.adapter_cache:
+        out.append("--allow-runtime-lora-updating needs --adapter-cache DIR (the adapters' "
+                   "slots are LoRA serving's)")
     if cfg.default_max_new_tokens > cfg.max_new_tokens:
         out.append(f"--default-max-new-tokens ({cfg.default_max_new_tokens}) must not exceed "
                    f"--max-new-tokens ({cfg.max_new_tokens})")
     out += speculative_problems(cfg.speculative_config, cfg.model)
     out += _runner_problems(cfg)
+    try:
+        parse_kv_events(cfg.kv_events_config)
+    except ValueError as exc:
+        out.append(str(exc))
+    if cfg.kv_offloading_size and not cfg.enable_prefix_caching:
+        out.append("--kv-offloading-size needs prefix caching (the host tier is indexed by "
+                   "the prefix cache's block hashes): drop --no-prefix-caching")
+    out += _vision_problems(cfg)
     return out + _parallel_problems(cfg)
 
+
+# --scheduling-policy's values (`scheduler.priority` reads them).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 # --kv-cache-dtype's values (`gpu_worker.attention.kv_cache` maps them; a test keeps the
 # lists equal).
@@ -313,6 +366,23 @@ def _runner_problems(cfg: ServerConfig) -> list[str]:
         return ["--adapter-cache needs --runner generate (adapters are not served for "
                 "pooling models)"]
     return []
+
+
+def _vision_problems(cfg: ServerConfig) -> list[str]:
+    out = []
+    try:
+        image_limit(cfg.limit_mm_per_prompt)
+    except ValueError as exc:
+        out.append(str(exc))
+    if cfg.speculative_config and os.path.isfile(os.path.join(cfg.model, "config.json")):
+        try:
+            spec = read_spec(cfg.model)
+        except (ValueError, OSError):
+            spec = None  # an unreadable or unsupported config is preflight's to report
+        if spec is not None:
+            out.append(f"--speculative-config is not supported with a vision-language model "
+                       f"({spec.architecture}): its drafts would not see the images")
+    return out
 
 
 def _attention_problems(cfg: ServerConfig) -> list[str]:

@@ -12,6 +12,8 @@ from tandem_serve.proto.adapter_messages import (
     AdapterLoad,
 )
 from tandem_serve.proto.control_messages import (
+    ControlDone,
+    EngineControl,
     ProcessFailed,
     Ready,
     Shutdown,
@@ -53,6 +55,7 @@ from tandem_serve.proto.request_messages import (
     RequestRejected,
 )
 from tandem_serve.proto.request_params import (
+    ImageInput,
     OutputOptions,
     SamplingParams,
 )
@@ -101,6 +104,9 @@ MESSAGE_TYPES: tuple[type, ...] = (
     AdapterFailed,
     GuidedWanted,
     GuidedLost,
+    EngineControl,
+    ControlDone,
+    ImageInput,
     PoolRequest,
     PoolPlan,
     PoolOutput,

@@ -51,6 +51,14 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_per_pos: list[int] = field(default_factory=list)  # by draft position
+    # The host KV tier (--kv-offloading-size), in tokens since start like the prefix cache's
+    # counters (vLLM's external_prefix_cache_*), and its blocks in use and in all.
+    external_query_tokens: int = 0
+    external_hit_tokens: int = 0
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+    # The request ids of queue_times_s, in its order (request traces' time in queue).
+    queue_time_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem_serve.proto.adapter_messages import AdapterLoad
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
-from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.request_params import ImageInput, SamplingParams
 
 
 @dataclass
@@ -28,6 +28,7 @@ class NewRequest:
     lora_slot: int = 0  # the adapter slot its rows use (0: none; kept while preempted)
     # The chunk's tokens per step of the plan (the rule is in StepPlan's docstring).
     prefill_steps: list[int] = field(default_factory=list)
+    images: list[ImageInput] = field(default_factory=list)  # a new request's (not a resume's)
 
 
 @dataclass
@@ -67,6 +68,14 @@ class StepPlan:
     # LoRA adapters to load before this plan's forwards (into slots no running request uses).
     adapters: list[AdapterLoad] = field(default_factory=list)
     prefill_phase: bool = False
+    # The host KV tier (`scheduler/host_tier.py`), before anything else of the plan: device
+    # block offload_blocks[i] is copied to host slot offload_slots[i] (its content is final:
+    # earlier plans wrote it; this plan may reuse it), then host slot onload_slots[i] to
+    # device block onload_blocks[i] (a request of this plan takes it as computed).
+    offload_blocks: list[int] = field(default_factory=list)
+    offload_slots: list[int] = field(default_factory=list)
+    onload_slots: list[int] = field(default_factory=list)
+    onload_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -119,3 +128,5 @@ class WorkerReady:
     # Context length at which a prefill token's attention costs what the rest of its
     # forward does (0: unknown); the scheduler's per-step budget weighs pieces by it.
     attention_tokens: int = 0
+    # Blocks of the host KV tier each rank holds (0: no tier; `--kv-offloading-size`).
+    num_host_blocks: int = 0

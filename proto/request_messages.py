@@ -5,12 +5,17 @@ Every message is registered with the codec in `proto.messages.MESSAGE_TYPES`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
-from tandem_serve.proto.request_params import FinishReason, OutputOptions, SamplingParams
+from tandem_serve.proto.request_params import (
+    FinishReason,
+    ImageInput,
+    OutputOptions,
+    SamplingParams,
+)
 
 
 @dataclass
@@ -24,6 +29,7 @@ class AddRequest:
     # once per id, and again when the scheduler asks (`GuidedWanted`).
     guided: GuidedTable | GuidedGrammar | None = None
     adapter_id: str = ""  # a LoRA adapter the frontend validated ("": the base model)
+    images: list[ImageInput] = field(default_factory=list)  # a VL model's, in prompt order
 
 
 @dataclass

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 
 class FinishReason(IntEnum):
     """Why a request ended; the numbers are the public `fmaas.StopReason` values."""
@@ -57,6 +59,13 @@ class SamplingParams:
     # on its own, once per id on each hop (frontend -> scheduler -> gpu worker).
     guided_kind: GuidedKind = GuidedKind.NONE
     guided_id: str = ""
+    # OpenAI's logit_bias: added to these tokens' logits before every other processing step,
+    # on the device (ids unique, each bias in [-100, 100]).
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    # Scheduling, read by the scheduler only: under --scheduling-policy priority a lower value
+    # runs first (ties by arrival); always 0 under fcfs.
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -74,3 +83,22 @@ class OutputOptions:
     logprobs: bool = False
     ranks: bool = False
     top_n: int = 0
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt, preprocessed by the checkpoint's own processor (frontend) and
+    encoded by the vision tower on the gpu worker during the request's prefill.
+
+    Its `length` placeholder tokens start at `offset` in the prompt; their embeddings are
+    the tower's output rows.  `digest` is a hash of what the tower reads (pixels and grid),
+    so equal digests mean equal embeddings: the worker's embedding cache and the
+    scheduler's prefix-cache hashes key on it.
+    """
+
+    offset: int
+    length: int
+    digest: bytes  # 16 bytes
+    pixel_values: np.ndarray  # float32 [patches, channels * patch volume]
+    grid_thw: list[int]  # the tower's grid (temporal, height, width) in patches
+

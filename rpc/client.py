@@ -1,8 +1,9 @@
 """A small Python client for `fmaas.GenerationService`, used by the CLI, tests and benchmarks."""
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -90,8 +91,42 @@ class GenerateOptions:
             d.format = pb.DecodingParameters.ResponseFormat.Value(self.response_format.upper())
 
 
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: list[tuple[str, str]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _ApiKey(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer KEY` to every call (a server's `--api-key`).  An
+    interceptor, not call credentials: gRPC sends those over TLS only."""
+
+    def __init__(self, key: str) -> None:
+        self._header = ("authorization", f"Bearer {key}")
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._header],
+                            d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any],
+                              details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any],
+                               details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+
 def make_channel(target: str, tls_ca: str = "", tls_cert: str = "",
-                 tls_key: str = "") -> grpc.Channel:
+                 tls_key: str = "", api_key: str = "") -> grpc.Channel:
+    channel = _make_channel(target, tls_ca, tls_cert, tls_key)
+    return grpc.intercept_channel(channel, _ApiKey(api_key)) if api_key else channel
+
+
+def _make_channel(target: str, tls_ca: str, tls_cert: str, tls_key: str) -> grpc.Channel:
     options = [("grpc.max_receive_message_length", 64 << 20),
                ("grpc.max_send_message_length", 64 << 20)]
     if not tls_ca:

@@ -7,6 +7,7 @@ process turns on after warm-up: tandem/serve.py) and server reflection.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from functools import partial
 
 import grpc
@@ -14,9 +15,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from tandem_serve.frontend.frontend import Frontend
+from tandem_serve.frontend.request_traces import CALLER_TRACE, caller_headers
 from tandem_serve.ipc.process import StartupError
 from tandem_serve.proto import generation_pb2 as pb
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.rpc.auth import ApiKeyInterceptor
 from tandem_serve.rpc.server import ADMIN_SERVICE_NAME, GenerationServicer, add_admin_service
 from tandem_serve.rpc.wire import add_generation_service
 
@@ -35,8 +38,14 @@ GRPC_OPTIONS = [
 
 
 def bound_grpc_server(cfg: ServerConfig) -> grpc.aio.Server:
-    """A server listening on `--host:--port` (TLS and mutual TLS with the --tls-* flags)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """A server listening on `--host:--port` (TLS and mutual TLS with the --tls-* flags;
+    every service but health behind `--api-key`: rpc/auth.py)."""
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if cfg.api_key:
+        interceptors.append(ApiKeyInterceptor(cfg.api_key))
+    if cfg.otlp_traces_endpoint:
+        interceptors.append(TraceContextInterceptor())
+    server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors or None)
     target = f"{cfg.host}:{cfg.port}"
     if cfg.tls_cert:
         with open(cfg.tls_key, "rb") as f:
@@ -57,6 +66,21 @@ def bound_grpc_server(cfg: ServerConfig) -> grpc.aio.Server:
     except RuntimeError as exc:  # the preflight check passed, so someone took it since
         raise StartupError(f"--port {cfg.port}: cannot listen on {target} ({exc})") from None
     return server
+
+
+class TraceContextInterceptor(grpc.aio.ServerInterceptor):
+    """The caller's W3C trace context (`traceparent` metadata) for the request's trace span
+    (frontend/request_traces.py): grpc.aio runs the handler in the context the interceptor
+    ran in (tests/e2e/test_operations_api.py sends one)."""
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails],
+                                         Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        pairs = {k: v for k, v in details.invocation_metadata or ()
+                 if isinstance(v, str)}
+        CALLER_TRACE.set(caller_headers(pairs))
+        return await continuation(details)
 
 
 def add_services(server: grpc.aio.Server, frontend: Frontend) -> object:

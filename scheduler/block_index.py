@@ -83,6 +83,12 @@ class HashIndex:
         self._len -= 1
         self._close_gap(slot)
 
+    def clear(self) -> None:
+        """Forget every hash (the prefix cache is reset)."""
+        self._slots = array("i", [_EMPTY]) * (self._mask + 1)
+        self._hashed = bytearray(len(self._hashed))
+        self._len = 0
+
     def items(self) -> Iterator[tuple[bytes, int]]:
         for block in range(len(self._hashed)):
             digest = self.digest(block)

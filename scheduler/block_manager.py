@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 from collections import deque
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
+from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.scheduler.block_index import DIGEST_SIZE, BlockLru, HashIndex
 
 BlockHash = bytes
@@ -47,15 +49,33 @@ def adapter_salt(adapter_id: str) -> BlockHash | None:
 
 
 def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int,
-                        salt: BlockHash | None = None) -> list[BlockHash]:
+                        salt: BlockHash | None = None,
+                        images: Sequence[ImageInput] = ()) -> list[BlockHash]:
     """Chained hashes of the prompt's full blocks (a partial last block is never shared),
-    the chain started from `salt` (see `adapter_salt`)."""
+    the chain started from `salt` (see `adapter_salt`).  A block holding any of an image's
+    placeholder tokens also hashes that image's digest: the placeholders are the same ids
+    for every image, their KV is not."""
     hashes: list[BlockHash] = []
     prev: BlockHash | None = salt
     for start in range(0, len(prompt_ids) - block_size + 1, block_size):
-        prev = hash_block(prev, prompt_ids[start : start + block_size])
+        end = start + block_size
+        seen = [im.digest for im in images if im.offset < end and im.offset + im.length > start]
+        prev = hash_block(prev, prompt_ids[start:end])
+        if seen:
+            prev = hashlib.blake2b(prev + b"".join(seen), digest_size=DIGEST_SIZE).digest()
         hashes.append(prev)
     return hashes
+
+
+class CacheObserver(Protocol):
+    """Told what leaves the device cache (`scheduler/host_tier.py`: the host tier and the
+    published events)."""
+
+    def evicted(self, block: int, block_hash: BlockHash) -> None:
+        """`block`, holding `block_hash`, is about to be reused for something else."""
+
+    def cleared(self) -> None:
+        """Every hash was forgotten."""
 
 
 class BlockManager:
@@ -71,6 +91,7 @@ class BlockManager:
         # Sized for every block at once: filling the cache allocates nothing (block_index).
         self._evictable = BlockLru(num_blocks)  # oldest first
         self._cached = HashIndex(num_blocks)
+        self.observer: CacheObserver | None = None
 
     # ------------------------------------------------------------------ queries
 
@@ -149,11 +170,28 @@ class BlockManager:
         self._cached.add(block_hash, block)
         return True
 
+    def clear(self) -> int:
+        """Forget every cached prefix (vLLM's reset_prefix_cache; new weights, or KV freed by
+        sleep, make the old KV wrong): evictable blocks become free, blocks in use keep their
+        KV but can no longer be found; the observer is told. Returns how many blocks had a
+        hash."""
+        hashed = sum(1 for b in range(self.num_blocks) if self._cached.has(b))
+        while self._evictable:
+            self._free.append(self._evictable.pop_oldest())
+        self._cached.clear()
+        if self.observer is not None:
+            self.observer.cleared()
+        return hashed
+
     def _pop_free(self) -> int:
         if self._free:
             block = self._free.popleft()
         else:
             block = self._evictable.pop_oldest()
+            if self.observer is not None:
+                digest = self._cached.digest(block)
+                assert digest is not None
+                self.observer.evicted(block, digest)
             self._cached.remove(block)
         self._refcount[block] = 1
         return block

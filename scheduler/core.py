@@ -35,7 +35,10 @@ from tandem_serve.proto.request_params import FinishReason
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
+from tandem_serve.scheduler.control import ControlGate
 from tandem_serve.scheduler.guided import constraint_id
+from tandem_serve.scheduler.host_tier import KvEvent
+from tandem_serve.scheduler.kv_events import record_stored
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.speculation import SpecCounts
 from tandem_serve.scheduler.state import (
@@ -59,6 +62,7 @@ class _Draft:
     preempt: list[int] = field(default_factory=list)
     chunks: dict[int, tuple[Request, Split]] = field(default_factory=dict)  # id -> its work
     loads: list[AdapterLoad] = field(default_factory=list)  # adapters new to the worker
+    yielded: int = 0  # of `preempt`, those preempted for a higher priority (not for blocks)
 
     def schedule(self, req: Request, split: Split) -> None:
         self.chunks[req.request_id] = (req, split)
@@ -78,6 +82,7 @@ class Scheduler:
         self.spec = SpecCounts(params.num_speculative_tokens,
                                params.num_blocks * params.block_size)
         self.clock = time.monotonic  # tests replace it
+        self.gate = ControlGate()  # the rollout controls' holds (scheduler/control.py)
 
     @property
     def stats(self) -> SchedulerStats:
@@ -96,11 +101,12 @@ class Scheduler:
         more KV than the whole cache) is not rejected but failed: see `take_failures`.
         """
         prompt_ids = np.ascontiguousarray(msg.prompt_ids, dtype=np.int32)
-        rejection = self._admission_refusal(msg.request_id, len(prompt_ids))
+        rejection = self.state.queue_refusal(msg.request_id, len(prompt_ids))
         if rejection is not None:
             return self.state.reject(msg.request_id, rejection)
         req = Request(msg.request_id, prompt_ids, msg.sampling, msg.arrival_time,
-                      self.params.max_model_len, adapter_id=msg.adapter_id)
+                      self.params.max_model_len, adapter_id=msg.adapter_id,
+                      images=list(msg.images))
         problem = self._unrunnable(req)
         if problem is not None:
             self.state.record_failure(req, problem)
@@ -112,7 +118,8 @@ class Scheduler:
         self.state.constraints.hold(msg)
         if self.params.enable_prefix_caching:  # KV computed under an adapter is its own
             req.prompt_block_hashes = prompt_block_hashes(prompt_ids, self.params.block_size,
-                                                          adapter_salt(req.adapter_id))
+                                                          adapter_salt(req.adapter_id),
+                                                          req.images)
         self.state.queue(req)
         return None
 
@@ -196,13 +203,26 @@ class Scheduler:
         previous call (a resumed request counts once, at its first start)."""
         return self.state.take_queue_times()
 
+    def take_queue_ids(self) -> list[int]:
+        """The request ids of `take_queue_times`'s answer, in its order (call both)."""
+        return self.state.take_queue_ids()
+
     def take_failures(self) -> list[RequestFailed]:
         return self.state.take_failures()
 
     # ================================================================== planning
 
     def ready_to_plan(self) -> bool:
+        if self.gate.paused:
+            return False
+        if self.gate.holds_admission():  # only what runs already (and drops) make a plan
+            return self.state.pipeline_has_room() and self.state.has_running_work()
         return self.state.pipeline_has_room() and self.state.has_work()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt block (the one place the prefix index is cleared);
+        how many blocks had a hash."""
+        return self.state.blocks.clear()
 
     def build_plan(self) -> StepPlan:
         """Running requests first (decodes, then prefill chunks), then the waiting queue."""
@@ -212,11 +232,14 @@ class Scheduler:
         draft = _Draft(self.state.next_plan_id, StepBudget(
             params.num_steps, params.max_num_batched_tokens, params.prefill_phase,
             0 if params.prefill_phase else params.attention_tokens))
+        self._yield_to_priority(draft)
         self._continue_decodes(draft)
         if not draft.chunks:
             draft.budget.prefill_only()
         self._continue_prefills(draft)
-        if not draft.preempt:  # blocks ran short for running requests: admit nobody now
+        # Blocks ran short for running requests (other than to yield to a higher priority), or a
+        # control holds admission: admit nobody.
+        if len(draft.preempt) == draft.yielded and not self.gate.holds_admission():
             self._admit_waiting(draft)
         drop = self.state.take_pending_drops(draft.plan_id)
         # Before _advance: requests that finish by counts inside this plan still need theirs.
@@ -224,7 +247,28 @@ class Scheduler:
         self._advance(draft)
         plan = self._issue(draft, drop)
         plan.tables, plan.drop_tables = tables, drop_tables
+        copies = self.state.tier.take_copies()  # the host tier's, run before the forwards
+        plan.offload_blocks, plan.offload_slots = copies.offload_blocks, copies.offload_slots
+        plan.onload_slots, plan.onload_blocks = copies.onload_slots, copies.onload_blocks
         return plan
+
+    def _yield_to_priority(self, draft: _Draft) -> None:
+        """--scheduling-policy priority: lower-priority running requests make room for a
+        higher-priority head of the queue (`scheduler/priority.py`)."""
+        state = self.state
+        state.order_running()
+        for req in state.policy.victims(state.waiting, state.running, self.params.max_num_seqs,
+                                        self._fits_after):
+            self._preempt(req, draft)
+            draft.yielded += 1
+
+    def _fits_after(self, head: Request, victims: list[Request]) -> bool:
+        """Whether `head` would find blocks for its first plan once `victims` are freed."""
+        needed = self.state.blocks.blocks_for(head.num_tokens - 1 + self._steps(head))
+        return needed <= self.state.blocks.num_free + sum(len(v.blocks) for v in victims)
+    def take_kv_events(self) -> list[KvEvent]:
+        """The prefix cache's changes since the last call (vLLM's KV events)."""
+        return self.state.tier.take_events()
 
     def _continue_decodes(self, draft: _Draft) -> None:
         for req in list(self.state.running):
@@ -285,9 +329,10 @@ class Scheduler:
         if not self.state.constraints.ready(req.sampling):
             return False  # its constraint's table is on its way from the frontend
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
-        hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
-            self._cacheable_hashes(req))
-        num_cached = len(hits) * self.params.block_size
+        hashes = [] if req.sampling.prompt_logprobs else self._cacheable_hashes(req)
+        hits = self.state.blocks.lookup(hashes)
+        host = self.state.tier.lookup(hashes[len(hits):])  # then the host tier's run
+        num_cached = (len(hits) + len(host)) * self.params.block_size
         split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
                                    context=num_cached)
         if split is None:
@@ -297,12 +342,15 @@ class Scheduler:
         if num_new > self.state.blocks.num_free - self.state.blocks.num_evictable(hits):
             return False
         self.state.blocks.take(hits)
-        req.blocks = hits + self.state.blocks.allocate(num_new)
+        self.state.tier.pin(host)  # before allocating: evictions offload into other slots
+        new_blocks = self.state.blocks.allocate(num_new)
+        self.state.tier.onload(host, new_blocks[:len(host)])
+        req.blocks = hits + new_blocks
         if req.adapter_id and not req.lora_slot:  # a preempted request kept its slot
             req.lora_slot, load = self.state.lora.take(req.adapter_id)
             if load is not None:
                 draft.loads.append(load)
-        self.state.start_running(req, num_cached, len(hits), self.clock())
+        self.state.start_running(req, num_cached, len(hits), self.clock(), len(host))
         draft.schedule(req, split)
         draft.new.append(self._new_request_message(req, num_cached, split))
         req.known_to_worker = True
@@ -396,18 +444,23 @@ class Scheduler:
         # after this plan wrote them.  Registered at the end of planning, they cannot be hit
         # by another request of this same plan, whose forward may run alongside.
         filled = min(req.num_computed // self.params.block_size, len(req.prompt_block_hashes))
-        for index in range(req.num_registered_blocks, filled):
-            self.state.blocks.register(req.blocks[index], req.prompt_block_hashes[index])
+        stored = [index for index in range(req.num_registered_blocks, filled)
+                  if self.state.blocks.register(req.blocks[index],
+                                                req.prompt_block_hashes[index])]
         req.num_registered_blocks = max(req.num_registered_blocks, filled)
+        if stored and self.state.tier.record_events:
+            record_stored(self.state.tier, req, stored)
 
     def _new_request_message(self, req: Request, num_cached: int, split: Split) -> NewRequest:
         if req.known_to_worker:  # resuming: the worker kept the history and sampling params
             return NewRequest(req.request_id, np.empty(0, dtype=np.int32), None,
                               list(req.blocks), num_cached, split.total, resume=True,
                               prefill_steps=split.message_steps())
+        # The worker keeps a request's images until it is dropped: they go out once.
+        images, req.images = req.images, []
         return NewRequest(req.request_id, req.prompt_ids, req.sampling, list(req.blocks),
                           num_cached, split.total, lora_slot=req.lora_slot,
-                          prefill_steps=split.message_steps())
+                          prefill_steps=split.message_steps(), images=images)
 
     # ================================================================== preemption
 
@@ -416,18 +469,6 @@ class Scheduler:
         draft.preempt.append(req.request_id)
 
     # ================================================================== admission
-
-    def _admission_refusal(self, request_id: int, prompt_len: int) -> str | None:
-        params = self.params
-        if request_id in self.state.requests:
-            return f"request id {request_id} is already queued or running"
-        if len(self.state.waiting) >= params.max_queued_requests:
-            return (f"queue full: {len(self.state.waiting)} requests waiting "
-                    f"(max_queued_requests={params.max_queued_requests})")
-        if self.state.waiting_tokens + prompt_len > params.max_queued_tokens:
-            return (f"queue full: {self.state.waiting_tokens} prompt tokens waiting, this prompt "
-                    f"adds {prompt_len} (max_queued_tokens={params.max_queued_tokens})")
-        return None
 
     def _unrunnable(self, req: Request) -> str | None:
         params = self.params

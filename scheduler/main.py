@@ -19,7 +19,9 @@ from tandem_serve.ipc.role_loop import Handler, Inbox, RoleLoop
 from tandem_serve.ipc.tracing import TRACER
 from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import ServerConfig
+from tandem_serve.proto.control_messages import EngineControl
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedLost, GuidedTable, GuidedWanted
+from tandem_serve.proto.kv_events import parse_kv_events
 from tandem_serve.proto.monitor_messages import ProfileControl
 from tandem_serve.proto.plan_messages import PlanEnding, StepDone, WorkerReady
 from tandem_serve.proto.pooling_messages import PoolDone, PoolRequest
@@ -27,7 +29,9 @@ from tandem_serve.proto.request_messages import AbortRequest, AddRequest
 from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
+from tandem_serve.scheduler.control import ControlHandler
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
+from tandem_serve.scheduler.kv_events import KvEventPublisher
 from tandem_serve.scheduler.pooling import (
     DEFAULT_POOLING_TOKENS,
     PoolingParams,
@@ -66,7 +70,10 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
         max_loras=cfg.max_loras if cfg.adapter_cache else 0,
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        scheduling_policy=cfg.scheduling_policy,
+        num_host_blocks=ready.num_host_blocks,
+        record_kv_events=parse_kv_events(cfg.kv_events_config).publishing)
 
 
 def run_scheduler(cfg: ServerConfig) -> None:
@@ -102,6 +109,7 @@ class SchedulerLoop:
         self.pool_reported = 0.0  # when its EngineStats last went to the frontend
         if cfg.runner == "pooling":
             self.pool = PoolScheduler(self._pooling_params("cpu"))
+        self.kv_events: KvEventPublisher | None = None  # --kv-events-config
 
     def handlers(self) -> dict[type, Handler]:
         if self.cfg.runner == "pooling":
@@ -118,6 +126,7 @@ class SchedulerLoop:
             GuidedLost: Scheduler.on_constraint_lost,
             PlanProcessed: Scheduler.on_plan_processed,
             ProfileControl: lambda sched, msg: self.role.profile(msg),
+            EngineControl: lambda sched, msg: self.controls(sched).on_control(msg),
         }
         return {WorkerReady: self.worker_ready,
                 **{kind: self._received(handle) for kind, handle in on_scheduler.items()}}
@@ -170,6 +179,14 @@ class SchedulerLoop:
             return
         self.sched = Scheduler(make_params(self.cfg, msg))
         params = self.sched.params
+        if params.record_kv_events:
+            self.kv_events = self.role.own(KvEventPublisher(
+                parse_kv_events(self.cfg.kv_events_config), params.block_size))
+        if params.num_host_blocks and params.enable_prefix_caching:
+            log.info("host KV tier: %d blocks of %d tokens", params.num_host_blocks,
+                     params.block_size)
+        elif params.num_host_blocks:
+            log.warning("host KV tier unused: prefix caching is off")
         log.info("ready: %d KV blocks of %d, max_model_len %d, %d tokens per %s",
                  msg.num_kv_blocks, msg.block_size, msg.max_model_len,
                  params.max_num_batched_tokens, "plan" if params.prefill_phase else "step")
@@ -177,6 +194,11 @@ class SchedulerLoop:
         for handle, early in self.early:
             handle(self.sched, early)
         self.early.clear()
+
+    def controls(self, sched: Scheduler) -> ControlHandler:
+        """The rollout controls over this scheduler (scheduler/control.py)."""
+        return ControlHandler(sched.gate, sched.reset_prefix_cache, self.to_frontend.put,
+                              self.to_worker.put)
 
     def add_request(self, sched: Scheduler, msg: AddRequest) -> None:
         rejected = sched.add_request(msg)
@@ -214,9 +236,13 @@ class SchedulerLoop:
             self.role.maybe_fault(plan.plan_id)
             self.watchdog.sent(plan.plan_id)
             self.to_worker.put(plan)
+        if sched.gate.pending:  # behind the plans just sent, once nothing runs
+            self.controls(sched).forward_ready(len(sched.state.running))
         # Failures come from dispatch and from planning (a request that outgrew the cache).
         for failure in sched.take_failures():
             self.to_frontend.put(failure)
+        if self.kv_events is not None:  # what planning (or a cache reset) changed
+            self.kv_events.publish(sched.take_kv_events())
         wanted = sched.take_wanted_constraints()
         if wanted:
             self.to_frontend.put(GuidedWanted(wanted))

@@ -1,7 +1,7 @@
 """The scheduler's side of `--runner pooling`: a queue of prefill-only requests, sent to the
 gpu worker in batches under a token budget.
 
-A batch is padded to its longest row on the device (dense attention, DESIGN.md section 18),
+A batch is padded to its longest row on the device (dense attention, DESIGN.md section 24),
 so the budget counts rows times the longest row, not the sum of the lengths: a long text
 then waits for a batch of its own rather than padding many short ones.  Requests go in
 arrival order; up to `AHEAD` batches are at the worker at once, so the next one is already

@@ -13,7 +13,7 @@ from enum import Enum
 
 import numpy as np
 
-from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, ImageInput, SamplingParams
 
 
 class RequestStatus(Enum):
@@ -41,6 +41,7 @@ class Request:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     adapter_id: str = ""  # its LoRA adapter ("": the base model)
     lora_slot: int = 0  # the adapter slot it holds from admission to finish (0: none)
+    images: list[ImageInput] = field(default_factory=list)  # until sent to the worker
 
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len

@@ -19,7 +19,9 @@ from tandem_serve.proto.request_messages import RequestFailed, RequestRejected
 from tandem_serve.proto.request_params import FinishReason, GuidedKind
 from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
+from tandem_serve.scheduler.host_tier import KvTier
 from tandem_serve.scheduler.lora_slots import LoraSlots
+from tandem_serve.scheduler.priority import WaitingPolicy
 from tandem_serve.scheduler.requests import Request, RequestStatus, TokenLedger
 
 # One plan running at the worker and one queued behind it: the worker never waits for the
@@ -57,6 +59,11 @@ class SchedulerParams:
     max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
     # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
     num_speculative_tokens: int = 0
+    scheduling_policy: str = "fcfs"  # or "priority" (`scheduler.priority`)
+    # The host KV tier's blocks (0: off; `scheduler/host_tier.py`), and whether the prefix
+    # cache's changes are recorded for vLLM's KV events (`scheduler/kv_events.py`).
+    num_host_blocks: int = 0
+    record_kv_events: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,9 @@ class SchedulerStats:
     adapter_loads: int = 0
     running_adapters: tuple[str, ...] = ()  # of running requests, in order of first appearance
     waiting_adapters: tuple[str, ...] = ()  # of waiting (and preempted) requests, likewise
+    external_query_tokens: int = 0  # the host tier's (vLLM's external_prefix_cache_*)
+    external_hit_tokens: int = 0
+    host_blocks_used: int = 0
 
 
 @dataclass
@@ -99,11 +109,18 @@ class SchedulerState:
         self.params = params
         self.blocks = BlockManager(params.num_blocks, params.block_size,
                                    params.enable_prefix_caching)
+        self.tier = KvTier(params.num_blocks, params.block_size,
+                           params.num_host_blocks if params.enable_prefix_caching else 0,
+                           params.record_kv_events and params.enable_prefix_caching)
+        if self.tier.active:
+            self.blocks.observer = self.tier
         self.lora = LoraSlots(params.max_loras)
         self.constraints = WorkerConstraints(params.guided_kept, params.vocab_size)
         self.ledger = TokenLedger()
         self.requests: dict[int, Request] = {}  # waiting, preempted and running
-        self.waiting: deque[Request] = deque()  # preempted ones at the front
+        # fcfs: preempted ones at the front; priority: by (priority, arrival)
+        self.waiting: deque[Request] = deque()
+        self.policy = WaitingPolicy(params.scheduling_policy)
         self.running: list[Request] = []  # oldest admission first; preempted newest first
         self._waiting_tokens = 0
         self._pending_drops: list[int] = []
@@ -118,13 +135,28 @@ class SchedulerState:
         self._prefix_hit_blocks = 0
         # Arrival (the frontend's clock: one monotonic clock per host) to first scheduling.
         self._queue_times: list[float] = []
+        self._queue_ids: list[int] = []  # whose they are, in the same order
 
     # ================================================================== state changes
 
+    def queue_refusal(self, request_id: int, prompt_len: int) -> str | None:
+        """Why a new request may not join the queue now (a duplicate id, or the queue's
+        limits), or None."""
+        params = self.params
+        if request_id in self.requests:
+            return f"request id {request_id} is already queued or running"
+        if len(self.waiting) >= params.max_queued_requests:
+            return (f"queue full: {len(self.waiting)} requests waiting "
+                    f"(max_queued_requests={params.max_queued_requests})")
+        if self.waiting_tokens + prompt_len > params.max_queued_tokens:
+            return (f"queue full: {self.waiting_tokens} prompt tokens waiting, this prompt "
+                    f"adds {prompt_len} (max_queued_tokens={params.max_queued_tokens})")
+        return None
+
     def queue(self, req: Request) -> None:
-        """A new request joins the back of the waiting queue."""
+        """A new request joins the back of the waiting queue (by priority: its place)."""
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.policy.enqueue(self.waiting, req)
         self._waiting_tokens += req.prompt_len
 
     def reject(self, request_id: int, why: str) -> RequestRejected:
@@ -132,11 +164,14 @@ class SchedulerState:
         return RequestRejected(request_id, why)
 
     def start_running(self, req: Request, num_cached: int, num_hit_blocks: int,
-                      now: float) -> None:
-        """The head of the waiting queue runs, its first `num_cached` tokens from the cache;
-        `now` on the frontend's clock, for its queue time when it runs for the first time."""
+                      now: float, num_host_blocks: int = 0) -> None:
+        """The head of the waiting queue runs, its first `num_cached` tokens from the cache
+        (`num_hit_blocks` of them the device's, `num_host_blocks` the host tier's, which
+        are registered once the plan is built); `now` on the frontend's clock, for its queue
+        time when it runs for the first time."""
         if not req.known_to_worker:
             self._queue_times.append(max(0.0, now - req.arrival_time))
+            self._queue_ids.append(req.request_id)
         self.waiting.popleft()
         self._waiting_tokens -= req.prompt_len
         self.running.append(req)
@@ -150,10 +185,11 @@ class SchedulerState:
             self._prefix_queries += 1
             self._prefix_query_tokens += req.num_tokens
             self._prefix_hit_blocks += num_hit_blocks
+            self.tier.count_query(req.num_tokens, num_host_blocks)
 
     def preempt(self, req: Request) -> None:
         """Recompute, not swap: the worker frees the KV and keeps the token history, and the
-        request waits at the front of the queue."""
+        request waits at the front of the queue (by priority: its place)."""
         self.running.remove(req)
         self.blocks.free(req.blocks)
         req.blocks = []
@@ -164,8 +200,13 @@ class SchedulerState:
             self.constraints.stop(req.sampling.guided_id)
         req.num_preemptions += 1
         self._num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
         self._waiting_tokens += req.prompt_len
+
+    def order_running(self) -> None:
+        """By the waiting policy's order (priority: highest first), so that preemption under
+        KV pressure, which takes the running list's last requests, takes the lowest."""
+        self.policy.order_running(self.running)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if _guided(req):
@@ -223,6 +264,10 @@ class SchedulerState:
         times, self._queue_times = self._queue_times, []
         return times
 
+    def take_queue_ids(self) -> list[int]:
+        ids, self._queue_ids = self._queue_ids, []
+        return ids
+
     def take_pending_drops(self, plan_id: int) -> list[int]:
         drops, self._pending_drops = self._pending_drops, []
         self.ledger.forget_after(plan_id, drops)
@@ -268,6 +313,10 @@ class SchedulerState:
         startable = bool(self.waiting) and self.constraints.ready(self.waiting[0].sampling)
         return bool(startable or self.running or self._pending_drops)
 
+    def has_running_work(self) -> bool:
+        """Work for a plan without admitting anyone: running requests, or drops to send."""
+        return bool(self.running or self._pending_drops)
+
     def num_outstanding(self) -> int:
         return sum(1 for progress in self._plans.values() if not progress.step_done)
 
@@ -299,11 +348,15 @@ class SchedulerState:
             adapter_loads=self.lora.num_loads,
             running_adapters=adapters_of(self.running) if self.params.max_loras else (),
             waiting_adapters=adapters_of(self.waiting) if self.params.max_loras else (),
+            external_query_tokens=self.tier.query_tokens,
+            external_hit_tokens=self.tier.hit_tokens,
+            host_blocks_used=self.tier.num_used,
         )
 
     def check_invariants(self) -> None:
         """Raise AssertionError when the scheduler's bookkeeping contradicts itself."""
         self.blocks.check_invariants()
+        self.tier.check_invariants()
         self._check_queues()
         holders: Counter[int] = Counter()
         for req in self.running:

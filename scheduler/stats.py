@@ -100,6 +100,8 @@ def report_stats(sched: Scheduler, times: Timings, to_frontend: Sender,
                         times.forward_s, times.postproc_busy_s, times.steady_busy_s,
                         times.steady_idle_s, sched.take_queue_times(),
                         list(s.loaded_adapters), s.adapter_loads, list(s.running_adapters),
-                        list(s.waiting_adapters), *times.spec, list(times.spec_per_pos))
+                        list(s.waiting_adapters), *times.spec, list(times.spec_per_pos),
+                        s.external_query_tokens, s.external_hit_tokens, s.host_blocks_used,
+                        sched.params.num_host_blocks, queue_time_ids=sched.take_queue_ids())
     to_frontend.put(stats)
     return now, stats

@@ -35,8 +35,11 @@ def make_view(dest: str) -> str:
     top = os.path.join(dest, NAME)
     os.makedirs(top, exist_ok=True)
     for name, folder in packages().items():
-        link = os.path.join(top, name.split(".", 1)[1])
-        target = os.path.join(ROOT, folder)
+        # The root package is one file, `tandem_serve/__init__.py` (the offline API's names).
+        sub = name.split(".", 1)[1] if "." in name else "__init__.py"
+        link = os.path.join(top, sub)
+        target = os.path.join(ROOT, folder, "__init__.py" if sub == "__init__.py" else "")
+        target = target.rstrip(os.sep)
         if os.path.islink(link) and os.readlink(link) == target:
             continue
         if os.path.lexists(link):

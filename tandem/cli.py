@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from tandem_serve.proto.config import Addresses, ServerConfig
+from tandem_serve.tandem.server_flags import add_server_flags
 
 
 def cache_root() -> str:
@@ -26,148 +27,8 @@ def cache_root() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tandem")
 
 
-def _bool_flag(p: argparse.ArgumentParser, name: str, default: bool, help: str) -> None:
-    p.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
-                   help=help)
-
-
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
-    d = ServerConfig(model="")
-    p.add_argument("--model", default="",
-                   help="Hugging Face model folder (default: the embedded tiny model)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dtype", default=d.dtype,
-                   choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device, choices=["auto", "cpu", "cuda"])
-    p.add_argument("--num-scheduler-steps", type=int, default=d.num_scheduler_steps,
-                   help="K: decode steps per plan (1 = no multi-step)")
-    _bool_flag(p, "async-postproc", d.async_postproc,
-               "overlap postprocessing with the next plan (--no-async-postproc: sync baseline)")
-    _bool_flag(p, "pace-plans", d.pace_plans,
-               "async mode: build plan n+1 near the end of plan n (the worker says when), so "
-               "requests that arrive during plan n join plan n+1 (--no-pace-plans: as soon "
-               "as plan n is sent)")
-    p.add_argument("--plan-lead-ms", type=float, default=d.plan_lead_ms,
-                   help="with --pace-plans: how much of plan n's work is left, at least, when "
-                        "the worker asks for plan n+1 (covers building and sending it)")
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="tokens per step: decoding rows first, prefill chunks in the rest "
-                        "(0: 160 on a CPU device, 512 on CUDA; a prefill token counts more at "
-                        "long contexts; with --prefill-phase per plan, 0: 2048)")
-    _bool_flag(p, "prefill-phase", d.prefill_phase,
-               "baseline: prefill each plan's chunks in a forward of their own before its "
-               "decode steps (decoding rows wait for it), instead of inside the steps")
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="0: the model's max_position_embeddings")
-    p.add_argument("--num-postproc-workers", type=int, default=d.num_postproc_workers)
-    _bool_flag(p, "shm-ring", d.shm_ring, "token batches over shared memory (else ZeroMQ)")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--num-kv-blocks", type=int, default=d.num_kv_blocks)
-    p.add_argument("--kv-cache-memory", type=float, default=d.kv_cache_memory,
-                   help="KV cache size in GiB (when --num-kv-blocks is 0)")
-    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                   help="KV cache element type: auto (the model dtype) or fp8 (= fp8_e4m3: "
-                        "float8 e4m3, scale 1.0, twice the blocks of bfloat16 per GiB)")
-    _bool_flag(p, "prefix-caching", d.enable_prefix_caching, "automatic prefix caching")
-    p.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests)
-    p.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens)
-    p.add_argument("--max-stream-buffer-bytes", type=int, default=d.max_stream_buffer_bytes,
-                   help="output held for a client that stopped reading before its request is "
-                        "cancelled with RESOURCE_EXHAUSTED (0: no limit)")
-    p.add_argument("--default-max-new-tokens", type=int, default=d.default_max_new_tokens)
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
-                   help="the largest max_new_tokens a request may ask for")
-    _bool_flag(p, "include-stop-sequence", d.include_stop_sequence,
-               "default for requests that leave include_stop_sequence unset")
-    p.add_argument("--torch-threads", type=int, default=d.torch_threads,
-                   help="gpu worker's torch threads (0: one per core it is pinned to)")
-    _bool_flag(p, "enforce-eager", d.enforce_eager,
-               "CUDA: launch every decode step from Python, no CUDA graphs")
-    _bool_flag(p, "onednn", d.onednn,
-               "CPU float32: linear layers through oneDNN with pre-packed weights")
-    p.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"],
-                   help="dummy: random weights of the model's shape, made on the device "
-                        "(benchmarks without a checkpoint)")
-    p.add_argument("--attention-backend", default=d.attention_backend, metavar="NAME",
-                   help="how the gpu worker attends: auto (flash where flash_attn serves, "
-                        "else flex on CUDA, else sdpa), sdpa (torch SDPA over gathered "
-                        "blocks; mixed steps split), flex (mixed steps in one FlexAttention "
-                        "call), flash (flash_attn 2 reads the paged cache: CUDA, 16-bit, "
-                        "--block-size a multiple of 256)")
-    _bool_flag(p, "flash-attn", d.flash_attn,
-               "--attention-backend auto may pick flash_attn (--no-flash-attn: never)")
-    p.add_argument("--reserved-cpus", type=int, default=d.reserved_cpus,
-                   help="CPU device: cores kept for the other processes, the gpu worker "
-                        "pinned to the rest (-1: 1 on a host with ≥ 2 cores; 0: no pinning)")
-    p.add_argument("--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
-                   help="split the model over this many gpu worker ranks (processes) joined "
-                        "by torch.distributed: NCCL on CUDA, gloo on CPU")
-    p.add_argument("--nnodes", type=int, default=d.nnodes,
-                   help="hosts the tensor-parallel ranks are spread over (each runs "
-                        "--tensor-parallel-size / --nnodes ranks)")
-    p.add_argument("--node-rank", type=int, default=d.node_rank,
-                   help="this host's index among --nnodes (0: the host of rank 0 and the "
-                        "frontend; others: `tandem run-role gpu-worker --node-rank R`)")
-    p.add_argument("--dist-init-addr", default=d.dist_init_addr,
-                   help="HOST:PORT of the torch.distributed rendezvous on rank 0's host "
-                        "(PORT + 1 carries the plans); default on one host: a free local port")
-    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help="on SIGTERM, seconds in-flight requests may take before they are "
-                        "cancelled")
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout,
-                   help="a plan unfinished after this many seconds means a hung gpu worker: "
-                        "its stack is logged and the server exits non-zero (0: off)")
-    p.add_argument("--guided-cache-dir", default=os.path.join(cache_root(), "guided"),
-                   help="compiled guided-decoding constraints are kept here across restarts "
-                        "('' = in memory only; default: <cache folder>/guided)")
-    p.add_argument("--guided-compile-timeout", type=float, default=d.guided_compile_timeout,
-                   help="seconds one constraint may take to compile; a longer one is stopped "
-                        "and its request gets INVALID_ARGUMENT")
-    _bool_flag(p, "guided-precompile-json", d.guided_precompile_json,
-               "compile format=JSON (any JSON object, seconds to compile) in the background "
-               "once the server is ready, unless the cache has it")
-    p.add_argument("--metrics-port", type=int, default=d.metrics_port)
-    p.add_argument("--http-port", type=int, default=d.http_port,
-                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics) on --host; 0: off")
-    p.add_argument("--served-model-name", default=d.served_model_name,
-                   help="the model name HTTP clients send (default: the model folder's name)")
-    _bool_flag(p, "enable-auto-tool-choice", d.enable_auto_tool_choice,
-               "HTTP: tool_choice 'auto' (the default with tools): calls parsed out of the "
-               "model's text by --tool-call-parser")
-    p.add_argument("--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
-                   help="how the model writes tool calls: hermes (Qwen, Hermes), llama3_json, "
-                        "mistral")
-    p.add_argument("--reasoning-parser", default=d.reasoning_parser, metavar="NAME",
-                   help="HTTP: split <think>...</think> into reasoning_content: deepseek_r1, "
-                        "qwen3")
-    p.add_argument("--chat-template", default=d.chat_template, metavar="FILE",
-                   help="a chat template (a file, or the template's text) replacing the "
-                        "checkpoint's")
-    p.add_argument("--adapter-cache", default=d.adapter_cache, metavar="DIR",
-                   help="LoRA adapters: a request's adapter_id (over HTTP: its model) names "
-                        "the PEFT adapter folder DIR/<adapter_id> (default: adapters off)")
-    p.add_argument("--max-loras", type=int, default=d.max_loras,
-                   help="adapters the gpu worker holds at once (least recently used ones "
-                        "no running request uses make room)")
-    p.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank,
-                   help="the largest adapter rank served (the device cost per token grows "
-                        "with it)")
-    p.add_argument("--speculative-config", default=d.speculative_config, metavar="JSON",
-                   help='speculative decoding, as vLLM spells it: {"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 2} (default: off)')
-    p.add_argument("--runner", default=d.runner, choices=["generate", "pooling"],
-                   help="generate: text (completions, chat); pooling: embeddings, rerank and "
-                        "score from a sentence-transformers folder or a cross-encoder "
-                        "(/v1/embeddings, /v1/rerank, /score)")
-    p.add_argument("--tls-cert", default="")
-    p.add_argument("--tls-key", default="")
-    p.add_argument("--tls-client-ca", default="")
-    p.add_argument("--log-level", default=d.log_level)
-    p.add_argument("--fault", default="", help=argparse.SUPPRESS)
+    add_server_flags(p, cache_root())
     _env_defaults(p)
 
 
@@ -254,6 +115,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     values["enable_prefix_caching"] = args.prefix_caching
     if values.get("adapter_cache"):  # every process reads it, from its own working folder
         values["adapter_cache"] = os.path.abspath(values["adapter_cache"])
+    if values.get("allowed_local_media_path"):
+        values["allowed_local_media_path"] = os.path.abspath(values["allowed_local_media_path"])
     template = values.get("chat_template")
     if template and os.path.isfile(template):
         values["chat_template"] = os.path.abspath(template)
@@ -285,6 +148,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem_serve.tandem.launcher import serve
 
     return serve(cfg)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from tandem_serve.ipc.process import setup_logging
+    from tandem_serve.tandem.offline import run_batch
+
+    setup_logging("frontend", args.log_level)
+    return run_batch.run(config_from_args(args), args)
 
 
 def cmd_run_role(args: argparse.Namespace) -> int:
@@ -393,6 +264,8 @@ BENCHMARKS = (  # (NAME, MODULE, help)
     ("stall", "stall.main", "decode streams' worst inter-token gap while long prompts arrive"),
     ("spec", "spec.main", "speculative decoding vs none: acceptance, TPOT, copy and plain prompts"),
     ("pooling", "pooling.main", "embeddings through --runner pooling vs sentence-transformers"),
+    ("vision", "vision.main", "image chats vs text chats of the same token count; encoder share"),
+    ("offload", "offload.main", "host KV tier vs device cache alone: re-send and multi-turn TTFT"),
     ("report", "report.main", "rerun the benchmarks, rewrite docs/BENCHMARKS.md"),
 )
 
@@ -414,6 +287,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index", type=int, default=0)
     p.add_argument("--parent-pid", type=int, default=0)
     p.set_defaults(func=cmd_run_role)
+
+    from tandem_serve.tandem.offline import run_batch
+
+    p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, without "
+                                         "a server")
+    add_server_arguments(p)
+    run_batch.add_arguments(p)
+    p.set_defaults(func=cmd_run_batch)
 
     p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
     from tandem_serve.harness.tiny_model import add_arguments

@@ -19,11 +19,12 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", default="", help="CA bundle: connect with TLS")
     p.add_argument("--tls-cert", default="", help="client certificate (mTLS)")
     p.add_argument("--tls-key", default="", help="client key (mTLS)")
+    p.add_argument("--api-key", default="", help="the server's --api-key")
 
 
 def _client(args: argparse.Namespace) -> TandemClient:
     return TandemClient(f"{args.host}:{args.port}", tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                        tls_key=args.tls_key)
+                        tls_key=args.tls_key, api_key=args.api_key)
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:

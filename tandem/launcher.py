@@ -18,6 +18,7 @@ set.  On every exit the children, sockets, run folder and shm segments are remov
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ from tandem_serve.proto.control_messages import ProcessFailed, WorkerHung
 from tandem_serve.tandem import serve as frontend_process
 from tandem_serve.tandem.preflight import (
     adapter_store,
+    check_host_memory,
     check_model,
     check_pooling_model,
     load_tokenizer,
@@ -79,7 +81,7 @@ class Launcher:
             self.cfg = cfg
         else:
             self.run_dir = tempfile.mkdtemp(prefix=f"tandem-{os.getpid()}-")
-            addr = Addresses.local(self.run_dir, str(os.getpid()), cfg.num_postproc_workers,
+            addr = Addresses.local(self.run_dir, _ring_tag(), cfg.num_postproc_workers,
                                    cfg.shm_ring)
             if cfg.tensor_parallel_size > 1 and not cfg.dist_init_addr:
                 cfg = cfg.replace(dist_init_addr=free_local_addr())  # every rank is here
@@ -111,6 +113,7 @@ class Launcher:
         else:
             config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
             adapters = adapter_store(self.cfg, config)
+        check_host_memory(self.cfg)
         tok = load_tokenizer(self.cfg.model)
         return await frontend_process.serve(self.cfg, self, tok, adapters)
 
@@ -136,7 +139,8 @@ class Launcher:
             return
         path = os.path.join(self.run_dir, "config.json")
         with open(path, "w") as f:
-            f.write(self.cfg.to_json())
+            # The API key is the frontend's alone: no file of ours holds it.
+            f.write(self.cfg.replace(api_key="").to_json())
         # Tensor parallelism: this host's gpu worker ranks, each a child like any other.
         roles = [("scheduler", 0)] + [("gpu-worker", r) for r in self.cfg.node_ranks()] + [
             ("postproc", i) for i in range(self.cfg.num_postproc_workers)
@@ -285,6 +289,16 @@ class Launcher:
             self._replace(message)
         else:
             self._fail(message)
+
+
+_launchers = itertools.count()
+
+
+def _ring_tag() -> str:
+    """The pid, and after the first launcher of a process a count: the offline API may run
+    several engines in one process, each with a ring of its own."""
+    n = next(_launchers)
+    return f"{os.getpid()}" if n == 0 else f"{os.getpid()}_{n}"
 
 
 def _dump_stacks(child: Child) -> bool:

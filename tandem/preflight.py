@@ -16,7 +16,7 @@ from typing import Any
 
 from tandem_serve.adapters.peft import ModelShapes
 from tandem_serve.frontend.adapter_store import AdapterStore
-from tandem_serve.ipc.process import StartupError
+from tandem_serve.ipc.process import StartupError, available_host_bytes
 from tandem_serve.pooling.folder import PoolingFolderError, PoolingSpec
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.tokenization.tokenizer import Tokenizer, TokenizerLoadError
@@ -89,3 +89,14 @@ def load_tokenizer(model: str) -> Tokenizer:
         return Tokenizer.from_dir(model)
     except TokenizerLoadError as exc:
         raise StartupError(f"--model {model!r}: {exc}") from None
+
+
+def check_host_memory(cfg: ServerConfig) -> None:
+    """`--kv-offloading-size` against this host's available memory, for the ranks it runs,
+    before any process starts (the gpu worker checks again where it runs: under the compose
+    roles that may be another host)."""
+    wanted = cfg.kv_offloading_size * cfg.ranks_per_node / cfg.tensor_parallel_size
+    free = available_host_bytes()
+    if wanted * (1 << 30) > free:
+        raise StartupError(f"--kv-offloading-size asks for {wanted:.2f} GiB of host memory on "
+                           f"this host; it has {free / 2**30:.2f} GiB available: lower it")

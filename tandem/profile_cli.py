@@ -44,6 +44,8 @@ class Recording:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8033)
+    p.add_argument("--api-key", default="", help="the server's --api-key (the admin service "
+                   "needs it when one is set)")
     p.add_argument("--duration", type=float, default=None,
                    help=f"seconds to record (default {DEFAULT_DURATION:g}; with --plans the "
                         f"upper bound, default {PLANS_DEADLINE:g})")
@@ -63,8 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def record(host: str, port: int, duration: float, plans: int = 0,
-           torch_trace: str = "") -> Recording:
-    channel = make_channel(f"{host}:{port}")
+           torch_trace: str = "", api_key: str = "") -> Recording:
+    channel = make_channel(f"{host}:{port}", api_key=api_key)
     try:
         stub = admin_pb2_grpc.AdminStub(channel)
         req = admin_pb2.ProfileRequest(duration_s=duration, plans=plans,
@@ -136,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
     proc = _start_workload(args)
     _say(f"recording {what} ...")
     try:
-        rec = record(args.host, args.port, duration, args.plans, torch_trace)
+        rec = record(args.host, args.port, duration, args.plans, torch_trace, args.api_key)
     except grpc.RpcError as exc:  # the server's own words say what went wrong
         _say(f"failed: {exc.code().name}: {exc.details()}")
         return 1

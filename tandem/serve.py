@@ -38,6 +38,7 @@ from tandem_serve.frontend.engine_client import EngineClient
 from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.frontend.metrics import exposition, serve_metrics
 from tandem_serve.frontend.ports import bound_socket, check_ports
+from tandem_serve.frontend.request_traces import RequestTraces
 from tandem_serve.frontend.standalone import SetKeeper
 from tandem_serve.frontend.validation import Limits
 from tandem_serve.guided.service import GuidedCompiler
@@ -116,6 +117,10 @@ class FrontendMain:
         engine = EngineClient(self.cfg, served_names(self.cfg)[0])
         engine.start()
         frontend = Frontend(engine, tok, adapters)
+        if self.cfg.otlp_traces_endpoint:
+            frontend.traces = RequestTraces(self.cfg.otlp_traces_endpoint,
+                                            served_names(self.cfg)[0])
+            engine.on_queue_times = frontend.traces.on_queue_times
         metrics = exposition(engine.vllm_metrics.registry)
         failed = self.supervisor.start()
         s = Servers(frontend, server, add_services(server, frontend))
@@ -196,18 +201,14 @@ class FrontendMain:
         if s.frontend.guided is not None:
             await s.frontend.guided.close()  # its compile worker too
         s.frontend.engine.close()
+        if s.frontend.traces is not None:  # the last spans, off the loop
+            await asyncio.to_thread(s.frontend.traces.close)
         self.supervisor.stop(failed=self.exit_code != 0)
 
     # ------------------------------------------------------------------ readiness
 
     def _limits(self, engine: EngineClient, tok: Tokenizer) -> Limits:
-        assert engine.limits is not None
-        return Limits(max_model_len=engine.limits.max_model_len,
-                      max_new_tokens=self.cfg.max_new_tokens,
-                      default_max_new_tokens=self.cfg.default_max_new_tokens,
-                      vocab_size=engine.limits.vocab_size,
-                      eos_token_ids=tuple(tok.eos_token_ids),
-                      include_stop_sequence=self.cfg.include_stop_sequence)
+        return engine_limits(self.cfg, engine, tok)
 
     async def _become_ready(self, s: Servers) -> None:
         frontend = s.frontend
@@ -221,7 +222,7 @@ class FrontendMain:
                 GuidedCompiler.for_tokenizer, tok,
                 guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
-        await (_warm_up_pooling(engine, tok) if pooling else _warm_up(engine, tok))
+        await (_warm_up_pooling(engine, tok) if pooling else warm_up(engine, tok))
         freeze_heap()  # before the first client: no full collection walks start-up's objects
         await s.set_ready(True)
         frontend.serving = True
@@ -273,7 +274,19 @@ class FrontendMain:
             os._exit(128 + sig)
 
 
-async def _warm_up(engine: EngineClient, tok: Tokenizer) -> None:
+def engine_limits(cfg: ServerConfig, engine: EngineClient, tok: Tokenizer) -> Limits:
+    """What requests are validated against, once the gpu worker reported in."""
+    assert engine.limits is not None
+    return Limits(max_model_len=engine.limits.max_model_len,
+                  max_new_tokens=cfg.max_new_tokens,
+                  default_max_new_tokens=cfg.default_max_new_tokens,
+                  vocab_size=engine.limits.vocab_size,
+                  eos_token_ids=tuple(tok.eos_token_ids),
+                  include_stop_sequence=cfg.include_stop_sequence,
+                  priority_scheduling=cfg.scheduling_policy == "priority")
+
+
+async def warm_up(engine: EngineClient, tok: Tokenizer) -> None:
     """One short greedy request through every process before readiness turns on."""
     ids = tok.encode("warm up") or [0]
     sampling = SamplingParams(max_new_tokens=2, stop_token_ids=list(tok.eos_token_ids))

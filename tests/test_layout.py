@@ -45,6 +45,9 @@ PROCESSES = {"scheduler", "gpu_worker", "postproc_worker"}
 SHARED = {"tokenization", "guided", "adapters", "pooling"}
 APIS = {"rpc", "openai_api"}
 OURS = {"proto", "ipc", *SHARED, *PROCESSES, "frontend", *APIS, "harness", "bench", "tandem"}
+# root/ installs as `tandem_serve` itself: the offline API's names, imported on first use.
+ROOT_FOLDER = "root"
+VLLM_SHAPES = ROOT / "tandem" / "offline" / "params.py"
 ALLOWED: dict[str, set[str]] = {
     "proto": {"proto"},
     "ipc": {"proto", "ipc"},
@@ -57,6 +60,7 @@ ALLOWED: dict[str, set[str]] = {
     "harness": {"proto", "ipc", *SHARED, "frontend", *APIS, "harness"},
     "bench": OURS,
     "tandem": OURS,
+    ROOT_FOLDER: {"tandem"},
 }
 
 
@@ -102,16 +106,17 @@ def test_setup_cfg_installs_every_package() -> None:
     listed = set(cfg["options"]["packages"].split())
     folders = {".".join(p.parent.relative_to(ROOT).parts) for package in _packages()
                for p in (ROOT / package).rglob("__init__.py")}
-    assert mapped == {f"{ROOT_NAME}.{p}" for p in _packages()}
-    assert listed == {f"{ROOT_NAME}.{p}" for p in folders}
+    assert mapped == {f"{ROOT_NAME}.{p}" for p in _packages()} | {ROOT_NAME}
+    assert listed == {f"{ROOT_NAME}.{p}" for p in folders} | {ROOT_NAME}
 
 
 def test_every_package_has_a_rule() -> None:
     dirs = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    assert dirs <= OURS, f"top-level packages without an import rule: {sorted(dirs - OURS)}"
+    known = OURS | {ROOT_FOLDER}
+    assert dirs <= known, f"top-level packages without an import rule: {sorted(dirs - known)}"
 
 
-@pytest.mark.parametrize("package", _packages())
+@pytest.mark.parametrize("package", [*_packages(), ROOT_FOLDER])
 def test_imports_follow_the_layout(package: str) -> None:
     bad = []
     for path in _sources(package):
@@ -168,10 +173,14 @@ def test_no_folder_holds_too_many_modules() -> None:
 def test_no_two_classes_share_a_public_name() -> None:
     """A public class name names one thing in the whole engine: a reader (or a grep) meeting
     `Request` should not have to ask which one.  Private (`_Name`) classes are their module's
-    own business; nested and function-local classes count."""
+    own business; nested and function-local classes count.  The offline API's module is left
+    out: its classes carry vLLM's names (`SamplingParams`, `RequestOutput`), which its users
+    import as they are."""
     where: dict[str, list[str]] = {}
     for package in _packages():
         for path in _sources(package):
+            if path == VLLM_SHAPES:
+                continue
             tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):

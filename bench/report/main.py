@@ -20,6 +20,7 @@ from tandem_serve.bench.report.sections import (
     ipc,
     lora,
     machine,
+    offload,
     overhead,
     pooling,
     postproc,
@@ -52,6 +53,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Context], str]]] = {
     "ipc": ("Channels (`tandem bench ipc`)", ipc),
     "lora": ("LoRA adapters (`tandem bench lora`)", lora),
     "pooling": ("Embeddings (`tandem bench pooling`)", pooling),
+    "offload": ("Host KV tier (`tandem bench offload`)", offload),
     "robustness": ("Robustness (`make fuzz`, `tandem bench robustness`)", robustness),
     "soak": ("Soak (`tandem bench soak`)", soak),
 }

@@ -132,6 +132,20 @@ def pooling(ctx: Context) -> str:
         ["bench", "pooling", "--output-json", "/tmp/tandem-bench-pooling.json"], fenced=True)
 
 
+def offload(ctx: Context) -> str:
+    return command_section(ctx, (
+        "The host KV tier (`--kv-offloading-size`) against the device cache alone, each arm "
+        "on a fresh server of the default preset with a 2,048-token device cache (128 blocks). "
+        "Re-send: a 1,700-token prompt, a longer one that evicts it, then the first again, "
+        "one at a time; its TTFT is a recompute of the prompt without the tier and a copy "
+        "back with it. Multi-turn: `bench serve --dataset multi-turn`, 8 conversations of 4 "
+        "turns (a 600-token opening, 200 tokens more per turn, 16 generated), round-robin at "
+        "concurrency 2, so each turn finds its conversation's history evicted from the "
+        "device: TTFT p50 and throughput. One run per arm: the ratios are the figures."),
+        ["bench", "offload", "--model", ctx.models["default"], "--output-json",
+         "/tmp/tandem-bench-offload.json"], fenced=False)
+
+
 def soak(ctx: Context) -> str:
     return command_section(
         ctx, "Steady load; resident memory of every process at the start and the end. Two "

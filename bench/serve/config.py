@@ -31,6 +31,7 @@ class BenchConfig:
     output_len: int = 128
     range_ratio: float = 0.0
     prefix_len: int = 0
+    turns: int = 4  # multi-turn: requests per conversation
     request_rate: float = math.inf
     max_concurrency: int | None = None
     seed: int = 0

@@ -10,6 +10,13 @@ Datasets:
   random suffix of about `input_len` tokens. The prefix ends in a newline and the suffix has
   no leading whitespace, so no token merges across the seam; every prompt is checked to
   start with exactly the prefix's token ids, which is what prefix caching keys on.
+* `multi-turn`: conversations of `turns` requests each, every turn re-sending the whole
+  conversation so far: an opening of `prefix_len` tokens, then about `input_len` tokens
+  more per turn (the previous answer and the next question, drawn like the prefix, each
+  ending in a newline so no token merges across turns).  Requests go round-robin over the
+  conversations (every first turn, then every second...), so with enough conversations
+  the device cache holds none of a conversation's history by its next turn: the workload
+  of a host KV tier (`--kv-offloading-size`).
 * `file`: JSONL, one `{"prompt": str, "output_len": int (optional)}` per line, taken in file
   order (cycled when `num_prompts` exceeds the lines).
 
@@ -27,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-DATASETS = ("random", "shared-prefix", "file")
+DATASETS = ("random", "shared-prefix", "multi-turn", "file")
 # Refit rounds before settling for the closest length; real tokenizers converge in 1-3.
 _MAX_FIT_ROUNDS = 24
 # Distinct streams derived from one seed, so adding a dataset draw never moves arrivals.
@@ -190,6 +197,29 @@ def shared_prefix_dataset(tok: TokenizerLike, num_prompts: int, prefix_len: int,
     return items
 
 
+def multi_turn_dataset(tok: TokenizerLike, num_prompts: int, prefix_len: int,
+                       input_len: int, output_len: int, turns: int,
+                       rng: np.random.Generator) -> list[BenchItem]:
+    """`num_prompts` requests over ceil(num_prompts / turns) conversations, round-robin."""
+    if turns < 1:
+        raise ValueError(f"--turns must be >= 1, got {turns}")
+    allowed = allowed_token_ids(tok)
+    overhead = _special_overhead(tok)
+    num_conversations = -(-num_prompts // turns)
+    histories = [make_prefix(tok, max(prefix_len, overhead + 2), rng, allowed)
+                 for _ in range(num_conversations)]
+    items: list[BenchItem] = []
+    for _turn in range(turns):
+        for c in range(num_conversations):
+            if len(items) == num_prompts:
+                return items
+            # make_prefix counts the special tokens once; a turn in the middle has none.
+            histories[c] += make_prefix(tok, input_len + overhead, rng, allowed)
+            items.append(BenchItem(len(items), histories[c], len(tok.encode(histories[c])),
+                                   output_len))
+    return items
+
+
 def file_dataset(path: str | Path, num_prompts: int, output_len: int,
                  tok: TokenizerLike | None = None) -> list[BenchItem]:
     """JSONL prompts in file order; `output_len` fills lines that do not give one."""
@@ -224,8 +254,7 @@ def load_dataset(name: str, tok: TokenizerLike | None, *, num_prompts: int, inpu
                  ) -> list[BenchItem]:
     """Build a dataset by name. `warmup=True` draws different prompts from the same seed,
     so warm-up requests do not pre-fill the prefix cache with the measured prompts."""
-    stream = _STREAM_WARMUP if warmup else _STREAM_DATASET
-    rng = np.random.default_rng([seed, stream])
+    rng = dataset_rng(seed, warmup)
     if name == "file":
         if not dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
@@ -240,7 +269,14 @@ def load_dataset(name: str, tok: TokenizerLike | None, *, num_prompts: int, inpu
         prefix_rng = np.random.default_rng([seed, _STREAM_DATASET]) if warmup else None
         return shared_prefix_dataset(tok, num_prompts, prefix_len, input_len, output_len,
                                      range_ratio, rng=rng, prefix_rng=prefix_rng)
+    if name == "multi-turn":
+        return multi_turn_dataset(tok, num_prompts, prefix_len, input_len, output_len, 4, rng)
     raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def dataset_rng(seed: int, warmup: bool = False) -> np.random.Generator:
+    """The draws of a dataset (`warmup`: of its warm-up requests, apart from the measured)."""
+    return np.random.default_rng([seed, _STREAM_WARMUP if warmup else _STREAM_DATASET])
 
 
 def arrival_offsets(n: int, request_rate: float, seed: int = 0) -> list[float]:

@@ -101,7 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--range-ratio", type=float, default=d.range_ratio,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
     g.add_argument("--prefix-len", type=int, default=d.prefix_len,
-                   help="shared-prefix: tokens every prompt starts with")
+                   help="shared-prefix: tokens every prompt starts with; multi-turn: each "
+                        "conversation's opening")
+    g.add_argument("--turns", type=int, default=d.turns,
+                   help="multi-turn: requests per conversation (each re-sends the "
+                        "conversation so far plus about --input-len tokens)")
     g.add_argument("--seed", type=int, default=d.seed)
 
     g = parser.add_argument_group("traffic")

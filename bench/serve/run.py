@@ -15,7 +15,13 @@ from tandem_serve.bench.serve import guided_load, replicas
 from tandem_serve.bench.serve.backends.base import Backend
 from tandem_serve.bench.serve.backends.registry import make_backend
 from tandem_serve.bench.serve.config import BenchConfig
-from tandem_serve.bench.serve.datasets import BenchItem, arrival_offsets, load_dataset
+from tandem_serve.bench.serve.datasets import (
+    BenchItem,
+    arrival_offsets,
+    dataset_rng,
+    load_dataset,
+    multi_turn_dataset,
+)
 from tandem_serve.bench.serve.metrics import JSON_PERCENTILES, RequestRecord, calculate_metrics
 
 
@@ -116,6 +122,10 @@ def _note(msg: str, stream: TextIO | None) -> None:
 def build_dataset(config: BenchConfig, tokenizer: Any, *, warmup: bool = False
                   ) -> list[BenchItem]:
     """The run's requests (or, `warmup`, its `config.warmup` warm-up requests)."""
+    if config.dataset == "multi-turn" and tokenizer is not None:  # --turns is its own
+        return multi_turn_dataset(tokenizer, config.warmup if warmup else config.num_prompts,
+                                  config.prefix_len, config.input_len, config.output_len,
+                                  config.turns, dataset_rng(config.seed, warmup))
     return load_dataset(config.dataset, tokenizer,
                         num_prompts=config.warmup if warmup else config.num_prompts,
                         input_len=config.input_len, output_len=config.output_len,

@@ -52,13 +52,16 @@ MIXED_GRAPH_TOKENS = 2048
 
 def mixed_forward(pieces: MixedGraphs | None, model: CausalLM, ids: torch.Tensor,
                   positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata,
-                  lora: LoraContext | None, history: torch.Tensor | None) -> torch.Tensor:
-    """A mixed forward's hidden states: from the pieces where they serve it, else eager."""
-    if pieces is not None and lora is None and history is None and pieces.usable(len(ids)):
+                  lora: LoraContext | None, history: torch.Tensor | None,
+                  mm: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """A mixed forward's hidden states: from the pieces where they serve it, else eager
+    (always with image embeddings `mm`: the pieces embed token ids only)."""
+    if pieces is not None and lora is None and history is None and mm is None \
+            and positions.dim() == 1 and pieces.usable(len(ids)):
         hidden = pieces.forward(ids, positions, kv_caches, meta)
         if hidden is not None:
             return hidden
-    return cast(torch.Tensor, model(ids, positions, kv_caches, meta, lora, history))
+    return cast(torch.Tensor, model(ids, positions, kv_caches, meta, lora, history, mm))
 
 
 def token_buckets(max_tokens: int) -> list[int]:

@@ -23,6 +23,7 @@ from tandem_serve.gpu_worker.models.config_families import (
 from tandem_serve.gpu_worker.models.config_rope import SUPPORTED_ROPE_TYPES, rope_fields
 from tandem_serve.gpu_worker.models.quant.config import QuantConfig
 from tandem_serve.gpu_worker.models.quant.config import parse as parse_quant
+from tandem_serve.proto.vision import split_config
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelArgs"]
 
@@ -100,6 +101,12 @@ class ModelArgs:
     pad_token_id: int | None = None
     # How the linear weights are stored (None: plain floats); see `models.quant.config`.
     quant: QuantConfig | None = None
+    # Vision-language checkpoints (`gpu_worker.vision`): M-RoPE's frequencies per position
+    # axis (temporal, height, width; empty: plain RoPE) and the image placeholder token.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    image_token_id: int = -1
+    deepstack_layers: int = 0  # Qwen3-VL: layers whose output adds the tower's features
 
     @property
     def eos_token_id(self) -> int | None:
@@ -114,6 +121,7 @@ class ModelArgs:
     ) -> ModelArgs:
         """Build from a parsed config.json (and generation_config.json, whose eos/bos win,
         as they do for HF generate). Raises ValueError on anything unsupported."""
+        cfg, vision = split_config(cfg)  # a VL checkpoint: its language model's keys
         arch = _architecture(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -136,6 +144,14 @@ class ModelArgs:
         )
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         quant = _quant(cfg, arch, family)
+        if vision is not None:
+            if sum(vision.mrope_section) * 2 != head_dim:
+                raise ValueError(f"mrope_section {list(vision.mrope_section)} must sum to "
+                                 f"head_dim / 2 = {head_dim // 2}")
+            family.update(mrope_section=vision.mrope_section,
+                          mrope_interleaved=vision.mrope_interleaved,
+                          image_token_id=vision.image_token_id,
+                          deepstack_layers=vision.deepstack)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),

@@ -247,21 +247,32 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         lora: LoraContext | None = None,
         history_lens: torch.Tensor | None = None,
+        mm: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids/positions [T] int64 -> final-normed hidden states [T, hidden].
 
         `lora`: the rows' adapters (None: the base model for every row). `history_lens`
-        [T]: a prefill token's request's history length (see `uses_history_lens`)."""
+        [T]: a prefill token's request's history length (see `uses_history_lens`). `mm`:
+        (rows, values [1 + D, rows, hidden]): values[0] replaces those rows' token
+        embeddings (a VL model's images, unscaled, as transformers scatters them) and
+        values[1 + i] is added to their residual stream after layer i (Qwen3-VL's
+        DeepStack); positions may then be M-RoPE's [3, T]."""
         attention = self.attention
         plan = attention.prepare(meta, kv_caches[0], self._windows)
         cos_sin = [r.cos_sin(positions, self.dtype, history_lens) for r in self.ropes]
         x = self.embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        for module, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if mm is not None:
+            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
+        deepstack = mm[1].shape[0] - 1 if mm is not None else 0
+        for i, (module, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer = cast(DecoderLayer, module)
             # .forward directly: nn.Module.__call__ hook handling is pure overhead per layer.
             x = layer.forward(x, cos_sin[layer.rope_index], kv_cache, attention, plan, lora)
+            if i < deepstack:
+                assert mm is not None
+                x = x.index_add(0, mm[0], mm[1][1 + i].to(x.dtype))
         return self.norm_fn(x, self.norm, self.config.rms_norm_eps)
 
     def attention_warm_up(self, kv_cache: KVCache) -> WarmUp:
@@ -294,3 +305,9 @@ class CausalLM(nn.Module):
         self._packed_lm_head = pack_linear(self.lm_head)
         for layer in self.layers:
             cast(DecoderLayer, layer).pack()
+
+    def unpack_weights(self) -> None:
+        """Drop the packed copies (`pack_weights` makes them again from the weights)."""
+        self._packed_lm_head = None
+        for layer in self.layers:
+            cast(DecoderLayer, layer).packed = {}

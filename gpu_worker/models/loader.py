@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 # Checkpoint entries that carry no weights of ours (recomputed buffers).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
+_VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 def load_model_args(model_dir: str) -> ModelArgs:
@@ -169,7 +170,10 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
                     f"unexpected shape for weight {name!r}: {found}, expected {shape} "
                     f"({args.architecture} config in {model_dir})"
                 )
-        state, extra = quant_load.unexpected(present, stored, _HARMLESS_SUFFIXES)
+        # A VL checkpoint's vision tower is the vision module's (`gpu_worker.vision.tower`).
+        lm = {n for n in present if not n.startswith(_VISION_PREFIXES)} \
+            if args.image_token_id >= 0 else present
+        state, extra = quant_load.unexpected(lm, stored, _HARMLESS_SUFFIXES)
         if state:
             raise quant_load.quant_state_error(state, args)
         if extra:

@@ -34,18 +34,29 @@ class Rope:
     """One set of rotary frequencies; `cos_sin` gives [T, 1, rotary_dim] in the model dtype."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_factor: float = 1.0,
-                 long_inv_freq: torch.Tensor | None = None, max_original: int = 0) -> None:
+                 long_inv_freq: torch.Tensor | None = None, max_original: int = 0,
+                 mrope_axis: torch.Tensor | None = None) -> None:
         self.inv_freq = inv_freq
         self.attention_factor = attention_factor
         self.long_inv_freq = long_inv_freq
         self.max_original = max_original
+        # M-RoPE (Qwen VL): per frequency, the position axis (temporal, height, width) that
+        # rotates it; positions then come as [3, T] (or [T]: all three axes equal).
+        self.mrope_axis = mrope_axis
 
     def to(self, device: torch.device) -> Rope:
         long = None if self.long_inv_freq is None else self.long_inv_freq.to(device)
-        return Rope(self.inv_freq.to(device), self.attention_factor, long, self.max_original)
+        axis = None if self.mrope_axis is None else self.mrope_axis.to(device)
+        return Rope(self.inv_freq.to(device), self.attention_factor, long, self.max_original,
+                    axis)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 history_lens: torch.Tensor | None = None) -> CosSin:
+        if positions.dim() == 2:  # M-RoPE: each frequency takes its own axis' position
+            assert self.mrope_axis is not None, "[3, T] positions need an M-RoPE model"
+            pos = positions.float().T.gather(
+                1, self.mrope_axis[None, :].expand(positions.shape[1], -1))
+            return self._cos_sin(pos * self.inv_freq[None, :], dtype)
         pos = positions.float()[:, None]
         if self.long_inv_freq is None:
             freqs = pos * self.inv_freq[None, :]
@@ -55,6 +66,9 @@ class Rope:
                 long = long | (history_lens > self.max_original)
             inv = torch.where(long[:, None], self.long_inv_freq[None, :], self.inv_freq[None, :])
             freqs = pos * inv
+        return self._cos_sin(freqs, dtype)
+
+    def _cos_sin(self, freqs: torch.Tensor, dtype: torch.dtype) -> CosSin:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_factor != 1.0:
@@ -74,7 +88,24 @@ def model_ropes(args: ModelArgs) -> tuple[list[Rope], list[int]]:
     return ropes, which
 
 
+def _mrope_axis(args: ModelArgs) -> torch.Tensor:
+    """Per rotary frequency, the position axis (0 t, 1 h, 2 w) that rotates it, as
+    transformers' `recomposition_frequencies` picks them: the sections in order (Qwen2.5-VL),
+    or interleaved t h w t h w ... with h and w on every third frequency up to three times
+    their sections (Qwen3-VL)."""
+    section = args.mrope_section
+    if not args.mrope_interleaved:
+        return torch.cat([torch.full((n,), i % 3, dtype=torch.int64)
+                          for i, n in enumerate(section)])
+    axis = torch.zeros(sum(section), dtype=torch.int64)
+    for dim in (1, 2):
+        axis[dim:section[dim] * 3:3] = dim
+    return axis
+
+
 def _global_rope(args: ModelArgs) -> Rope:
+    if args.mrope_section:
+        return Rope(rope_inv_freq(args), mrope_axis=_mrope_axis(args))
     if args.rope_type != "longrope":
         return Rope(rope_inv_freq(args))
     dim = args.rotary_dim or args.head_dim

@@ -29,6 +29,9 @@ def _device_str(device: torch.device) -> str:
     return str(device)
 
 
+NESTED_LM = "model.language_model."
+
+
 class SafetensorsCheckpoint:
     """Lazy view of a checkpoint's tensors: names and shapes without loading data.
 
@@ -52,6 +55,13 @@ class SafetensorsCheckpoint:
                     self._file_of[k] = single_path
         else:
             raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+        # A VL checkpoint may nest its language model (`model.language_model.layers...`,
+        # Qwen3-VL as published): its tensors go by the text model's names, `model.layers...`.
+        self._stored: dict[str, str] = {}
+        for k in [k for k in self._file_of if k.startswith(NESTED_LM)]:
+            name = "model." + k[len(NESTED_LM):]
+            self._stored[name] = k
+            self._file_of[name] = self._file_of.pop(k)
         self._handles: dict[str, Any] = {}
 
     def _handle(self, path: str) -> Any:
@@ -67,17 +77,21 @@ class SafetensorsCheckpoint:
         return set(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The stored dtype as safetensors names it ("BF16", "F8_E4M3", "I32", ...)."""
-        return str(self._handle(self._file_of[name]).get_slice(name).get_dtype())
+        return str(self._slice(name).get_dtype())
+
+    def _slice(self, name: str) -> Any:
+        return self._handle(self._file_of[name]).get_slice(self._stored.get(name, name))
 
     def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
         """The whole tensor, cast to `dtype` (None: as stored)."""
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
-        t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(name)
+        t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(
+            self._stored.get(name, name))
         return t if dtype is None else t.to(dtype=dtype)
 
     def get_part(self, name: str, dtype: torch.dtype | None, dim: int | None, start: int = 0,
@@ -89,7 +103,7 @@ class SafetensorsCheckpoint:
             return self.get(name, dtype)
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
-        view = self._handle(self._file_of[name]).get_slice(name)
+        view = self._slice(name)
         t: torch.Tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         return (t if dtype is None else t.to(dtype=dtype)).contiguous()
 

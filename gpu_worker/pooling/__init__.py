@@ -1,2 +1,2 @@
 """The pooling runner (`--runner pooling`): encoders, decoder embedding models and
-cross-encoders, prefill only, vectors out (docs/DESIGN.md section 18)."""
+cross-encoders, prefill only, vectors out (docs/DESIGN.md section 24)."""

@@ -8,6 +8,8 @@ ops, and only host facts known before the plan (``all_greedy``, ``max_top_n``, t
 
 Processing follows Hugging Face ``generate()`` (its LogitsProcessors are the reference):
 
+0. OpenAI's ``logit_bias``: a sparse per-row bias added to the raw logits (HF's
+   ``SequenceBiasLogitsProcessor`` on single tokens, which also runs first; vLLM's order),
 1. repetition penalty (``RepetitionPenaltyLogitsProcessor``) over prompt + output tokens,
    then OpenAI's frequency and presence penalties over output tokens (HF has none; the
    formula is OpenAI's and vLLM's: ``logit -= frequency * count + presence * (count > 0)``),
@@ -77,6 +79,10 @@ class SamplingTensors:
     # them (the sampler then needs no per-row token counts).
     frequency_penalty: Tensor | None = None
     presence_penalty: Tensor | None = None
+    # [B, L] int64 token ids and [B, L] f32 biases (OpenAI's logit_bias), padded with id 0 and
+    # bias 0.0; None when no row of the batch has one.
+    bias_ids: Tensor | None = None
+    bias_values: Tensor | None = None
 
 
 @dataclass
@@ -328,6 +334,11 @@ def apply_penalties(logits: Tensor, st: SamplingTensors, seen: Tensor | None,
         # The order keys reinterpret float32 bits, and half-precision logits would make the
         # kept sets differ from HF's float32 reference.
         x, owned = x.float().contiguous(), True
+    if st.bias_ids is not None and st.bias_values is not None:
+        # Ids are unique per row and padding adds 0.0, so the scatter's order cannot change a
+        # sum: deterministic on every backend.
+        x = (x.scatter_add_ if owned else x.scatter_add)(1, st.bias_ids, st.bias_values)
+        owned = True
     if any_penalty:
         assert seen is not None, "any_penalty needs the seen mask"
         pen = st.repetition_penalty.unsqueeze(1)

@@ -25,6 +25,7 @@ from tandem_serve.frontend.validation import (
     Limits,
     ValidatedRequest,
     ValidationError,
+    check_priority,
     check_prompt,
 )
 from tandem_serve.guided.spec import GuidedSpec, SpecKind
@@ -34,6 +35,8 @@ from tandem_serve.proto.request_params import OutputOptions, SamplingParams
 MAX_N = 128  # OpenAI's limit on choices per request
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's range for presence_penalty / frequency_penalty
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # int64 or uint64, as clients send them
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on biased tokens per request
 
 
 @dataclass
@@ -68,8 +71,6 @@ def _unsupported(field: str, why: str) -> ValidationError:
 
 def check_unsupported(body: CommonRequest) -> None:
     """OpenAI fields this server cannot honour pass only at their neutral values."""
-    if body.logit_bias:
-        raise _unsupported("logit_bias", "leave it unset or empty")
     if body.no_stop_trim:
         raise _unsupported("no_stop_trim", "only false; include_stop_str_in_output keeps a "
                                            "stop string in the text")
@@ -165,11 +166,39 @@ def _sampling(body: CommonRequest, limits: Limits) -> SamplingParams:
             raise ValidationError(f"stop_token_ids[{i}]",
                                   f"must be in [0, {limits.vocab_size}), got {t}")
     eos = [] if body.ignore_eos else list(limits.eos_token_ids)
+    bias = logit_bias(body.logit_bias or {}, limits.vocab_size)
+    priority = check_priority(body.priority, limits)
     return SamplingParams(
         temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p,
         repetition_penalty=rp, presence_penalty=presence, frequency_penalty=frequency,
         min_new_tokens=body.min_tokens,
-        stop_token_ids=list(dict.fromkeys(eos + stop_ids)))
+        stop_token_ids=list(dict.fromkeys(eos + stop_ids)),
+        logit_bias_ids=list(bias), logit_bias_values=list(bias.values()), priority=priority)
+
+
+def logit_bias(raw: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token id as a string -> bias) as unique int ids; the gpu worker
+    adds each bias to its token's logit before anything else (`gpu_worker.sampling`)."""
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ValidationError("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}")
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key.strip())
+        except ValueError:
+            raise ValidationError("logit_bias", f"keys must be token ids, got {key[:40]!r}"
+                                  ) from None
+        if not 0 <= token < vocab_size:
+            raise ValidationError("logit_bias", f"token id must be in [0, {vocab_size}) (the "
+                                                f"vocabulary size), got {token}")
+        if token in out:
+            raise ValidationError("logit_bias", f"token id {token} appears twice")
+        low, high = LOGIT_BIAS_RANGE
+        if not low <= value <= high:  # NaN fails too
+            raise ValidationError("logit_bias", f"biases must be in [{low:g}, {high:g}], got "
+                                                f"{value:g} for token {token}")
+        out[token] = float(value)
+    return out
 
 
 def _options(body: CommonRequest) -> OutputOptions:

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
+from dataclasses import field as dataclass_field
 from typing import Any, TypeVar
 
 from starlette.requests import Request as HTTPRequest
@@ -21,17 +22,21 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tandem_serve.frontend.engine_client import EngineError
 from tandem_serve.frontend.frontend import THREAD_ENCODE_CHARS, Frontend, RequestLog, request_log
+from tandem_serve.frontend.media.fetch import MediaPolicy
+from tandem_serve.frontend.media.images import ImageError, ImageRef, Images
 from tandem_serve.frontend.validation import Limits, ValidationError
 from tandem_serve.openai_api.agents.chat_plan import Agents
 from tandem_serve.openai_api.agents.message import Output
 from tandem_serve.openai_api.agents.tools import AgentSettings
 from tandem_serve.openai_api.chat import params as P
 from tandem_serve.openai_api.chat.chat_template import ChatTemplate, TemplateError
+from tandem_serve.openai_api.chat.content import parse_content
 from tandem_serve.openai_api.chat.logprobs import TokenPieces
 from tandem_serve.openai_api.chat.shapes import ChatShape, Choice, CompletionShape, Reply, usage
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.models import Models, Target
 from tandem_serve.openai_api.protocol import ChatCompletionRequest, CommonRequest, CompletionRequest
+from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.token_messages import OutputDelta
 
 T = TypeVar("T")
@@ -57,6 +62,7 @@ class Prompt:
     text: str  # what echo repeats
     ids: list[int]
     field: str  # the parameter that gave it, for errors
+    images: list[ImageInput] = dataclass_field(default_factory=list)  # placeholders' images
 
 
 class ClientGone(Exception):
@@ -157,9 +163,11 @@ class Serving:
     """The two endpoints' logic; `app` binds it to routes."""
 
     def __init__(self, frontend: Frontend, model_names: tuple[str, ...],
-                 chat_template: ChatTemplate | None, agents: AgentSettings | None = None
-                 ) -> None:
+                 chat_template: ChatTemplate | None, agents: AgentSettings | None = None,
+                 images: Images | None = None) -> None:
         self.frontend = frontend
+        # Image parts (`frontend.media.images`); without one, images are refused as on a text model.
+        self.images = images or Images(MediaPolicy(), None)
         # The base model's names (the first is the one /v1/models lists) and its adapters.
         self.models = Models(model_names, frontend.adapters, int(time.time()))
         self.chat_template = chat_template
@@ -199,9 +207,11 @@ class Serving:
             raise ValidationError("messages", "this model has no chat template (no "
                                               "chat_template.jinja or tokenizer_config.json "
                                               "chat_template); use /v1/completions")
-        messages = self.agents.messages([_message(i, m.model_dump(exclude_none=True))
+        refs: list[ImageRef] = []
+        messages = self.agents.messages([_message(i, m.model_dump(exclude_none=True), refs)
                                          for i, m in enumerate(body.messages)])
         template = self.chat_template
+        processed = await self.images.prepare(refs)  # before rendering: refusals first
 
         def render() -> str:
             try:
@@ -214,8 +224,15 @@ class Serving:
 
         size = sum(len(str(m.get("content", ""))) for m in messages)
         text = await asyncio.to_thread(render) if size > THREAD_ENCODE_CHARS else render()
-        return Prompt(text, await self.frontend.encode(text, add_special_tokens=False),
-                      "messages")
+        ids = await self.frontend.encode(text, add_special_tokens=False)
+        if not processed:
+            return Prompt(text, ids, "messages")
+        assert self.images.preprocessor is not None
+        try:
+            ids, images = self.images.preprocessor.expand(ids, processed)
+        except ImageError as exc:
+            raise ValidationError("messages", str(exc)) from None
+        return Prompt(text, ids, "messages", images)
 
     # ------------------------------------------------------------------ endpoints
 
@@ -328,6 +345,8 @@ class Serving:
                 p = self.frontend.prepared(replace(req, sampling=sampling), prompt.text,
                                            prompt.ids, self.frontend.engine.new_request_id(),
                                            arrived, adapter_id)
+                p.images = prompt.images
+                p.n = params.n
                 out.append(Choice(len(out), i, p, prompt.text, echo=echo, eos_ids=eos,
                                   output=output,
                                   message=output.stream() if output is not None else None))
@@ -387,16 +406,8 @@ def chunks_object(shape: Shape) -> str:
     return shape.chunk_object if isinstance(shape, ChatShape) else shape.object
 
 
-def _message(i: int, m: dict[str, Any]) -> dict[str, Any]:
-    """A message as templates read it: list content joined to text (vLLM's "string" form)."""
-    content = m.get("content")
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise ValidationError(f"messages[{i}].content[{j}]",
-                                      f"only text parts are supported, got type {kind!r}")
-            texts.append(part["text"])
-        m = {**m, "content": "\n".join(texts)}
-    return m
+def _message(i: int, m: dict[str, Any], images: list[ImageRef]) -> dict[str, Any]:
+    """A message as templates read it (`chat.content`); its images go to `images`."""
+    content, found = parse_content(m.get("content"), f"messages[{i}].content")
+    images += found
+    return {**m, "content": content} if isinstance(m.get("content"), list) else m

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.openai_api.agents.message import Message
+from tandem_serve.openai_api.chat.content import image_part
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest
 
@@ -108,6 +109,27 @@ def _text(value: object, field: str) -> str:
     return "\n".join(texts)
 
 
+def _content(value: object, field: str) -> str | list[dict[str, Any]]:
+    """A message's content: text, or (with `input_image` parts) chat content parts in
+    order, each image as chat's `image_url` part (`chat.content` reads both)."""
+    if not isinstance(value, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in value):
+        return _text(value, field)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(value):
+        if part.get("type") == "input_image":
+            parts.append({"type": "image_url",
+                          "image_url": {"url": image_part(part, f"{field}[{j}]").url}})
+        elif isinstance(part, dict) and isinstance(part.get("text"), str) and \
+                part.get("type") in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise ValidationError(f"{field}[{j}]", f"only text and image parts are "
+                                                   f"supported, got type {kind!r}")
+    return parts
+
+
 def _item(i: int, item: dict[str, Any], messages: list[dict[str, Any]]) -> None:
     kind = item.get("type", "message")
     where = f"input[{i}]"
@@ -117,7 +139,7 @@ def _item(i: int, item: dict[str, Any], messages: list[dict[str, Any]]) -> None:
             raise ValidationError(f"{where}.role", f"must be user, assistant, system or "
                                                    f"developer, got {role!r}")
         messages.append({"role": "system" if role == "developer" else role,
-                         "content": _text(item.get("content"), f"{where}.content")})
+                         "content": _content(item.get("content"), f"{where}.content")})
     elif kind == "function_call":
         for key in ("call_id", "name", "arguments"):
             if not isinstance(item.get(key), str):

@@ -19,6 +19,7 @@ from tandem_serve.adapters.peft import (
     adapter_folder,
     pattern_key,
     read_adapter,
+    read_adapter_folder,
 )
 from tandem_serve.gpu_worker.models.loader import load_model_args
 from tests.gpu_worker.model_utils import make_tiny_checkpoint
@@ -210,3 +211,18 @@ def test_find_adapters_walks_the_cache_in_id_order_and_within_bounds(tmp_path: P
     assert find_adapters(str(tmp_path), max_folders=4) == []
     assert find_adapters(str(tmp_path), max_folders=5) == ["deep/x/y/z"]
     assert find_adapters(str(tmp_path / "missing")) == []
+
+
+def test_a_runtime_adapter_is_read_from_its_own_folder(made: Path, shapes: ModelShapes,
+                                                       tmp_path: Path) -> None:
+    """Loaded at runtime (`/v1/load_lora_adapter`): any folder, even one whose name no cache
+    id may hold; its id is the real path, which the worker reads through `read_adapter`."""
+    folder = tmp_path / "v1.2 final"
+    shutil.copytree(made / "attn", folder)
+    os.symlink(folder, tmp_path / "link")
+    adapter = read_adapter_folder(str(tmp_path / "link"), shapes, MAX_RANK)
+    assert adapter.adapter_id == adapter.folder == str(folder.resolve())
+    again = read_adapter(str(tmp_path / "unrelated-cache"), adapter.adapter_id, shapes, MAX_RANK)
+    assert again == adapter
+    with pytest.raises(AdapterError, match="no such folder"):
+        read_adapter_folder(str(tmp_path / "missing"), shapes, MAX_RANK)

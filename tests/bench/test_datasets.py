@@ -13,9 +13,11 @@ from tandem_serve.bench.serve.datasets import (
     BenchItem,
     allowed_token_ids,
     arrival_offsets,
+    dataset_rng,
     file_dataset,
     length_range,
     load_dataset,
+    multi_turn_dataset,
     random_dataset,
     shared_prefix_dataset,
 )
@@ -236,3 +238,17 @@ def test_infinite_rate_sends_all_at_once() -> None:
     assert arrival_offsets(0, 1.0) == []
     with pytest.raises(ValueError):
         arrival_offsets(3, 0.0)
+
+
+def test_multi_turn_conversations_grow_turn_by_turn(any_tok: Tokenizer) -> None:
+    items = multi_turn_dataset(any_tok, 7, 20, 12, 4, 3, dataset_rng(3))
+    assert [i.index for i in items] == list(range(7))
+    # Three conversations, round-robin: turns 1 of 0, 1, 2, then turns 2, then turn 3 of 0.
+    for earlier, later in ((0, 3), (1, 4), (2, 5), (3, 6)):
+        a, b = items[earlier], items[later]
+        assert b.prompt.startswith(a.prompt)
+        assert any_tok.encode(b.prompt)[:a.prompt_len] == any_tok.encode(a.prompt)
+        assert 8 <= b.prompt_len - a.prompt_len <= 16
+    assert not items[1].prompt.startswith(items[0].prompt)
+    with pytest.raises(ValueError, match="--turns"):
+        multi_turn_dataset(any_tok, 2, 0, 4, 1, 0, dataset_rng(0))

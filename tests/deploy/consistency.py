@@ -4,7 +4,7 @@ the `tandem` command line their containers run.
 Container ports, Service target ports, probe ports, the InferencePool's target port and the
 ServiceMonitor's port must be the ports the `tandem serve` args listen on; the probes must
 ask the right questions (startup: gRPC readiness of the TGIS service; readiness: /health;
-liveness: something that stays OK while draining); the grace period must cover the drain;
+liveness: /live, which stays OK while draining); the grace period must cover the drain;
 /dev/shm must be memory; the GPUs must be the ranks the pod runs. Each check returns the
 problems it found, as sentences, so a failing test names every one of them.
 """
@@ -49,7 +49,12 @@ def tandem_env(env: dict[str, str]) -> Iterator[None]:
 
 
 def container_env(container: Obj) -> dict[str, str]:
-    return {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
+    """Plain values, and a Secret's key as `secret:<name>/<key>` (the value is not ours)."""
+    out = {}
+    for e in container.get("env", []):
+        ref = e.get("valueFrom", {}).get("secretKeyRef")
+        out[e["name"]] = f"secret:{ref['name']}/{ref['key']}" if ref else str(e.get("value", ""))
+    return out
 
 
 def expand(args: list[str], env: dict[str, str], problems: list[str]) -> list[str]:
@@ -107,7 +112,7 @@ def check_probes(c: Obj, cfg: ServerConfig) -> list[str]:
     elif startup.get("service") != READINESS_SERVICE:
         out.append(f"startupProbe asks for service {startup.get('service')!r}; the server "
                    f"turns {READINESS_SERVICE!r} SERVING once it can serve")
-    want = {"readinessProbe": "/health", "livenessProbe": "/metrics"}
+    want = {"readinessProbe": "/health", "livenessProbe": "/live"}
     for probe, path in want.items():
         http = c.get(probe, {}).get("httpGet")
         if not http or http.get("path") != path:

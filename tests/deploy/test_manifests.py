@@ -27,6 +27,11 @@ RENDERS = {
     "cpu-keda-pool": ("--set", "server.device=cpu", "--set", "image.tag=cpu",
                       "--set", "keda.enabled=true", "--set", "inferencePool.enabled=true",
                       "--set", "serviceMonitor.enabled=true", "--set", "replicaCount=3"),
+    # The API key from a Secret, beside env entries of the user's own.
+    "api-key": ("--set", "server.apiKey.existingSecret=tandem-api-key",
+                "--set", "server.env[0].name=HF_HUB_OFFLINE",
+                "--set-string", "server.env[0].value=1",
+                "--set", "server.livenessTimeout=120"),
 }
 KUSTOMIZE = {"base": DEPLOY / "kustomize" / "base",
              "overlay": DEPLOY / "kustomize" / "overlays" / "tp2-bf16"}
@@ -129,6 +134,23 @@ def test_the_kustomize_base_is_the_charts_default_pod(rendered: dict[str, list[O
     assert a == b
 
 
+def test_the_api_key_comes_from_the_secret(rendered: dict[str, list[Obj]]) -> None:
+    c = server_container(find(rendered["api-key"], "Deployment"))
+    env = {e["name"]: e for e in c["env"]}
+    assert env["TANDEM_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "tandem-api-key", "key": "api-key"}}
+    assert env["HF_HUB_OFFLINE"]["value"] == "1"
+    assert not any("api-key" in str(a) for a in c["args"])  # on no command line
+    problems: list[str] = []
+    cfg = consistency.tandem_config(c, problems)
+    assert cfg is not None, problems
+    assert cfg.api_key == "secret:tandem-api-key/api-key" and cfg.liveness_timeout == 120
+    for name in ("defaults", "all-features"):  # no secret: no key, no env entry
+        kind = "Deployment" if name == "defaults" else "LeaderWorkerSet"
+        c = server_container(find(rendered[name], kind))
+        assert "TANDEM_API_KEY" not in consistency.container_env(c)
+
+
 def test_multi_host_groups_put_their_ranks_on_gpus(rendered: dict[str, list[Obj]]) -> None:
     lws = find(rendered["all-features"], "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
     leader = lws["leaderTemplate"]["spec"]["containers"][0]
@@ -184,7 +206,9 @@ def test_a_misspelt_probe_field_fails_validation(rendered: dict[str, list[Obj]],
     ("Deployment", lambda o: set_arg(server_container(o), "--shutdown-timeout", "120"),
      "would kill the drain"),
     ("Deployment", lambda o: server_container(o)["livenessProbe"]["httpGet"].update(
-        path="/health"), "livenessProbe must be HTTP GET /metrics"),
+        path="/health"), "livenessProbe must be HTTP GET /live"),
+    ("Deployment", lambda o: server_container(o)["livenessProbe"]["httpGet"].update(
+        path="/metrics"), "livenessProbe must be HTTP GET /live"),
     ("Deployment", lambda o: server_container(o)["startupProbe"]["grpc"].update(
         service="fmaas.Generation"), "turns 'fmaas.GenerationService' SERVING"),
     ("Deployment", lambda o: server_container(o)["resources"]["limits"].pop("nvidia.com/gpu"),

@@ -119,6 +119,24 @@ def test_chat_prompt_is_hf_chat_template_ids_and_greedy_equals_hf(client: openai
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == hf.text(gen)
 
 
+def test_logit_bias_moves_greedy_tokens(client: openai.OpenAI, hf: HF) -> None:
+    """-100 bans the greedy favourites, +100 forces one token at every step; beside an
+    unbiased request, which keeps HF's greedy output."""
+    ids = list(hf.tok.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False))
+    gen, _ = hf.greedy(ids, 6)
+    banned = {str(t): -100 for t in set(gen)}
+    forced = next(t for t in range(100, 200) if t not in gen)
+
+    def chat(bias: dict[str, int]) -> list[int]:
+        r = client.chat.completions.create(messages=CHAT, logit_bias=bias,  # type: ignore[arg-type]
+                                           **exactly(6, {"return_token_ids": True}))
+        return list(r.choices[0].token_ids)  # type: ignore[attr-defined]
+
+    assert not set(chat(banned)) & set(gen)
+    assert chat({str(forced): 100}) == [forced] * 6
+    assert chat({}) == gen
+
+
 def test_stop_strings(client: openai.OpenAI, hf: HF) -> None:
     text, n = PROMPTS[0]
     full = hf.text(hf.greedy(hf.tok(text).input_ids, n)[0])
@@ -187,7 +205,8 @@ BAD: list[tuple[str, dict[str, Any]]] = [
     ("logprobs", {"logprobs": 11}),
     ("stop", {"stop": ["a"] * 7}),
     ("presence_penalty", {"presence_penalty": 5}),
-    ("logit_bias", {"logit_bias": {"5": 10}}),
+    ("logit_bias", {"logit_bias": {"5": 101}}),
+    ("priority", {"extra_body": {"priority": 1}}),  # needs --scheduling-policy priority
     ("suffix", {"suffix": "tail"}),
     ("guided_regex", {"extra_body": {"guided_regex": "(unclosed"}}),
     ("response_format.json_schema.schema", {"extra_body": {"response_format": {
@@ -217,6 +236,10 @@ def test_every_bad_parameter_is_a_400_while_a_stream_completes(client: openai.Op
         assert param in body["message"] or param == "model", body
     stream.join(120)
     assert "".join(got) == want
+    # Runtime LoRA's routes exist only with --allow-runtime-lora-updating.
+    with pytest.raises(openai.NotFoundError):
+        client.post("/load_lora_adapter", cast_to=str,
+                    body={"lora_name": "x", "lora_path": str(pathlib.Path.cwd())})
 
 
 def test_32_concurrent_async_streams(server: Server, hf: HF) -> None:

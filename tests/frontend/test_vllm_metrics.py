@@ -24,6 +24,8 @@ FAMILIES = {
     "vllm:kv_cache_usage_perc": "gauge", "vllm:gpu_cache_usage_perc": "gauge",
     "vllm:cache_config_info": "gauge", "vllm:lora_requests_info": "gauge",
     "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:external_prefix_cache_queries": "counter",
+    "vllm:external_prefix_cache_hits": "counter",
     "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter",
     "vllm:time_to_first_token_seconds": "histogram",
@@ -156,6 +158,17 @@ def test_gauges_and_prefix_counters_follow_the_schedulers_reports() -> None:
     m.on_ready(WorkerReady(num_kv_blocks=80, block_size=16, max_model_len=256, vocab_size=10))
     assert [labels["num_gpu_blocks"] for _, labels, _ in
             parsed(m)["vllm:cache_config_info"][1]] == ["80"]
+
+
+def test_the_host_tier_is_vllms_external_prefix_cache() -> None:
+    m = VllmMetrics("tiny")
+    m.on_stats(stats(external_query_tokens=200, external_hit_tokens=160))
+    m.on_stats(stats(external_query_tokens=300, external_hit_tokens=176))
+    assert (value(m, "vllm:external_prefix_cache_queries_total"),
+            value(m, "vllm:external_prefix_cache_hits_total")) == (300, 176)
+    m.on_stats(stats(external_query_tokens=20, external_hit_tokens=16))  # a new scheduler
+    assert (value(m, "vllm:external_prefix_cache_queries_total"),
+            value(m, "vllm:external_prefix_cache_hits_total")) == (320, 192)
 
 
 def test_servers_in_one_process_share_nothing() -> None:

@@ -22,7 +22,7 @@ from tandem_serve.proto.adapter_messages import AdapterLoad
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.guided_messages import GuidedGrammar, GuidedTable
 from tandem_serve.proto.plan_messages import ContinueRequest, NewRequest, StepDone, StepPlan
-from tandem_serve.proto.request_params import FinishReason, SamplingParams
+from tandem_serve.proto.request_params import FinishReason, ImageInput, SamplingParams
 from tandem_serve.proto.token_messages import PromptDetail, TokenBatch
 from tests.gpu_worker.model_utils import EOS_ID, HFReference, make_tiny_checkpoint, random_prompts
 
@@ -42,6 +42,7 @@ class Tracked:
     gone: bool = False  # dropped from the worker (finished or aborted)
     lora_slot: int = 0  # its adapter slot (0: the base model)
     steps: list[int] = field(default_factory=list)  # next plan's chunk per step ([]: step 0)
+    images: list[ImageInput] = field(default_factory=list)  # a VL model's prompt images
 
     @property
     def history(self) -> list[int]:
@@ -81,10 +82,12 @@ class Driver:
 
     def add(self, rid: int, prompt: list[int], sampling: SamplingParams | None = None,
             chunk: int | None = None, shared: list[int] | None = None,
-            cached: int = 0, lora_slot: int = 0) -> None:
+            cached: int = 0, lora_slot: int = 0, images: list[ImageInput] | None = None
+            ) -> None:
         """A new request; `shared` blocks (another request's) hold its first `cached` tokens."""
         sampling = sampling or SamplingParams(max_new_tokens=NEW_TOKENS, stop_token_ids=[EOS_ID])
-        t = Tracked(list(prompt), sampling, computed=cached, lora_slot=lora_slot)
+        t = Tracked(list(prompt), sampling, computed=cached, lora_slot=lora_slot,
+                    images=list(images or []))
         for b in shared or []:
             self.refs[b] += 1
             t.blocks.append(b)
@@ -165,7 +168,7 @@ class Driver:
             plan.new.append(NewRequest(
                 rid, np.zeros(0, np.int32) if resume else np.array(t.prompt, np.int32),
                 None if resume else t.sampling, list(t.blocks), cached, t.chunk, resume,
-                t.lora_slot, list(t.steps)))
+                t.lora_slot, list(t.steps), [] if resume else t.images))
         for rid, t in self.reqs.items():
             if rid in fresh or t.paused or t.gone:
                 continue

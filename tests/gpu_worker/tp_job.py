@@ -114,6 +114,21 @@ def runner_outputs(path: str, tp: TensorParallel | None, k: int, per_step: bool,
             "prompt_logprobs": [torch.from_numpy(a.copy()) for a in prompt_lp]}
 
 
+def vision_outputs(spec: dict[str, str], tp: TensorParallel | None, k: int, per_step: bool
+                   ) -> dict[int, list[int]]:
+    """A VL checkpoint's requests (`spec["cases"]`: a torch.save of (ids, images) pairs) in
+    one batch through ModelRunner.execute; each rank holds the whole vision tower."""
+    runner = ModelRunner(WorkerConfig(spec["path"], device="cpu", dtype="float32",
+                                      block_size=16, num_kv_blocks=400), tp)
+    d = Driver(runner, seed=1)
+    for i, (ids, images) in enumerate(torch.load(spec["cases"], weights_only=False)):
+        d.add(i, ids, SamplingParams(max_new_tokens=12, stop_token_ids=[EOS_ID]),
+              images=images)
+    while any(not t.finish for t in d.reqs.values()):
+        d.run(k, per_step)
+    return d.outputs()
+
+
 def draft_spec(path: str) -> str:
     return json.dumps({"method": "draft_model", "model": path, "num_speculative_tokens": 3})
 
@@ -226,6 +241,13 @@ def main() -> None:
     cfg = ServerConfig(model="", device=dev, tensor_parallel_size=args.size,
                        dist_init_addr=args.addr)
     tp = parallel.start(cfg, args.rank)
+    if "vision" in spec:  # a VL checkpoint's run alone (tests/gpu_worker/test_vision.py)
+        try:
+            torch.save({"vision": {f"k{k}": vision_outputs(spec["vision"], tp, k, k > 1)
+                                   for k in (1, 8)}}, f"{args.out}/rank{args.rank}.pt")
+        finally:
+            tp.close()
+        return
     try:
         result: dict[str, Any] = {
             "models": {name: model_outputs(path, tp, dev)

@@ -286,7 +286,8 @@ def test_responses_stream_accumulates_to_the_created_response(agents: AgentApp, 
 @pytest.mark.parametrize("param, extra", [
     ("store", {"store": True}), ("previous_response_id", {"previous_response_id": "resp_1"}),
     ("tools[0].type", {"tools": [{"type": "web_search"}]}),
-    ("input[0].content[0]", {"input": [{"role": "user", "content": [
+    # An image to a text-only model (a VL model takes input_image parts: tests/e2e/test_vision).
+    ("input[0].content[0].image_url", {"input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": "x"}]}]}),
     ("max_output_tokens", {"max_output_tokens": 100000}),
     ("text.format.schema", {"text": {"format": {"type": "json_schema", "name": "x",

@@ -2,6 +2,7 @@
 ValidationError naming the parameter (and its limit) for every value the engine cannot do."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -112,7 +113,15 @@ BAD: list[tuple[str, Any, str]] = [
     ("top_logprobs", chat(top_logprobs=2), "needs logprobs: true"),
     ("seed", completion(seed=1 << 64), "64-bit"),
     ("stream_options", completion(stream_options={"include_usage": True}), "stream: true"),
-    ("logit_bias", completion(logit_bias={"5": 1.0}), "not supported"),
+    ("priority", completion(priority=1), "--scheduling-policy priority"),
+    ("priority", chat(priority=-3), "must be 0 unless"),
+    ("logit_bias", completion(logit_bias={"100": 1.0}), "[0, 100)"),
+    ("logit_bias", completion(logit_bias={"-1": 1.0}), "[0, 100)"),
+    ("logit_bias", completion(logit_bias={"five": 1.0}), "token ids"),
+    ("logit_bias", chat(logit_bias={"5": 100.5}), "[-100, 100]"),
+    ("logit_bias", chat(logit_bias={"5": float("nan")}), "[-100, 100]"),
+    ("logit_bias", completion(logit_bias={"5": 1.0, "05": 2.0}), "appears twice"),
+    ("logit_bias", completion(logit_bias={str(i): 1.0 for i in range(301)}), "at most 300"),
     ("suffix", completion(suffix="end"), "insertion"),
     ("best_of", completion(best_of=2), "use n"),
     ("functions", chat(functions=[{"name": "f"}]), "tool calling"),
@@ -138,6 +147,21 @@ def test_bad_parameters_name_the_field(field: str, body: Any, message: str) -> N
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}: ")
     assert message in str(err.value)
+
+
+def test_logit_bias_travels_as_ids_and_values() -> None:
+    p = P.validate(chat(logit_bias={"7": -100, " 3": 2.5, "99": 100}), LIMITS)
+    assert p.req.sampling.logit_bias_ids == [7, 3, 99]
+    assert p.req.sampling.logit_bias_values == [-100.0, 2.5, 100.0]
+    assert P.validate(completion(), LIMITS).req.sampling.logit_bias_ids == []
+
+
+def test_priority_needs_the_priority_policy() -> None:
+    assert P.validate(chat(priority=0), LIMITS).req.sampling.priority == 0
+    limits = dataclasses.replace(LIMITS, priority_scheduling=True)
+    assert P.validate(chat(priority=-7), limits).req.sampling.priority == -7
+    with pytest.raises(ValidationError, match="priority: must be a 32-bit integer"):
+        P.validate(completion(priority=1 << 40), limits)
 
 
 def test_neutral_values_of_unsupported_fields_pass() -> None:

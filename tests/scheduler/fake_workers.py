@@ -83,6 +83,9 @@ class FakeWorker:
         self.rng = rng
         self.p_eos = p_eos
         self.kv = np.full((params.num_blocks, params.block_size), -1, dtype=np.int64)
+        # The host KV tier's slots (scheduler/host_tier.py): the plans' copies move KV here.
+        self.host = np.full((params.num_host_blocks, params.block_size), -1, dtype=np.int64)
+        self.copied = [0, 0]  # blocks offloaded, onloaded
         self.reqs: dict[int, WorkerRequest] = {}
         self.finished_in: dict[int, int] = {}  # request id -> plan in which the worker ended it
         self.count_drop_due: dict[int, int] = {}  # request id -> plan that must drop it
@@ -98,6 +101,7 @@ class FakeWorker:
             if due == plan.plan_id:
                 assert rid in plan.drop, f"count-finished {rid} not dropped in plan {due}"
                 del self.count_drop_due[rid]
+        self._copy(plan)  # before anything else of the plan, as the gpu worker does
         again = self._apply(plan)
         self._check_before_forwards(plan)
         self._prefill()
@@ -116,6 +120,18 @@ class FakeWorker:
             wall_time=0.0,
         )
         return done, steps
+
+    def _copy(self, plan: StepPlan) -> None:
+        assert len(plan.offload_blocks) == len(plan.offload_slots)
+        assert len(plan.onload_slots) == len(plan.onload_blocks)
+        for block, slot in zip(plan.offload_blocks, plan.offload_slots, strict=True):
+            assert (self.kv[block] != -1).all(), f"offloaded block {block} was never written"
+            self.host[slot] = self.kv[block]
+        for slot, block in zip(plan.onload_slots, plan.onload_blocks, strict=True):
+            assert (self.host[slot] != -1).all(), f"onloaded slot {slot} was never written"
+            self.kv[block] = self.host[slot]
+        self.copied[0] += len(plan.offload_blocks)
+        self.copied[1] += len(plan.onload_slots)
 
     def _apply(self, plan: StepPlan) -> list[int]:
         late = 0 if not self.params.async_mode else 1

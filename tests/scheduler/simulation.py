@@ -97,6 +97,8 @@ class Simulation:
             else:
                 prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))]
             sampling = SamplingParams(max_new_tokens=rng.randint(1, 30))
+            if self.params.scheduling_policy == "priority":  # no draw: the workload stays
+                sampling.priority = (rid * 7919) % 4
             msg = AddRequest(1000 + rid, np.array(prompt, dtype=np.int32), sampling, float(rid))
             if self.guided_rng.random() < self.p_guided:
                 item = guided_request(self.guided_rng, sampling)

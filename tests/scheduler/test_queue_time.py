@@ -33,12 +33,14 @@ def test_queue_time_is_taken_once_when_a_request_is_first_scheduled() -> None:
     assert sched.take_queue_times() == []
     sched.build_plan()  # only request 1 fits (one running request at most)
     assert sched.take_queue_times() == [pytest.approx(0.5)]
-    assert sched.take_queue_times() == []  # taken: the next report starts empty
+    assert sched.take_queue_ids() == [1]  # whose (request traces' time in queue)
+    assert sched.take_queue_times() == [] and sched.take_queue_ids() == []  # taken
     clock.now = 101.0
     sched.on_step_done(step_done(0))  # 4 steps: request 1 is done by count
     sched.on_plan_processed(PlanProcessed(0, 0))
     sched.build_plan()
     assert sched.take_queue_times() == [pytest.approx(1.25)]
+    assert sched.take_queue_ids() == [2]
 
 
 def test_a_resumed_request_is_not_counted_again() -> None:

@@ -79,6 +79,16 @@ def test_adapter_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[st
     assert (c.max_loras, c.max_lora_rank) == (2, 64)
 
 
+def test_scheduling_and_runtime_lora_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = serve_config([])
+    assert (d.scheduling_policy, d.allow_runtime_lora_updating) == ("fcfs", False)
+    monkeypatch.setenv("TANDEM_SCHEDULING_POLICY", "priority")
+    c = serve_config(["--adapter-cache", "/a", "--allow-runtime-lora-updating"])
+    assert (c.scheduling_policy, c.allow_runtime_lora_updating) == ("priority", True)
+    with pytest.raises(SystemExit):
+        serve_config(["--scheduling-policy", "lottery"])
+
+
 def test_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TANDEM_ONEDNN", "0")
     assert serve_config(["--onednn"]).onednn is True
@@ -111,6 +121,7 @@ def test_an_unparsable_environment_value_stops_only_commands_that_use_it(
      "--http-port 9100 must differ from --metrics-port"),
     (["--guided-compile-timeout", "0"], "--guided-compile-timeout must be between 0.1 and 3600"),
     (["--max-loras", "0"], "--max-loras must be between 1 and 256 (got 0)"),
+    (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating needs --adapter-cache"),
 ])
 def test_out_of_range_flags_exit_2_naming_the_flag_and_limit(
         capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

@@ -74,6 +74,10 @@ app.kubernetes.io/component: server
 - {{ .Values.server.tensorParallelSize | quote }}
 - --log-level
 - {{ .Values.server.logLevel | quote }}
+{{- with .Values.kvCache.offloadingSize }}
+- --kv-offloading-size
+- {{ . | quote }}
+{{- end }}
 {{- if .Values.adapters.enabled }}
 - --adapter-cache
 - {{ .Values.adapters.mountPath | quote }}
@@ -98,6 +102,8 @@ app.kubernetes.io/component: server
 - {{ .Values.server.httpPort | quote }}
 - --shutdown-timeout
 - {{ .Values.server.shutdownTimeout | quote }}
+- --liveness-timeout
+- {{ .Values.server.livenessTimeout | quote }}
 - --guided-cache-dir
 - /cache/guided
 {{- with .Values.model.servedModelName }}
@@ -105,6 +111,12 @@ app.kubernetes.io/component: server
 - {{ . | quote }}
 {{- end }}
 {{ include "tandem.engineArgs" . }}
+{{- with .Values.kvCache.events }}
+{{- if .enabled }}
+- --kv-events-config
+- {{ dict "enable_kv_cache_events" true "publisher" "zmq" "endpoint" .endpoint "replay_endpoint" .replayEndpoint "topic" .topic "buffer_steps" (int .bufferSteps) | toJson | quote }}
+{{- end }}
+{{- end }}
 {{- if .Values.leaderWorkerSet.enabled }}
 - --nnodes
 - {{ .Values.leaderWorkerSet.size | quote }}

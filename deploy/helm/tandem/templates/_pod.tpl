@@ -110,9 +110,26 @@ image: {{ include "tandem.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 args:
   {{- include "tandem.serveArgs" . | trim | nindent 2 }}
-{{- with .Values.server.env }}
+{{- if or .Values.server.env .Values.server.apiKey.existingSecret .Values.kvCache.events.enabled }}
 env:
+{{- with .Values.server.apiKey.existingSecret }}
+  # --api-key, out of every command line.
+  - name: TANDEM_API_KEY
+    valueFrom:
+      secretKeyRef:
+        name: {{ . | quote }}
+        key: {{ $.Values.server.apiKey.secretKey | quote }}
+{{- end }}
+{{- if .Values.kvCache.events.enabled }}
+  # For the KV events' topic ($(POD_IP) in kvCache.events.topic): routers key on the pod.
+  - name: POD_IP
+    valueFrom:
+      fieldRef:
+        fieldPath: status.podIP
+{{- end }}
+{{- with .Values.server.env }}
   {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- end }}
 ports:
   - name: grpc
@@ -145,7 +162,7 @@ readinessProbe:
   failureThreshold: {{ .Values.probes.readiness.failureThreshold }}
 livenessProbe:
   httpGet:
-    path: /metrics
+    path: /live
     port: http
   periodSeconds: {{ .Values.probes.liveness.periodSeconds }}
   timeoutSeconds: {{ .Values.probes.liveness.timeoutSeconds }}

@@ -1,0 +1,1 @@
+"""`tandem bench vision`: image chats against text chats of the same token count."""

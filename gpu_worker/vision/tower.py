@@ -1,0 +1,110 @@
+"""The vision tower and projector of a VL checkpoint, and the embeddings it made, by image.
+
+The tower is transformers' own module for the family (Qwen2.5-VL's
+`Qwen2_5_VisionTransformerPretrainedModel`: patch embedding, windowed and full-attention
+blocks with 2D RoPE, the 2x2 patch merger that projects into the language model's width;
+Qwen3-VL's `Qwen3VLVisionModel`, which also returns DeepStack features from intermediate
+blocks), built from the checkpoint's `vision_config` and filled from its `visual.*` tensors:
+the vision side runs once per image, during prefill, so its speed matters far less than
+being the reference's arithmetic; writing it again would buy nothing but a second place for
+bugs. The language model underneath stays Tandem's decoder.
+
+One call encodes every image a forward needs and has not cached (Qwen's tower takes many
+images as one packed sequence with per-image attention), and the results are kept by content
+digest in an LRU bounded in bytes: a preempted request that prefills again, or the same image
+in another request, is not encoded twice.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from tandem_serve.proto.request_params import ImageInput
+from tandem_serve.proto.vision import QWEN2_5_VL, QWEN3_VL, VisionSpec
+
+log = logging.getLogger(__name__)
+
+# Embeddings kept for reuse: an image of the 7B model at 1,280 tokens is 9 MiB in bfloat16.
+CACHE_BYTES = 512 << 20
+_PREFIXES = ("visual.", "model.visual.")
+
+
+class VisionTower:
+    """Encodes images into language-model embeddings [tokens, hidden] (model dtype)."""
+
+    def __init__(self, model_dir: str, spec: VisionSpec, dtype: torch.dtype,
+                 device: torch.device, cache_bytes: int = CACHE_BYTES) -> None:
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(model_dir).vision_config
+        if spec.architecture == QWEN2_5_VL:
+            from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
+
+            tower: Any = qwen25.Qwen2_5_VisionTransformerPretrainedModel
+        elif spec.architecture == QWEN3_VL:
+            from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
+
+            tower = qwen3.Qwen3VLVisionModel
+        else:
+            raise ValueError(f"no vision tower for {spec.architecture}")
+        model = tower._from_config(config, dtype=dtype)
+        model.load_state_dict(_visual_weights(model_dir), strict=True)
+        self.model = model.to(device).eval()
+        self.spec, self.dtype, self.device = spec, dtype, device
+        self.merge = spec.spatial_merge_size ** 2
+        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.cache_bytes, self._held = cache_bytes, 0
+        self.encoded = 0  # images the tower ran on (tests: a cache hit encodes none)
+
+    @torch.inference_mode()
+    def embeddings(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Each image's embeddings [1 + deepstack, tokens, hidden]: what replaces its
+        placeholders, then (Qwen3-VL) what each DeepStack layer adds; encoding (in one call)
+        those not cached."""
+        todo = list({im.digest: im for im in images if im.digest not in self.cache}.values())
+        if todo:
+            pixels = torch.cat([torch.as_tensor(im.pixel_values) for im in todo])
+            grid = torch.tensor([list(im.grid_thw) for im in todo], dtype=torch.int64)
+            out = self.model(pixels.to(self.device, self.dtype), grid_thw=grid.to(self.device))
+            levels = [out.pooler_output, *(getattr(out, "deepstack_features", None) or [])]
+            sizes = [int(g.prod()) // self.merge for g in grid]
+            for im, emb in zip(todo, torch.split(torch.stack(levels), sizes, dim=1),
+                               strict=True):
+                if emb.shape[1] != im.length:
+                    raise ValueError(f"image at {im.offset}: the tower made {emb.shape[1]} "
+                                     f"embeddings for {im.length} placeholder tokens")
+                self._keep(im.digest, emb)
+            self.encoded += len(todo)
+        out_list = []
+        for im in images:
+            self.cache.move_to_end(im.digest)
+            out_list.append(self.cache[im.digest])
+        return out_list
+
+    def _keep(self, digest: bytes, emb: torch.Tensor) -> None:
+        self.cache[digest] = emb
+        self._held += emb.nbytes
+        # The newest entry stays even alone over the bound: this forward needs it.
+        while self._held > self.cache_bytes and len(self.cache) > 1:
+            _, old = self.cache.popitem(last=False)
+            self._held -= old.nbytes
+
+
+def _visual_weights(model_dir: str) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    for name in files:
+        with safe_open(os.path.join(model_dir, name), "pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+                if prefix is not None:
+                    out[key[len(prefix):]] = f.get_tensor(key)
+    if not out:
+        raise ValueError(f"no vision tower weights (visual.*) in {model_dir}")
+    return out

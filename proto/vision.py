@@ -1,0 +1,124 @@
+"""Which vision-language checkpoints load, and the language model inside their config.json.
+
+A VL folder's config.json nests the language model (`text_config`, what transformers 5
+writes) or keeps its keys at the top level (the published Qwen2.5-VL checkpoints); either way
+the decoder underneath is a family the gpu worker's `models.config` already serves, so this
+module hands it the text model's keys under that family's architecture and keeps what the
+vision side needs (`VisionSpec`): the frontend (placeholders, preprocessing) and the gpu
+worker (tower, M-RoPE) read the same spec. Torch-free: the launcher and the frontend parse it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+# VL architecture -> the text architecture of its language model.
+VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM"}
+_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+# Known VL checkpoints this build cannot serve yet, and why (a clear refusal, never wrong
+# tokens).
+NOT_YET = {
+    "Gemma3ForConditionalGeneration": "Gemma 3's bidirectional attention among an image's "
+                                      "tokens is not implemented in the attention backends",
+    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts language model is "
+                                          "not implemented",
+}
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What the frontend and the gpu worker need to know of a VL checkpoint."""
+
+    architecture: str
+    image_token_id: int
+    spatial_merge_size: int
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleave (t h w t ...)
+    # Qwen3-VL's DeepStack: the tower's intermediate features added to the residual stream of
+    # the first `deepstack` decoder layers at the image's tokens (0: none).
+    deepstack: int = 0
+
+
+def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None]:
+    """(the language model's config, as its text family spells it; the vision spec, None for
+    a text-only checkpoint). ValueError for a VL checkpoint this build cannot serve."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        if arch in NOT_YET:
+            raise ValueError(f"unsupported architecture {arch}: {NOT_YET[arch]}")
+    vl = next((a for a in archs if a in VL_ARCHITECTURES), None)
+    if vl is None:
+        vl = _MODEL_TYPES.get(str(cfg.get("model_type")))
+    if vl is None:
+        return cfg, None
+    text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
+    text.update(cfg.get("text_config") or {})
+    text["architectures"] = [VL_ARCHITECTURES[vl]]
+    text.pop("model_type", None)
+    section, interleaved = _mrope(text)
+    vision = cfg.get("vision_config") or {}
+    image_token = cfg.get("image_token_id", text.get("image_token_id"))
+    if image_token is None:
+        raise ValueError(f"{vl} config.json has no image_token_id")
+    deepstack = len(vision.get("deepstack_visual_indexes") or ()) if vl == QWEN3_VL else 0
+    return text, VisionSpec(vl, int(image_token), int(vision.get("spatial_merge_size", 2)),
+                            section, interleaved, deepstack)
+
+
+def _mrope(text: dict[str, Any]) -> tuple[tuple[int, ...], bool]:
+    """Pops M-RoPE's section sizes (and whether they interleave) out of the rope dict
+    (published: `rope_scaling` of type "mrope", which transformers reads as the default RoPE
+    over three position axes)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and "mrope_section" in rope:
+            rope = dict(rope)
+            section = tuple(int(x) for x in rope.pop("mrope_section"))
+            interleaved = bool(rope.pop("mrope_interleaved", False))
+            if rope.get("type") == "mrope":
+                rope["type"] = "default"
+            if rope.get("rope_type") == "mrope":
+                rope["rope_type"] = "default"
+            text[key] = rope
+            return section, interleaved
+    raise ValueError("a Qwen VL config.json needs rope mrope_section (rope_parameters or "
+                     "rope_scaling)")
+
+
+def read_spec(model_dir: str) -> VisionSpec | None:
+    """The vision spec of a model folder's config.json (None: a text-only model)."""
+    import json
+    import os
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return split_config(json.load(f))[1]
+
+
+# Images per prompt without --limit-mm-per-prompt.
+DEFAULT_IMAGE_LIMIT = 8
+
+
+def image_limit(text: str) -> int:
+    """`--limit-mm-per-prompt` (vLLM's spelling, a JSON object such as '{"image": 4}') ->
+    the images a prompt may hold; ValueError naming the flag for anything else."""
+    if not text:
+        return DEFAULT_IMAGE_LIMIT
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise ValueError(f"--limit-mm-per-prompt {text!r} is not JSON (e.g. "
+                         "'{\"image\": 4}')") from None
+    if not isinstance(value, dict):
+        raise ValueError("--limit-mm-per-prompt must be a JSON object such as {\"image\": 4}")
+    other = sorted(set(value) - {"image"})
+    if other:
+        raise ValueError(f"--limit-mm-per-prompt: {', '.join(other)} input is not supported "
+                         "(images only)")
+    limit = value.get("image", DEFAULT_IMAGE_LIMIT)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        raise ValueError(f"--limit-mm-per-prompt: image must be an integer >= 0, got {limit!r}")
+    return limit

@@ -1,0 +1,146 @@
+"""Image input without a server: VL configs as published and as transformers 5 writes them,
+the refusals (architectures not served yet, a text-only model, --limit-mm-per-prompt), image
+decoding limits, placeholder expansion, and prefix-cache hashes keyed by image content."""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tandem_serve.frontend.media.fetch import MediaPolicy, decode_image
+from tandem_serve.frontend.media.images import ImagePreprocessor, ImageRef, Images, Processed
+from tandem_serve.frontend.validation import ValidationError
+from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.proto.request_params import ImageInput
+from tandem_serve.proto.vision import DEFAULT_IMAGE_LIMIT, VisionSpec, image_limit, split_config
+from tandem_serve.scheduler.block_manager import prompt_block_hashes
+
+TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+            max_position_embeddings=1024, eos_token_id=2)
+
+
+def _configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(transformers 5's nested config, the published top-level spelling) of one model."""
+    nested = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+              "image_token_id": 504, "vision_config": {"spatial_merge_size": 2},
+              "text_config": {**TEXT, "rope_parameters": {
+                  "rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}}}
+    published = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], **TEXT,
+                 "model_type": "qwen2_5_vl", "image_token_id": 504, "rope_theta": 1e6,
+                 "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                 "vision_config": {"spatial_merge_size": 2}}
+    return nested, published
+
+
+def test_published_and_transformers_configs_read_to_the_same_model() -> None:
+    nested, published = _configs()
+    a, b = (ModelArgs.from_hf_config(json.loads(json.dumps(c))) for c in (nested, published))
+    assert a == b
+    assert a.architecture == "Qwen2ForCausalLM" and a.qkv_bias
+    assert a.mrope_section == (2, 3, 3) and a.image_token_id == 504 and a.rope_theta == 1e6
+    bad = {**published, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 4]}}
+    with pytest.raises(ValueError, match="must sum to head_dim / 2 = 8"):
+        ModelArgs.from_hf_config(bad)
+
+
+@pytest.mark.parametrize("arch,why", [("Qwen3VLMoeForConditionalGeneration", "experts"),
+                                      ("Gemma3ForConditionalGeneration", "bidirectional")])
+def test_vl_families_not_served_yet_are_refused_with_the_reason(arch: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        split_config({"architectures": [arch]})
+
+
+def test_text_only_configs_pass_through() -> None:
+    cfg = {"architectures": ["LlamaForCausalLM"], **TEXT}
+    assert split_config(cfg) == (cfg, None)
+
+
+def test_limit_mm_per_prompt() -> None:
+    assert image_limit("") == DEFAULT_IMAGE_LIMIT
+    assert image_limit('{"image": 0}') == 0 and image_limit('{"image": 3}') == 3
+    for text, why in [("3", "JSON object"), ("{", "not JSON"), ('{"video": 1}', "video"),
+                      ('{"image": -1}', "integer >= 0"), ('{"image": true}', "integer")]:
+        with pytest.raises(ValueError, match=why):
+            image_limit(text)
+
+
+def test_a_text_only_model_refuses_images_naming_the_part() -> None:
+    images = Images(MediaPolicy(), None)
+    ref = ImageRef("data:image/png;base64,AAAA", "messages[1].content[0].image_url")
+    with pytest.raises(ValidationError, match="does not take images") as exc:
+        asyncio.run(images.prepare([ref]))
+    assert exc.value.field == ref.field
+
+
+def test_decoding_checks_the_format_and_the_pixels_before_decoding() -> None:
+    from PIL import Image
+
+    def encoded(size: tuple[int, int], fmt: str) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", size).save(out, format=fmt)
+        return out.getvalue()
+
+    policy = MediaPolicy(max_pixels=100 * 100)
+    assert decode_image(encoded((100, 100), "PNG"), "f", policy).size == (100, 100)
+    assert decode_image(encoded((30, 20), "WEBP"), "f", policy).mode == "RGB"
+    with pytest.raises(ValidationError, match="101x100 pixels, more than 10000"):
+        decode_image(encoded((101, 100), "PNG"), "f", policy)
+    with pytest.raises(ValidationError, match="format BMP is not supported"):
+        decode_image(encoded((10, 10), "BMP"), "f", policy)
+    with pytest.raises(ValidationError, match="not an image"):
+        decode_image(b"\x89PNG but not really", "f", policy)
+    truncated = encoded((100, 100), "PNG")[:60]  # the header, not the pixels
+    with pytest.raises(ValidationError, match="does not decode"):
+        decode_image(truncated, "f", policy)
+
+
+def _expander() -> ImagePreprocessor:
+    pre = ImagePreprocessor.__new__(ImagePreprocessor)  # expand() reads only the spec
+    pre.spec = VisionSpec("Qwen2_5_VLForConditionalGeneration", 9, 2, (2, 3, 3))
+    return pre
+
+
+def _processed(tokens: int, tag: bytes) -> Processed:
+    return Processed(np.zeros((4 * tokens, 8), np.float32), [1, 2, 2 * tokens], tokens, tag)
+
+
+def test_placeholders_expand_to_one_token_per_embedding() -> None:
+    pre = _expander()
+    ids, images = pre.expand([1, 9, 5, 9, 6], [_processed(3, b"a"), _processed(2, b"b")])
+    assert ids == [1, 9, 9, 9, 5, 9, 9, 6]
+    assert [(i.offset, i.length, i.digest) for i in images] == [(1, 3, b"a"), (5, 2, b"b")]
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        pre.expand([1, 9, 5, 9, 6], [_processed(3, b"a")])
+    with pytest.raises(ValueError, match="ends with an image"):
+        pre.expand([1, 9], [_processed(3, b"a")])
+
+
+def test_block_hashes_follow_the_images_they_hold() -> None:
+    def image(offset: int, digest: bytes) -> ImageInput:
+        return ImageInput(offset, 10, digest, np.zeros((1, 1), np.float32), [1, 2, 20])
+
+    prompt = np.arange(64, dtype=np.int32)
+    plain = prompt_block_hashes(prompt, 16)
+    a = prompt_block_hashes(prompt, 16, None, [image(20, b"a" * 16)])
+    b = prompt_block_hashes(prompt, 16, None, [image(20, b"b" * 16)])
+    assert a[0] == b[0] == plain[0]  # before the image: shared
+    assert len({a[1], b[1], plain[1]}) == 3  # the image's block, and all after it, differ
+    assert a[3] != b[3]
+    assert prompt_block_hashes(prompt, 16, None, [image(20, b"a" * 16)]) == a
+
+
+def test_speculation_on_a_vl_model_is_a_flag_error(tmp_path: Any) -> None:
+    from tandem_serve.proto.config import ServerConfig
+
+    nested, _ = _configs()
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    with pytest.raises(ValueError, match="--speculative-config is not supported with a "
+                                         "vision-language model"):
+        ServerConfig(model=str(tmp_path), speculative_config='{"method": "ngram", '
+                                                             '"num_speculative_tokens": 2}')
+    assert ServerConfig(model=str(tmp_path)).limit_mm_per_prompt == ""

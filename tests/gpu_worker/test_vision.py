@@ -1,0 +1,140 @@
+"""VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack) in
+the gpu worker: greedy equal to transformers' generate in float32, token for token, with
+images encoded during prefill and M-RoPE positions, Qwen3-VL also at tensor parallel size 2
+(its language model nested as published, `model.language_model.*`); the embedding cache;
+chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
+model (PEFT's names nest it too) beside base rows."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tandem_serve.gpu_worker.runner import ModelRunner
+from tandem_serve.proto.request_params import SamplingParams
+from tests.gpu_worker import tp_job
+from tests.gpu_worker.runner_driver import Driver, make_runner
+from tests.vl_utils import (
+    VLReference,
+    image_message,
+    png_bytes,
+    vl_adapter,
+    vl_checkpoint,
+    worker_case,
+)
+
+N = 12
+EOS = 2
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vl(ckpt_root: Path, request: pytest.FixtureRequest) -> str:
+    return vl_checkpoint(ckpt_root, request.param)
+
+
+@pytest.fixture(scope="module")
+def cases(vl: str) -> list[tuple[list[int], list[Any], list[int]]]:
+    ref = VLReference(vl)
+    return [worker_case(ref, image_message("what is this"), [png_bytes(0)], N),
+            worker_case(ref, image_message("compare these two", 2),
+                        [png_bytes(0), png_bytes(1, (60, 40))], N),
+            worker_case(ref, [{"role": "user", "content": "hello there"}], [], N),
+            worker_case(ref, image_message("what is this"), [png_bytes(2, (200, 150), "JPEG")],
+                        N)]
+
+
+@pytest.fixture(scope="module")
+def runner(vl: str) -> ModelRunner:
+    return make_runner(vl)
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(max_new_tokens=N, stop_token_ids=[EOS])
+
+
+@pytest.mark.parametrize("k,per_step", [(1, False), (8, True)], ids=["k1-sync", "k8-async"])
+def test_image_and_text_requests_in_one_batch_match_hf(
+        runner: ModelRunner, cases: list[Any], k: int, per_step: bool) -> None:
+    assert runner.vision is not None
+    encoded = runner.vision.tower.encoded
+    d = Driver(runner)
+    for i, (ids, images, _) in enumerate(cases):
+        d.add(i, ids, _params(), images=images)
+    while any(not (t.finish or t.gone) for t in d.reqs.values()):
+        d.run(k, per_step)
+    for i, (_, _, want) in enumerate(cases):
+        assert d.outputs()[i] == want, f"request {i}"
+    # The second request's first image is the first's: three distinct images, once each
+    # (and none again in the second run: the embeddings are cached by content).
+    assert runner.vision.tower.encoded - encoded in (0, 3)
+
+
+def test_chunks_that_cut_an_image_and_a_preemption_match_hf(
+        runner: ModelRunner, cases: list[Any]) -> None:
+    ids, images, want = cases[1]  # two images
+    d = Driver(runner)
+    first = images[0].offset + 3  # the first chunk ends inside the first image
+    d.add(0, ids, _params(), images=images, chunk=first)
+    d.run(4)
+    rest = len(ids) - 1 - first
+    d.prefill(0, rest, [rest // 2, rest - rest // 2])  # two steps, the second image split
+    d.run(4)
+    assert d.reqs[0].out, "decoding after its last piece"
+    d.preempt(0)
+    d.run(2)
+    assert runner.vision is not None
+    encoded = runner.vision.tower.encoded
+    d.resume(0)
+    d.run_until_done([4])
+    assert d.outputs()[0] == want
+    assert runner.vision.tower.encoded == encoded, "a resume takes its images from the cache"
+
+
+def test_prefix_hit_that_ends_inside_an_image_matches_hf(
+        runner: ModelRunner, cases: list[Any]) -> None:
+    ids, images, want = cases[3]  # an image of 35 tokens: it crosses a block boundary
+    d = Driver(runner)
+    d.add(0, ids, _params(), images=images)
+    d.run(2)
+    bs = runner.block_size
+    shared = images[0].offset // bs + 1  # the last shared block ends inside the image
+    assert shared * bs < images[0].offset + images[0].length, images[0]
+    d.add(1, ids, _params(), images=images, shared=d.reqs[0].blocks[:shared],
+          cached=shared * bs)
+    d.run_until_done([4])
+    assert d.outputs()[0] == want
+    assert d.outputs()[1] == want
+
+
+def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
+                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    if "qwen3_vl" not in vl:
+        pytest.skip("one family at TP=2 (the test costs two processes): Qwen3-VL, the one "
+                    "with DeepStack and a nested language model")
+    out = tmp_path_factory.mktemp("tp-vision")
+    torch.save([(ids, images) for ids, images, _ in cases], out / "cases.pt")
+    ranks = tp_job.launch({"vision": {"path": vl, "cases": str(out / "cases.pt")}}, out)
+    for mode in ("k1", "k8"):
+        got = ranks[0]["vision"][mode]
+        for i, (_, _, want) in enumerate(cases):
+            assert got[i] == want, (mode, i)
+        assert ranks[1]["vision"][mode] == got
+
+
+def test_lora_on_the_language_model_with_images_matches_peft(
+        vl: str, cases: list[Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    cache = tmp_path_factory.mktemp("vl-adapters")
+    ref = VLReference(vl)  # its own: PEFT adds the adapter to the model in place
+    ref.model = vl_adapter(ref, str(cache / "attn"))
+    ids, images, want = worker_case(ref, image_message("what is this"), [png_bytes(0)], N)
+    base = cases[0]
+    assert base[0] == ids and want != base[2], "the adapter changes the output"
+    d = Driver(make_runner(vl, adapter_cache=str(cache), max_loras=2))
+    d.load(1, "attn")
+    d.add(0, ids, _params(), images=images, lora_slot=1)
+    d.add(1, ids, _params(), images=images)  # the base model, same batch
+    d.run_until_done([8])
+    assert d.outputs()[0] == want
+    assert d.outputs()[1] == base[2]

@@ -1,0 +1,232 @@
+"""Tiny random vision-language checkpoints written by transformers itself, with the
+checkpoint's own processor files (preprocessor_config.json, tokenizer, chat template).
+
+    path = vl_checkpoint(root, "qwen2_5_vl")
+
+The vision tower is two blocks (one windowed, one full attention for Qwen2.5-VL) over 14-pixel
+patches merged 2x2; the image processor's `max_pixels` is small so an image is a handful of
+placeholder tokens. The tokenizer is the tests' tiny byte-level BPE plus the family's
+special tokens; the chat template is the published one, images only.
+"""
+from __future__ import annotations
+
+import io
+import math
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from tests.gpu_worker.model_utils import save_tiny_tokenizer
+
+QWEN_SPECIAL = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+TEXT_VOCAB = 500  # the BPE's own tokens; the special tokens follow
+VOCAB = 512
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name
+                                                                     else 0.0))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = math.prod(p.shape[1:])
+                p.copy_(torch.randn(p.shape, generator=gen) * 2.0 / math.sqrt(fan_in))
+
+
+def _tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    save_tiny_tokenizer(path, TEXT_VOCAB)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
+    tok.chat_template = QWEN_TEMPLATE
+    return tok
+
+
+def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
+                  seed: int = 0) -> str:
+    """Build, randomise and save a tiny VL checkpoint (float32) with its processor; its
+    folder."""
+    import transformers
+
+    path = tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=os.fspath(root))
+    tok = _tokenizer(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    vision: dict[str, Any] = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                                  out_hidden_size=64, spatial_merge_size=2,
+                                  temporal_patch_size=2)
+    tokens = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids["<|vision_start|>"],
+                  vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if family == "qwen2_5_vl":
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [2, 3, 3]}
+        vision.update(patch_size=14, window_size=56, fullatt_block_indexes=[1])
+        config: Any = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                                    **tokens)
+        model: Any = transformers.Qwen2_5_VLForConditionalGeneration
+        patch = 14
+    else:
+        assert family == "qwen3_vl", family
+        # Qwen3: q/k norms, a head_dim of its own; interleaved M-RoPE; DeepStack from both
+        # tower blocks into the first two decoder layers (of three).
+        text.update(num_hidden_layers=3, head_dim=16, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True})
+        vision.update(patch_size=16, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0, 1])
+        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
+        model = transformers.Qwen3VLForConditionalGeneration
+        patch = 16
+    torch.manual_seed(seed)
+    model = model(config)
+    _randomize(model, seed)
+    model.eval().save_pretrained(path)
+    unit = patch * 2
+    image = transformers.Qwen2VLImageProcessor(
+        min_pixels=unit * unit * 4, max_pixels=unit * unit * 64, patch_size=patch,
+        merge_size=2)
+    image.save_pretrained(path)
+    tok.save_pretrained(path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(QWEN_TEMPLATE)
+    return path
+
+
+def png_bytes(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> bytes:
+    """A random RGB image, encoded."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
+class VLReference:
+    """transformers' model, tokenizer, chat template and image processor of a VL folder: the
+    processor's expansion done as `Qwen2_5_VLProcessor` does it (the text's placeholder
+    repeated once per merged patch, then tokenized), since the processor class itself wants
+    a video processor (torchvision) that an images-only test does not need."""
+
+    def __init__(self, path: str) -> None:
+        import transformers
+
+        self.path = path
+        self.tok = transformers.AutoTokenizer.from_pretrained(path)
+        self.images = transformers.AutoImageProcessor.from_pretrained(path)
+        self.model = transformers.AutoModelForImageTextToText.from_pretrained(
+            path, dtype=torch.float32).eval()
+        self.image_token = "<|image_pad|>"
+        self.image_token_id = self.tok.convert_tokens_to_ids(self.image_token)
+
+    def inputs(self, messages: list[dict[str, Any]], images: list[bytes]) -> dict[str, Any]:
+        from PIL import Image
+
+        with open(os.path.join(self.path, "chat_template.jinja")) as f:
+            template = f.read()
+        text = self.tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                            add_generation_prompt=True)
+        out: dict[str, Any] = {}
+        if images:
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+            out = dict(self.images(images=pil, return_tensors="pt"))
+            merge = self.images.merge_size ** 2
+            for grid in out["image_grid_thw"]:
+                n = int(grid.prod()) // merge
+                text = text.replace(self.image_token, "<|placeholder|>" * n, 1)
+            text = text.replace("<|placeholder|>", self.image_token)
+        ids = self.tok(text, return_tensors="pt", add_special_tokens=False)
+        out.update(ids)
+        out["mm_token_type_ids"] = (ids["input_ids"] == self.image_token_id).int()
+        return out
+
+    @torch.no_grad()
+    def greedy(self, messages: list[dict[str, Any]], images: list[bytes], n: int
+               ) -> tuple[list[int], int]:
+        """(greedy continuation, prompt length), stopping at EOS."""
+        inp = self.inputs(messages, images)
+        out = self.model.generate(**inp, max_new_tokens=n, do_sample=False,
+                                  eos_token_id=self.tok.eos_token_id,
+                                  pad_token_id=self.tok.pad_token_id)
+        length = int(inp["input_ids"].shape[1])
+        return out[0, length:].tolist(), length
+
+
+def image_message(text: str, count: int = 1) -> list[dict[str, Any]]:
+    """One user message of `count` images then `text`, as HF's templates read it."""
+    return [{"role": "user", "content": [{"type": "image"}] * count
+             + [{"type": "text", "text": text}]}]
+
+
+def worker_case(ref: VLReference, messages: list[dict[str, Any]], images: list[bytes],
+                n: int) -> tuple[list[int], list[Any], list[int]]:
+    """(prompt ids, ImageInputs, HF's greedy tokens) of a chat as HF's processor makes it,
+    for driving the gpu worker directly."""
+    import hashlib
+
+    from tandem_serve.proto.request_params import ImageInput
+
+    inp = ref.inputs(messages, images)
+    ids = inp["input_ids"][0].tolist()
+    runs: list[tuple[int, int]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] != ref.image_token_id:
+            i += 1
+            continue
+        j = i
+        while j < len(ids) and ids[j] == ref.image_token_id:
+            j += 1
+        runs.append((i, j - i))
+        i = j
+    out: list[ImageInput] = []
+    if images:
+        pixels, at = inp["pixel_values"].numpy(), 0
+        for (offset, length), grid in zip(runs, inp["image_grid_thw"].numpy(), strict=True):
+            part = pixels[at:at + int(grid.prod())]
+            at += int(grid.prod())
+            digest = hashlib.blake2b(part.tobytes(), digest_size=16).digest()
+            out.append(ImageInput(offset, length, digest, part, [int(x) for x in grid]))
+    return ids, out, ref.greedy(messages, images, n)[0]
+
+
+def vl_adapter(ref: VLReference, out_dir: str, seed: int = 7) -> Any:
+    """A PEFT LoRA adapter on the language model's attention of `ref`'s model (PEFT names its
+    tensors `model.language_model.layers...`), lora_B randomised; and the PeftModel."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8,
+                        target_modules=r".*layers\.\d+\.self_attn\.(q|k|v|o)_proj")
+    model = get_peft_model(ref.model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.25)
+            elif "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    model.save_pretrained(out_dir)
+    return model.eval()
