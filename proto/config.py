@@ -87,7 +87,7 @@ class ServerConfig:
     # The host-memory KV tier (vLLM's --kv-offloading-size): GiB of host memory, summed over
     # the tensor-parallel ranks, that blocks evicted from the device cache move to and come
     # back from instead of being recomputed (`gpu_worker/attention/kv_offload.py`,
-    # `scheduler/host_tier.py`); 0: off.
+    # `scheduler/kv/host_tier.py`); 0: off.
     kv_offloading_size: float = 0.0
     # Published prefix-cache changes (`proto.kv_events`): vLLM's KVEventsConfig as JSON.
     kv_events_config: str = ""

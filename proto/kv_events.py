@@ -5,7 +5,7 @@ The flag's value is a JSON object with vLLM's `KVEventsConfig` keys, e.g.
 "replay_endpoint": "tcp://*:5558", "topic": "kv-events"}``.  `ServerConfig` keeps the text
 (it travels as JSON to every process); the scheduler, which owns the prefix cache, parses it
 with `parse_kv_events` (ValueError naming the key and what it must be) and publishes
-(`scheduler/kv_events.py`).
+(`scheduler/kv/events.py`).
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ class StepPlan:
     # LoRA adapters to load before this plan's forwards (into slots no running request uses).
     adapters: list[AdapterLoad] = field(default_factory=list)
     prefill_phase: bool = False
-    # The host KV tier (`scheduler/host_tier.py`), before anything else of the plan: device
+    # The host KV tier (`scheduler/kv/host_tier.py`), before anything else of the plan: device
     # block offload_blocks[i] is copied to host slot offload_slots[i] (its content is final:
     # earlier plans wrote it; this plan may reuse it), then host slot onload_slots[i] to
     # device block onload_blocks[i] (a request of this plan takes it as computed).

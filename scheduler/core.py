@@ -33,12 +33,12 @@ from tandem_serve.proto.plan_messages import (
 from tandem_serve.proto.request_messages import AddRequest, RequestFailed, RequestRejected
 from tandem_serve.proto.request_params import FinishReason
 from tandem_serve.proto.token_messages import PlanProcessed, StopHit
-from tandem_serve.scheduler.block_manager import adapter_salt, prompt_block_hashes
 from tandem_serve.scheduler.budget import DecodeSteps, Split, StepBudget
 from tandem_serve.scheduler.control import ControlGate
 from tandem_serve.scheduler.guided import constraint_id
-from tandem_serve.scheduler.host_tier import KvEvent
-from tandem_serve.scheduler.kv_events import record_stored
+from tandem_serve.scheduler.kv.block_manager import adapter_salt, prompt_block_hashes
+from tandem_serve.scheduler.kv.events import record_stored
+from tandem_serve.scheduler.kv.host_tier import KvEvent
 from tandem_serve.scheduler.requests import Request, RequestStatus
 from tandem_serve.scheduler.speculation import SpecCounts
 from tandem_serve.scheduler.state import (

@@ -31,7 +31,7 @@ from tandem_serve.proto.token_messages import PlanProcessed, StopHit
 from tandem_serve.scheduler.budget import default_tokens
 from tandem_serve.scheduler.control import ControlHandler
 from tandem_serve.scheduler.core import Scheduler, SchedulerParams
-from tandem_serve.scheduler.kv_events import KvEventPublisher
+from tandem_serve.scheduler.kv.events import KvEventPublisher
 from tandem_serve.scheduler.pooling import (
     DEFAULT_POOLING_TOKENS,
     PoolingParams,

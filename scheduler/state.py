@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 from tandem_serve.proto.request_messages import RequestFailed, RequestRejected
 from tandem_serve.proto.request_params import FinishReason, GuidedKind
-from tandem_serve.scheduler.block_manager import BlockManager
 from tandem_serve.scheduler.guided import WorkerConstraints
-from tandem_serve.scheduler.host_tier import KvTier
+from tandem_serve.scheduler.kv.block_manager import BlockManager
+from tandem_serve.scheduler.kv.host_tier import KvTier
 from tandem_serve.scheduler.lora_slots import LoraSlots
 from tandem_serve.scheduler.priority import WaitingPolicy
 from tandem_serve.scheduler.requests import Request, RequestStatus, TokenLedger
@@ -60,8 +60,8 @@ class SchedulerParams:
     # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
     num_speculative_tokens: int = 0
     scheduling_policy: str = "fcfs"  # or "priority" (`scheduler.priority`)
-    # The host KV tier's blocks (0: off; `scheduler/host_tier.py`), and whether the prefix
-    # cache's changes are recorded for vLLM's KV events (`scheduler/kv_events.py`).
+    # The host KV tier's blocks (0: off; `scheduler/kv/host_tier.py`), and whether the prefix
+    # cache's changes are recorded for vLLM's KV events (`scheduler/kv/events.py`).
     num_host_blocks: int = 0
     record_kv_events: bool = False
 

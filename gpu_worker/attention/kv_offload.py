@@ -1,7 +1,7 @@
 """The host KV tier's memory: `--kv-offloading-size` GiB of host slots beside the device
 cache, one block (every layer's K and V, and a draft model's, which mirrors our block ids)
 per slot, and the copies each plan names (`StepPlan.offload_*`, `onload_*`; the scheduler
-decides them, `scheduler/host_tier.py`).
+decides them, `scheduler/kv/host_tier.py`).
 
 A slot is one contiguous row of bytes, so one block moves in one copy whatever the cache's
 element type (fp8 included).  On CUDA the pool is pinned, device -> host copies run on a

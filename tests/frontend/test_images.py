@@ -17,7 +17,7 @@ from tandem_serve.frontend.validation import ValidationError
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.vision import DEFAULT_IMAGE_LIMIT, VisionSpec, image_limit, split_config
-from tandem_serve.scheduler.block_manager import prompt_block_hashes
+from tandem_serve.scheduler.kv.block_manager import prompt_block_hashes
 
 TEXT = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,

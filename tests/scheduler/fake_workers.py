@@ -83,7 +83,7 @@ class FakeWorker:
         self.rng = rng
         self.p_eos = p_eos
         self.kv = np.full((params.num_blocks, params.block_size), -1, dtype=np.int64)
-        # The host KV tier's slots (scheduler/host_tier.py): the plans' copies move KV here.
+        # The host KV tier's slots (scheduler/kv/host_tier.py): the plans' copies move KV here.
         self.host = np.full((params.num_host_blocks, params.block_size), -1, dtype=np.int64)
         self.copied = [0, 0]  # blocks offloaded, onloaded
         self.reqs: dict[int, WorkerRequest] = {}

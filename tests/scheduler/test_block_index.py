@@ -9,8 +9,8 @@ from collections import OrderedDict
 import numpy as np
 import pytest
 
-from tandem_serve.scheduler.block_index import BlockLru, HashIndex
-from tandem_serve.scheduler.block_manager import BlockManager, hash_block
+from tandem_serve.scheduler.kv.block_index import BlockLru, HashIndex
+from tandem_serve.scheduler.kv.block_manager import BlockManager, hash_block
 
 
 def digest(rng: random.Random) -> bytes:

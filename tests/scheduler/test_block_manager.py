@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from tandem_serve.scheduler.block_manager import BlockManager, hash_block, prompt_block_hashes
+from tandem_serve.scheduler.kv.block_manager import BlockManager, hash_block, prompt_block_hashes
 
 BS = 4
 

@@ -6,9 +6,9 @@ import numpy as np
 
 from tandem_serve.proto.control_messages import ControlDone, EngineControl
 from tandem_serve.proto.request_params import FinishReason
-from tandem_serve.scheduler.block_manager import BlockManager, prompt_block_hashes
 from tandem_serve.scheduler.control import ControlHandler
 from tandem_serve.scheduler.core import Scheduler
+from tandem_serve.scheduler.kv.block_manager import BlockManager, prompt_block_hashes
 from tests.scheduler.sched_utils import add, params, step_done
 
 

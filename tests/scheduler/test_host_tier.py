@@ -11,9 +11,9 @@ from tandem_serve.proto.plan_messages import StepPlan
 from tandem_serve.proto.request_messages import AddRequest
 from tandem_serve.proto.request_params import SamplingParams
 from tandem_serve.proto.token_messages import PlanProcessed
-from tandem_serve.scheduler.block_manager import prompt_block_hashes
 from tandem_serve.scheduler.core import Scheduler
-from tandem_serve.scheduler.host_tier import CPU, GPU, Cleared, Removed, Stored
+from tandem_serve.scheduler.kv.block_manager import prompt_block_hashes
+from tandem_serve.scheduler.kv.host_tier import CPU, GPU, Cleared, Removed, Stored
 from tests.scheduler.fake_workers import FakeWorker
 from tests.scheduler.sched_utils import params
 from tests.scheduler.simulation import Simulation, small_cache

@@ -1,4 +1,4 @@
-"""vLLM's KV events on the wire (`scheduler/kv_events.py`): msgspec Structs shaped as
+"""vLLM's KV events on the wire (`scheduler/kv/events.py`): msgspec Structs shaped as
 vLLM's decode them, the PUB stream numbers batches without gaps, replays serve the buffer,
 and `--kv-events-config` names the key it rejects."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 import zmq
 
 from tandem_serve.proto.kv_events import KvEventsConfig, parse_kv_events
-from tandem_serve.scheduler.host_tier import CPU, GPU, Cleared, Removed, Stored, lora_int_id
-from tandem_serve.scheduler.kv_events import KvEventPublisher, encode_batch, wire_hash
+from tandem_serve.scheduler.kv.events import KvEventPublisher, encode_batch, wire_hash
+from tandem_serve.scheduler.kv.host_tier import CPU, GPU, Cleared, Removed, Stored, lora_int_id
 from tests import kv_event_schema as vllm
 
 H1, H2 = bytes(range(16)), bytes(range(16, 32))

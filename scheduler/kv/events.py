@@ -40,7 +40,14 @@ import msgpack
 import zmq
 
 from tandem_serve.proto.kv_events import KvEventsConfig
-from tandem_serve.scheduler.host_tier import Cleared, KvEvent, KvTier, Removed, Stored, lora_int_id
+from tandem_serve.scheduler.kv.host_tier import (
+    Cleared,
+    KvEvent,
+    KvTier,
+    Removed,
+    Stored,
+    lora_int_id,
+)
 from tandem_serve.scheduler.requests import Request
 
 log = logging.getLogger("tandem.scheduler")

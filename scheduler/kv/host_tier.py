@@ -16,7 +16,7 @@ so the tier's index lives here, beside the device cache's:
 * Host slots are reused least recently used first (a hit counts as a use).
 
 `KvTier` also records, when asked, what a subscriber of vLLM's KV events must see (the
-scheduler publishes it, `scheduler/kv_events.py`): blocks stored on the device ("GPU")
+scheduler publishes it, `scheduler/kv/events.py`): blocks stored on the device ("GPU")
 as the scheduler registers them, removed as they are evicted, stored on and removed from
 the host ("CPU"), and everything cleared.
 """
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tandem_serve.scheduler.block_index import BlockLru, HashIndex
-from tandem_serve.scheduler.block_manager import BlockHash
+from tandem_serve.scheduler.kv.block_index import BlockLru, HashIndex
+from tandem_serve.scheduler.kv.block_manager import BlockHash
 
 GPU, CPU = "GPU", "CPU"  # vLLM's media names (the device tier is "GPU" whatever the device)
 

@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 
 from tandem_serve.proto.request_params import ImageInput
-from tandem_serve.scheduler.block_index import DIGEST_SIZE, BlockLru, HashIndex
+from tandem_serve.scheduler.kv.block_index import DIGEST_SIZE, BlockLru, HashIndex
 
 BlockHash = bytes
 
@@ -68,7 +68,7 @@ def prompt_block_hashes(prompt_ids: np.ndarray, block_size: int,
 
 
 class CacheObserver(Protocol):
-    """Told what leaves the device cache (`scheduler/host_tier.py`: the host tier and the
+    """Told what leaves the device cache (`scheduler/kv/host_tier.py`: the host tier and the
     published events)."""
 
     def evicted(self, block: int, block_hash: BlockHash) -> None:
