@@ -222,7 +222,7 @@ class FrontendMain:
                 GuidedCompiler.for_tokenizer, tok,
                 guided.settings(self.cfg, engine.limits.vocab_size))
         frontend.limits = self._limits(engine, tok)
-        await (_warm_up_pooling(engine, tok) if pooling else warm_up(engine, tok))
+        await (warm_up_pooling(engine, tok) if pooling else warm_up(engine, tok))
         freeze_heap()  # before the first client: no full collection walks start-up's objects
         await s.set_ready(True)
         frontend.serving = True
@@ -294,7 +294,7 @@ async def warm_up(engine: EngineClient, tok: Tokenizer) -> None:
         pass
 
 
-async def _warm_up_pooling(engine: EngineClient, tok: Tokenizer) -> None:
+async def warm_up_pooling(engine: EngineClient, tok: Tokenizer) -> None:
     """One pooling request through the scheduler and the gpu worker before readiness."""
     await engine.pooler.run([tok.encode("warm up") or [0]], metered=False)
 

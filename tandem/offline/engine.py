@@ -19,18 +19,27 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from fastapi import FastAPI
+from prometheus_client import REGISTRY
+
 from tandem_serve.frontend import guided
 from tandem_serve.frontend.engine_client import EngineClient
 from tandem_serve.frontend.engine_control import EngineControls
 from tandem_serve.frontend.frontend import Frontend, served_names
 from tandem_serve.guided.service import GuidedCompiler
 from tandem_serve.ipc.process import StartupError
+from tandem_serve.openai_api.app import build_app
 from tandem_serve.openai_api.chat.serving import Serving
-from tandem_serve.openai_api.server import build_serving
+from tandem_serve.openai_api.server import build_serving, pooling_app
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.tandem.launcher import Launcher
-from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
-from tandem_serve.tandem.serve import engine_limits, warm_up
+from tandem_serve.tandem.preflight import (
+    adapter_store,
+    check_model,
+    check_pooling_model,
+    load_tokenizer,
+)
+from tandem_serve.tandem.serve import engine_limits, warm_up, warm_up_pooling
 
 log = logging.getLogger("tandem.offline")
 
@@ -71,7 +80,12 @@ class BackgroundEngine:
         launcher = self.launcher = Launcher(cfg)
         os.sched_setaffinity(0, cpus)
         cfg = self.cfg = launcher.cfg
-        adapters = adapter_store(cfg, check_model(cfg.model, cfg.tensor_parallel_size))
+        pooling = cfg.runner == "pooling"  # embeddings, rerank, score: no adapters, no guides
+        if pooling:
+            check_pooling_model(cfg.model)
+            adapters = None
+        else:
+            adapters = adapter_store(cfg, check_model(cfg.model, cfg.tensor_parallel_size))
         tok = load_tokenizer(cfg.model)
         engine = EngineClient(cfg, served_names(cfg)[0])
         engine.start()
@@ -90,14 +104,22 @@ class BackgroundEngine:
             raise StartupError(launcher.startup_error or failed.result())
         failed.add_done_callback(lambda f: engine.fail_all(f.result()))
         assert engine.limits is not None
-        self.frontend.guided = await asyncio.to_thread(
-            GuidedCompiler.for_tokenizer, tok, guided.settings(cfg, engine.limits.vocab_size))
+        if not pooling:
+            self.frontend.guided = await asyncio.to_thread(
+                GuidedCompiler.for_tokenizer, tok, guided.settings(cfg, engine.limits.vocab_size))
         self.frontend.limits = engine_limits(cfg, engine, tok)
-        await warm_up(engine, tok)
+        await (warm_up_pooling(engine, tok) if pooling else warm_up(engine, tok))
         self.frontend.serving = True
         self.controls = EngineControls(engine)
         self.serving: Serving = build_serving(cfg, self.frontend)
         log.info("engine ready: %s", cfg.model)
+
+    def app(self) -> FastAPI:
+        """The HTTP API's app over this engine, served in-process (`tandem run-batch`): the
+        pooling routes under --runner pooling, else completions and chat."""
+        if self.cfg.runner == "pooling":
+            return pooling_app(self.cfg, self.frontend, REGISTRY)
+        return build_app(self.serving)
 
     async def _stop(self) -> None:
         if self._watching is not None:

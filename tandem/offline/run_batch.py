@@ -27,14 +27,14 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from tandem_serve.openai_api.app import build_app
 from tandem_serve.proto.config import ServerConfig
 from tandem_serve.tandem.offline.engine import BackgroundEngine
 
 log = logging.getLogger("tandem.run_batch")
 
-URLS = ("/v1/chat/completions", "/v1/completions")
-NOT_YET = {"/v1/embeddings": "embeddings are not served by this engine yet"}
+# The routes a batch line may name: generation's, and under --runner pooling the pooling
+# ones (vLLM's run-batch takes the same; a line for the other runner gets the app's 400).
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,8 +71,6 @@ def parse_line(number: int, text: str) -> BatchLine:
         problem = ("missing_custom_id", "custom_id: a string is required")
     elif method != "POST":
         problem = ("invalid_method", f"method: only POST is supported, got {method!r}")
-    elif url in NOT_YET:
-        problem = ("unsupported_url", f"url: {url}: {NOT_YET[url]}")
     elif url not in URLS:
         problem = ("invalid_url", f"url: must be one of {list(URLS)}, got {url!r}")
     elif not isinstance(body, dict):
@@ -168,7 +166,7 @@ def run(cfg: ServerConfig, args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     engine = BackgroundEngine(cfg.replace(http_port=0))
     try:
-        app = build_app(engine.serving)
+        app = engine.app()
         concurrency = args.max_concurrency or 4 * cfg.max_num_seqs
         with tqdm(total=len(lines), desc="run-batch", unit="req", file=sys.stderr) as bar:
             results = engine.call(run_lines(app, lines, concurrency, bar))

@@ -269,3 +269,36 @@ def test_decoder_embedding_model_over_two_ranks(pooling_models: dict) -> None:
         got = np.array([r.json()["data"][0]["embedding"] for r in replies])
         np.testing.assert_allclose(got, want, atol=1e-4)
     assert started and started[0].leftovers() == []  # stopped with exit 0, nothing left
+
+
+def test_run_batch_embeddings_lines_equal_the_server(embed_server: Server,
+                                                     pooling_models: dict[str, pathlib.Path],
+                                                     tmp_path: pathlib.Path) -> None:
+    """`tandem run-batch --runner pooling`: /v1/embeddings lines answer as the server does;
+    a generation line gets the app's 400 naming the runner, and the rest still run."""
+    import subprocess
+
+    from tandem_serve.ipc.process import CLI
+
+    bodies = [{"input": TEXTS[:2]}, {"input": TEXTS[2], "encoding_format": "float"}]
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings", "body": b}
+             for i, b in enumerate(bodies)]
+    lines.append({"custom_id": "g", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": "x"}})
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = subprocess.run([*CLI, "run-batch", "-i", str(src), "-o", str(out), "--model",
+                           str(pooling_models["bert"]), "--runner", "pooling"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == ["e0", "e1", "g"]
+    for body, r in zip(bodies, results):
+        want = post(embed_server, "/v1/embeddings", body).json()
+        got = r["response"]["body"]
+        assert r["response"]["status_code"] == 200 and got["usage"] == want["usage"]
+        for a, b in zip(got["data"], want["data"]):
+            np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+    assert results[2]["response"]["status_code"] == 400
+    assert results[2]["response"]["body"]["error"]["code"] == "wrong_runner"
+    assert "2 succeeded, 1 failed" in done.stderr

@@ -236,7 +236,8 @@ def test_run_batch_lines_equal_the_server_and_bad_lines_do_not_stop_the_file(
     assert h["response"]["body"]["choices"][0]["message"]["content"] == \
         post(server, "/v1/chat/completions", chat)["choices"][0]["message"]["content"]
     assert c["response"]["status_code"] == 200 and c["error"] is None
-    assert e["error"]["code"] == "unsupported_url" and e["response"] is None
+    assert e["response"]["status_code"] == 400 and e["error"] is None  # the app's own answer
+    assert e["response"]["body"]["error"]["code"] == "wrong_runner"
     assert u["error"]["code"] == "invalid_url"
     assert b["response"]["status_code"] == 400
     assert b["response"]["body"]["error"]["param"] == "temperature"
