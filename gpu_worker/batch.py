@@ -51,6 +51,8 @@ class DecodeBatch:
     spec: SpecBatch | None = None
     stride: int = 1
     plan_id: int = -1  # for the profiler's spans inside a step
+    # Hybrid models: each row's recurrent-state slot [B] int64 (None: no such model).
+    state_slots: torch.Tensor | None = None
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):
@@ -146,6 +148,8 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
                for step in sorted(set(joins)) if step > 0},
         step_lens=_step_lens(positions, joins, stride) if any(joins) else [],
         start_positions=positions, join_steps=joins, stride=stride,
+        state_slots=col([r.state_slot for r in reqs], torch.int64)
+        if any(r.state_slot >= 0 for r in reqs) else None,
     )
 
 

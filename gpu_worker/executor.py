@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tandem_serve.gpu_worker.attention.base import AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata, StateRows
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, mixed_forward
@@ -95,14 +95,17 @@ class StepExecutor:
     def forward_decode(self, input_ids: torch.Tensor, positions: torch.Tensor,
                        active: torch.Tensor, block_tables: torch.Tensor,
                        max_seq_len: int, lora: LoraContext | None = None,
-                       row_lens: list[int] | None = None) -> torch.Tensor:
+                       row_lens: list[int] | None = None,
+                       state_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only.
-        `row_lens`: host bounds of each row's context (rows far apart gather apart)."""
+        `row_lens`: host bounds of each row's context (rows far apart gather apart);
+        `state_slots`: a hybrid model's rows' recurrent-state slots."""
         slots = self.decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
-            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens)
+            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens,
+            states=None if state_slots is None else StateRows(state_slots, [], []))
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
@@ -112,7 +115,8 @@ class StepExecutor:
         logits [B, V] and the pieces' hidden states (on CUDA all but attention replayed
         from piecewise graphs, `gpu_worker.graphs.piecewise`)."""
         slots = self.decode_slots(b.positions, b.active, b.block_tables)
-        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
+        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre,
+                              b.state_slots if isinstance(b, DecodeBatch) else None)
         meta.decode_lens = b.row_lens(step)
         ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
         history = None
@@ -133,7 +137,8 @@ class StepExecutor:
             assert isinstance(b, DecodeBatch)
             return graph(b), None
         return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
-                                   b.max_seq_len(step), lora, b.row_lens(step)), None
+                                   b.max_seq_len(step), lora, b.row_lens(step),
+                                   b.state_slots if isinstance(b, DecodeBatch) else None), None
 
     # ------------------------------------------------------------------ after the forward
 

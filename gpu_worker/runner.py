@@ -34,6 +34,8 @@ from tandem_serve.gpu_worker.executor import StepExecutor
 from tandem_serve.gpu_worker.graphs.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs
 from tandem_serve.gpu_worker.lora import LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.decoder import CausalLM
+from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
+from tandem_serve.gpu_worker.models.hybrid.state_cache import SlotPool, StateCache, bytes_per_slot
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.request_table import RequestTable
@@ -83,6 +85,9 @@ class ModelRunner:
                       cfg.block_size)
         self.model = _load(cfg, self.dtype, self.device, tp)
         mc = self.model.config
+        _check_hybrid(cfg, mc.architecture if mc.is_hybrid else None)
+        # Hybrid models: one recurrent-state slot per running request, out of the KV budget.
+        state_bytes = bytes_per_slot(mc, self.dtype) * (cfg.max_num_seqs + 1)
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -98,10 +103,11 @@ class ModelRunner:
             mc, cfg.block_size, self.kv_dtype, cfg.kv_cache_memory, cfg.max_num_seqs,
             self.max_model_len,
             self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
-            if self.proposer else 0)
+            if self.proposer else 0, state_bytes)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
-        self.kv_caches = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size,
+        self.kv_caches = allocate_kv_cache(mc.num_attention_layers, self.num_blocks,
+                                           cfg.block_size,
                                            mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                                            self.device)
         # One attention backend (the draft's too); any fallback is decided and logged here.
@@ -114,16 +120,23 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens, %s, %.1f MiB", self.num_blocks,
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
+        self.slots: SlotPool | None = None
+        if isinstance(self.model, HybridLM):
+            self.model.states = StateCache(mc, cfg.max_num_seqs, self.dtype, self.device)
+            self.slots = SlotPool(cfg.max_num_seqs)
+            log.info("recurrent states: %d slots, %.1f MiB", cfg.max_num_seqs,
+                     self.model.states.nbytes / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
+        # Hybrid models run eager (their state updates are not captured yet).
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.attention.decode_graphs)
+                  and self.attention.decode_graphs and not mc.is_hybrid)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
         mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True)
                  if graphs and (tp is None or tp.shard.size == 1) else None)
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
                                      self.max_model_len, self.lora, mixed)
         self.table = RequestTable(GuidedRegistry(self.device, self.vocab_size, cfg.model),
-                                  self.lora, self.proposer)
+                                  self.lora, self.proposer, self.slots)
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
@@ -296,6 +309,17 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     log.info("model loaded in %.2f s (%s, %s, %s)", time.monotonic() - t0,
              model.config.architecture, dtype, device)
     return model
+
+
+def _check_hybrid(cfg: WorkerConfig, hybrid: str | None) -> None:
+    """What a hybrid model cannot be served with yet: a start-up error, never wrong tokens."""
+    if hybrid is None:
+        return
+    if cfg.speculative:
+        raise ValueError(f"speculative decoding is not supported for {hybrid} "
+                         "(a rejected draft would need the linear layers' states rolled back)")
+    if cfg.adapter_cache and cfg.max_loras > 0:
+        raise ValueError(f"LoRA adapters are not supported for {hybrid} (--adapter-cache)")
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,

@@ -33,6 +33,9 @@ class RequestState:
     spec_rate: float = -1.0
     # Positions [0, draft_len) whose KV the draft model's cache holds (gpu_worker.spec.draft_model).
     draft_len: int = 0
+    # Hybrid models: the recurrent-state slot it holds while it runs (-1: none; released
+    # when preempted or dropped, see `models.hybrid.state_cache`).
+    state_slot: int = -1
 
     @property
     def num_generated(self) -> int:

@@ -17,14 +17,14 @@ the `--prefill-phase` baseline, and a plan with no decode row at all, which has 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.base import AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata, StateRows
 from tandem_serve.gpu_worker.constrain.tables import batch_order
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
@@ -125,6 +125,16 @@ class PrefillInputs:
     lora: LoraContext | None = None  # a mixed step's adapter rows: decode rows, then these
     # LongRoPE: each token's request's history length (`LlamaModel.uses_history_lens`).
     history_lens: torch.Tensor | None = None
+    # Hybrid models: each row's recurrent-state slot, and whether it starts its sequence.
+    state_slots: list[int] = field(default_factory=list)
+    state_fresh: list[bool] = field(default_factory=list)
+
+    def states(self, decode: torch.Tensor | None = None) -> StateRows | None:
+        """The rows' state slots for the metadata (after `decode` rows'), if the model has
+        linear layers (its requests hold slots)."""
+        if not self.state_slots or self.state_slots[0] < 0:
+            return None
+        return StateRows(decode, self.state_slots, self.state_fresh)
 
     @property
     def num_tokens(self) -> int:
@@ -172,7 +182,8 @@ def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
         query_lens=lens, seq_lens_host=seq_lens, token_slots=token_slots,
         scores=scores.to(device),
         history_lens=dev(np.repeat([len(p.req.history) for p in pieces], lens), torch.int64)
-        if history_lens else None)
+        if history_lens else None,
+        state_slots=[p.req.state_slot for p in pieces], state_fresh=[p.start == 0 for p in pieces])
 
 
 def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
@@ -181,12 +192,13 @@ def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
         slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
         query_start_loc=inp.query_start_loc, query_lens=inp.query_lens,
         max_seq_len=max(inp.seq_lens_host), is_decode=False,
-        prefill_seq_lens=inp.seq_lens_host)
+        prefill_seq_lens=inp.seq_lens_host, states=inp.states())
 
 
 def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
                    decode_tables: torch.Tensor, max_decode_len: int,
-                   inp: PrefillInputs) -> AttentionMetadata:
+                   inp: PrefillInputs, decode_states: torch.Tensor | None = None
+                   ) -> AttentionMetadata:
     """A step's forward: the decode rows (one token each, lengths on the device only) and
     then `inp`'s prefill rows."""
     n = decode_slots.shape[0]
@@ -201,7 +213,8 @@ def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
                             inp.seq_lens)),
         query_start_loc=inp.query_start_loc, query_lens=[1] * n + inp.query_lens,
         max_seq_len=max(max_decode_len, *inp.seq_lens_host), is_decode=False,
-        num_decode=n, decode_max_seq_len=max_decode_len, prefill_seq_lens=inp.seq_lens_host)
+        num_decode=n, decode_max_seq_len=max_decode_len, prefill_seq_lens=inp.seq_lens_host,
+        states=inp.states(decode_states))
 
 
 @dataclass

@@ -28,6 +28,17 @@ from tandem_serve.gpu_worker.attention.kv_cache import KVCache
 
 
 @dataclass
+class StateRows:
+    """Hybrid models' recurrent-state slots of a forward's rows (`models.hybrid`): the decode
+    rows' (device), then per prefill row its slot and whether it starts a sequence (its
+    state starts from zeros rather than from the slot)."""
+
+    decode: torch.Tensor | None  # [num_decode] int64
+    prefill: list[int]
+    fresh: list[bool]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset; -1 = do not write
     block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, padded
@@ -44,6 +55,8 @@ class AttentionMetadata:
     # Host bounds of each decode row's seq_len (None: max_seq_len for all): rows far apart
     # in length are gathered in two groups rather than all to the longest (SDPA path).
     decode_lens: list[int] | None = None
+    # Hybrid models: the rows' recurrent-state slots (None: a model without linear layers).
+    states: StateRows | None = None
 
     @property
     def is_mixed(self) -> bool:

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.config_families import MIXTRAL, PHI3
+from tandem_serve.gpu_worker.models.hybrid.layout import (
+    linear_attention_weights,
+    shared_expert_weights,
+)
 
 Shape = tuple[int, ...]
 
@@ -53,7 +57,7 @@ def expected_weights(a: ModelArgs) -> dict[str, Shape]:
     for n in range(a.num_layers):
         p = layer_prefix(n)
         out.update({p + name: (h,) for name in norm_names(a)})
-        out.update(_attention(a, p))
+        out.update(linear_attention_weights(a, p) if a.is_linear(n) else _attention(a, p))
         out.update(_moe(a, n) if a.is_moe(n) else _dense_mlp(a, p))
     return out
 
@@ -61,7 +65,9 @@ def expected_weights(a: ModelArgs) -> dict[str, Shape]:
 def _attention(a: ModelArgs, p: str) -> dict[str, Shape]:
     h, d = a.hidden_size, a.head_dim
     out: dict[str, Shape] = {}
-    for name, rows in (("q", a.num_heads), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
+    # A gated attention's q_proj also yields the output gate: per head, d query rows, d gate.
+    q_rows = a.num_heads * (2 if a.attn_output_gate else 1)
+    for name, rows in (("q", q_rows), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
         out[p + f"self_attn.{name}_proj.weight"] = (rows * d, h)
         if a.qkv_bias:
             out[p + f"self_attn.{name}_proj.bias"] = (rows * d,)
@@ -90,7 +96,7 @@ def _moe(a: ModelArgs, layer: int) -> dict[str, Shape]:
     for e in range(a.num_experts):
         gate, up, down = expert_names(a, layer, e)
         out.update({gate: (i, h), up: (i, h), down: (h, i)})
-    return out
+    return {**out, **shared_expert_weights(a, layer_prefix(layer))}
 
 
 def views(a: ModelArgs) -> dict[str, tuple[str, int]]:

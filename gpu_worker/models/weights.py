@@ -53,6 +53,24 @@ class SafetensorsCheckpoint:
         else:
             raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
         self._handles: dict[str, Any] = {}
+        self._stored: dict[str, str] = {}  # a name as asked for -> as stored (default: same)
+
+    def language_model_only(self, prefix: str = "model.language_model.") -> list[str]:
+        """A multimodal folder: its language model's tensors (`prefix` + X) under the names a
+        causal LM's would have (model.X; the LM head keeps its name), everything else (a
+        vision tower, an MTP head) left out. Returns the names left out."""
+        kept: dict[str, str] = {}
+        left = []
+        for name, path in self._file_of.items():
+            if name.startswith(prefix):
+                alias = "model." + name[len(prefix):]
+                kept[alias], self._stored[alias] = path, name
+            elif name.startswith("lm_head."):
+                kept[name] = path
+            else:
+                left.append(name)
+        self._file_of = kept
+        return left
 
     def _handle(self, path: str) -> Any:
         h = self._handles.get(path)
@@ -67,17 +85,21 @@ class SafetensorsCheckpoint:
         return set(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def dtype(self, name: str) -> str:
         """The stored dtype as safetensors names it ("BF16", "F8_E4M3", "I32", ...)."""
-        return str(self._handle(self._file_of[name]).get_slice(name).get_dtype())
+        return str(self._slice(name).get_dtype())
+
+    def _slice(self, name: str) -> Any:
+        return self._handle(self._file_of[name]).get_slice(self._stored.get(name, name))
 
     def get(self, name: str, dtype: torch.dtype | None) -> torch.Tensor:
         """The whole tensor, cast to `dtype` (None: as stored)."""
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
-        t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(name)
+        t: torch.Tensor = self._handle(self._file_of[name]).get_tensor(
+            self._stored.get(name, name))
         return t if dtype is None else t.to(dtype=dtype)
 
     def get_part(self, name: str, dtype: torch.dtype | None, dim: int | None, start: int = 0,
@@ -89,7 +111,7 @@ class SafetensorsCheckpoint:
             return self.get(name, dtype)
         if name not in self._file_of:
             raise ValueError(f"missing weight {name!r} in {self.model_dir}")
-        view = self._handle(self._file_of[name]).get_slice(name)
+        view = self._slice(name)
         t: torch.Tensor = view[start:stop] if dim == 0 else view[:, start:stop]
         return (t if dtype is None else t.to(dtype=dtype)).contiguous()
 

@@ -1,0 +1,125 @@
+"""A hybrid model's two kinds of layer, each the shared `DecoderLayer` with its token mixer
+replaced (the MLP or experts after it are the decoder's own):
+
+* `LinearAttentionLayer`, Gated DeltaNet: one fused input projection (q | k | v | z | b | a,
+  Qwen3-Next's per-key-head interleaving undone at load), a causal depthwise convolution with
+  SiLU over q | k | v, the gated delta rule (`delta_rule`) from the request's state slot, an
+  RMSNorm gated by SiLU(z), and the output projection (the layer's `o_weight`);
+* `GatedAttentionLayer`: attention over the paged cache whose output is multiplied by
+  sigmoid(gate) before o_proj, the gate being q_proj's second half per head (kept after
+  q | k | v in the fused projection).
+
+Numerics follow transformers: the delta rule and the gated norm in float32, the
+convolution's output cast back to the model dtype.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from tandem_serve.gpu_worker.attention.base import AttentionBackend
+from tandem_serve.gpu_worker.attention.kv_cache import KVCache
+from tandem_serve.gpu_worker.models.config import ModelArgs
+from tandem_serve.gpu_worker.models.decoder import DecoderLayer
+from tandem_serve.gpu_worker.models.fused import rope
+from tandem_serve.gpu_worker.models.hybrid import delta_rule
+from tandem_serve.gpu_worker.models.hybrid.state_cache import StateRowsPlan
+from tandem_serve.gpu_worker.models.rope import CosSin
+
+if TYPE_CHECKING:
+    from tandem_serve.gpu_worker.lora import LoraContext
+
+
+def _param(shape: tuple[int, ...]) -> torch.nn.Parameter:
+    # A placeholder on the meta device until the weights are loaded (`models.fill`).
+    return torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+
+
+class GatedAttentionLayer(DecoderLayer):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__(args, layer_idx)
+        h, d = args.hidden_size, args.head_dim
+        self.qkv_width = (args.num_heads + 2 * args.num_kv_heads) * d
+        self.qkv_weight = _param((self.qkv_width + args.num_heads * d, h))
+
+    def forward(self, x: torch.Tensor, cos_sin: CosSin, kv_cache: KVCache,
+                attention: AttentionBackend, plan: Any,
+                lora: LoraContext | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        h = self.norm(x, self.input_norm, self.eps)
+        qkvg = self._linear("qkv_weight", h, None)
+        gate = qkvg[:, self.qkv_width:]
+        qkv = qkvg[:, : self.qkv_width].reshape(t, hq + 2 * hkv, d)
+        assert self.qk_norm_weight is not None
+        qk = rope(self.norm(qkv[:, : hq + hkv], self.qk_norm_weight, self.eps), *cos_sin)
+        attn = self.attend(qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:], kv_cache, attention, plan)
+        return self.after_attention(x, attn.reshape(t, -1) * torch.sigmoid(gate), lora)
+
+
+class LinearAttentionLayer(DecoderLayer):
+    def __init__(self, args: ModelArgs, layer_idx: int) -> None:
+        super().__init__(args, layer_idx)
+        s = args.linear_attn
+        assert s is not None
+        self.shape = s
+        h = args.hidden_size
+        # q | k | v (the convolution's channels), z, b, a.
+        self.qkv_weight = _param((s.conv_dim + s.value_dim + 2 * s.num_v_heads, h))
+        self.o_weight = _param((h, s.value_dim))  # out_proj
+        self.qk_norm_weight = None
+        self.conv_weight = _param((s.conv_dim, s.conv_kernel))
+        self.dt_bias = _param((s.num_v_heads,))
+        self.a_log = _param((s.num_v_heads,))
+        self.gated_norm = _param((s.head_v_dim,))
+
+    def forward_linear(self, x: torch.Tensor, rows: StateRowsPlan, conv: torch.Tensor,
+                       recurrent: torch.Tensor, lora: LoraContext | None = None
+                       ) -> torch.Tensor:
+        """x [T, hidden] (decode rows, then prefill pieces) -> the layer's output; reads and
+        advances the rows' state slots in `conv` and `recurrent` (this layer's)."""
+        s, t = self.shape, x.shape[0]
+        proj = self._linear("qkv_weight", self.norm(x, self.input_norm, self.eps), None)
+        c, vd, hv = s.conv_dim, s.value_dim, s.num_v_heads
+        mixed, z = proj[:, :c], proj[:, c:c + vd]
+        b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
+        beta = b.sigmoid()
+        g = -self.a_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        core = torch.empty(t, hv, s.head_v_dim, dtype=torch.float32, device=x.device)
+        # Pieces first: a row joining the decode rows in this forward reads the state its
+        # last piece leaves.
+        for slot, fresh, start, length in rows.pieces:
+            part = slice(start, start + length)
+            mixed_conv, conv[slot] = delta_rule.conv_sequence(
+                mixed[part], None if fresh else conv[slot], self.conv_weight)
+            q, k, v = self._split(mixed_conv)
+            core[part], recurrent[slot] = delta_rule.chunked(
+                q, k, v, g[part], beta[part], None if fresh else recurrent[slot])
+        n = rows.num_decode
+        if n:
+            slots = rows.decode_slots
+            assert slots is not None
+            mixed_conv, conv_new = delta_rule.conv_step(mixed[:n], conv.index_select(0, slots),
+                                                        self.conv_weight)
+            conv.index_copy_(0, slots, conv_new)
+            q, k, v = self._split(mixed_conv)
+            core[:n], state = delta_rule.recurrent_step(q, k, v, g[:n], beta[:n],
+                                                        recurrent.index_select(0, slots))
+            recurrent.index_copy_(0, slots, state)
+        out = self._gated_norm(core.to(x.dtype), z.reshape(t, hv, s.head_v_dim))
+        return self.after_attention(x, out.reshape(t, vd), lora)
+
+    def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, t = self.shape, mixed.shape[0]
+        q, k, v = mixed.split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        return (q.reshape(t, s.num_k_heads, s.head_k_dim), k.reshape(t, s.num_k_heads,
+                s.head_k_dim), v.reshape(t, s.num_v_heads, s.head_v_dim))
+
+    def _gated_norm(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm (plain weight) times SiLU(z), in float32, as transformers' RMSNormGated."""
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.gated_norm * h.to(x.dtype)
+        return (h * F.silu(z.float())).to(x.dtype)

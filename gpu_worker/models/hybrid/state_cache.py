@@ -1,0 +1,102 @@
+"""The recurrent-state cache of a hybrid model: fixed per-request slots holding, for every
+Gated DeltaNet layer, the convolution's last K - 1 inputs and the delta rule's matrix state.
+
+Unlike KV, a state does not grow with the sequence: a request holds one slot from the plan
+that adds (or resumes) it until the plan that drops (or preempts) it, whatever its length.
+The scheduler never runs more than `--max-num-seqs` requests, so that many slots (plus one
+scratch slot that masked decode rows read and write, as masked rows write the KV cache's
+scratch block) are allocated with the KV cache, and their bytes come out of its budget.
+Slots are handed out on the gpu worker (`SlotPool`, from the request table), since which
+slot a request holds concerns only the device.
+
+The matrix state is kept in float32 whatever the model dtype (it accumulates over the whole
+sequence; transformers and flash-linear-attention keep it in float32 too); the convolution's
+inputs in the model dtype, as transformers does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
+from tandem_serve.gpu_worker.models.config import ModelArgs
+
+
+def bytes_per_slot(args: ModelArgs, dtype: torch.dtype) -> int:
+    """One request's state across the linear layers."""
+    s = args.linear_attn
+    if s is None:
+        return 0
+    elem = torch.empty((), dtype=dtype).element_size()
+    conv = s.conv_dim * (s.conv_kernel - 1) * elem
+    recurrent = s.num_v_heads * s.head_k_dim * s.head_v_dim * 4
+    return (args.num_layers - args.num_attention_layers) * (conv + recurrent)
+
+
+class StateCache:
+    """Per linear layer: conv [slots + 1, C, K - 1] and recurrent [slots + 1, Hv, dk, dv]."""
+
+    def __init__(self, args: ModelArgs, num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        s = args.linear_attn
+        assert s is not None, "a hybrid model's state cache"
+        self.num_slots = num_slots
+        self.scratch = num_slots  # the last slot: masked decode rows'
+        layers = args.num_layers - args.num_attention_layers
+        self.conv = [torch.zeros(num_slots + 1, s.conv_dim, s.conv_kernel - 1, dtype=dtype,
+                                 device=device) for _ in range(layers)]
+        self.recurrent = [torch.zeros(num_slots + 1, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                      dtype=torch.float32, device=device)
+                          for _ in range(layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (*self.conv, *self.recurrent))
+
+    def rows(self, meta: AttentionMetadata) -> StateRowsPlan:
+        """Which slot each of a forward's rows reads and writes (once per forward, shared by
+        every linear layer); no host read."""
+        states = meta.states
+        if states is None:
+            raise ValueError("a hybrid model's forward needs its rows' state slots")
+        n = meta.slot_mapping.shape[0] if meta.is_decode else meta.num_decode
+        decode = None
+        if n:
+            assert states.decode is not None, "decode rows without state slots"
+            # Masked rows (slot -1: finished, or joining later) use the scratch slot.
+            decode = torch.where(meta.slot_mapping[:n] >= 0, states.decode, self.scratch)
+        lens = (meta.query_lens or [])[n:] if not meta.is_decode else []
+        starts, at = [], n
+        for length in lens:
+            starts.append(at)
+            at += length
+        return StateRowsPlan(n, decode, list(zip(states.prefill, states.fresh, starts, lens,
+                                                 strict=True)))
+
+
+@dataclass
+class StateRowsPlan:
+    """A forward's rows as the linear layers see them: `num_decode` decode rows first (their
+    slots on the device), then prefill pieces (slot, fresh, first token, token count)."""
+
+    num_decode: int
+    decode_slots: torch.Tensor | None
+    pieces: list[tuple[int, bool, int, int]]
+
+
+class SlotPool:
+    """The free state slots (host); a request takes one when added or resumed."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def take(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free recurrent-state slot: more requests than "
+                               "--max-num-seqs are running")
+        return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        if slot >= 0:
+            self._free.append(slot)
