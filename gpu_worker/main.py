@@ -55,7 +55,8 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
         ready = WorkerReady(runner.num_blocks, runner.block_size, runner.max_model_len,
                             runner.vocab_size, long_rope_from=runner.long_rope_from,
                             device_type=runner.device.type,
-                            attention_tokens=attention_tokens(runner.model.config))
+                            attention_tokens=attention_tokens(runner.model.config),
+                            recurrent_state=runner.model.config.is_hybrid)
         # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
         # its set: the scheduler of our set may not be up yet, and one of the set we replace
         # may still hold its address.  The scheduler keeps the first.

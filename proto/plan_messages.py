@@ -119,3 +119,6 @@ class WorkerReady:
     # Context length at which a prefill token's attention costs what the rest of its
     # forward does (0: unknown); the scheduler's per-step budget weighs pieces by it.
     attention_tokens: int = 0
+    # A hybrid model's linear layers keep a recurrent state per request, which a cached
+    # prefix's KV blocks do not restore: the scheduler then serves no prefix hits.
+    recurrent_state: bool = False

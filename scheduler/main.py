@@ -39,6 +39,10 @@ def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
     """Off for a LongRoPE model that may run past its original context: the same prompt
     tokens then have KV rotated with other factors depending on the request's length, and a
     block hash of the tokens alone would share the wrong KV."""
+    if cfg.enable_prefix_caching and ready.recurrent_state:
+        log.warning("prefix caching is off: the model's linear-attention layers keep a "
+                    "recurrent state per request that cached KV blocks do not restore")
+        return False
     if cfg.enable_prefix_caching and 0 < ready.long_rope_from < ready.max_model_len:
         log.warning("prefix caching is off: LongRoPE rotates histories longer than %d tokens "
                     "with other factors (--max-model-len %d keeps it on)",

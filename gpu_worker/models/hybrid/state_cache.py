@@ -97,6 +97,10 @@ class SlotPool:
                                "--max-num-seqs are running")
         return self._free.pop()
 
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
     def give(self, slot: int) -> None:
         if slot >= 0:
             self._free.append(slot)
