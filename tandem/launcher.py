@@ -35,7 +35,12 @@ from tandem_serve.ipc.process import CLI, StartupError, pin, split_cpus
 from tandem_serve.proto.config import Addresses, ServerConfig
 from tandem_serve.proto.control_messages import ProcessFailed, WorkerHung
 from tandem_serve.tandem import serve as frontend_process
-from tandem_serve.tandem.preflight import adapter_store, check_model, load_tokenizer
+from tandem_serve.tandem.preflight import (
+    adapter_store,
+    check_hybrid,
+    check_model,
+    load_tokenizer,
+)
 from tandem_serve.tandem.tp_node import free_local_addr
 
 log = logging.getLogger("tandem.launcher")
@@ -101,6 +106,7 @@ class Launcher:
                                f"on node 0; start this host's ranks with `tandem run-role "
                                f"gpu-worker --node-rank {self.cfg.node_rank} ...`")
         config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+        check_hybrid(self.cfg, config)
         adapters = adapter_store(self.cfg, config)
         tok = load_tokenizer(self.cfg.model)
         return await frontend_process.serve(self.cfg, self, tok, adapters)

@@ -51,10 +51,31 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as exc:
         detail = f"config.json lacks {exc}" if isinstance(exc, KeyError) else str(exc)
         raise StartupError(f"--model {model!r}: {detail}") from None
+    if args.is_hybrid and tensor_parallel_size > 1:
+        raise StartupError(f"--model {model!r}: --tensor-parallel-size {tensor_parallel_size} "
+                           f"is not supported for {args.architecture} (linear-attention "
+                           "layers); serve it on one device")
     problems = split_problems(args, tensor_parallel_size)
     if problems:
         raise StartupError(f"--model {model!r} cannot be split: {'; '.join(problems)}")
     return config
+
+
+def check_hybrid(cfg: ServerConfig, config: dict[str, Any]) -> None:
+    """What a hybrid linear-attention model cannot be served with yet (the gpu worker
+    refuses it too): speculative decoding and LoRA adapters."""
+    from tandem_serve.gpu_worker.models.config import ModelArgs
+
+    args = ModelArgs.from_hf_config(config)
+    if not args.is_hybrid:
+        return
+    if cfg.speculative_config:
+        raise StartupError(f"--speculative-config: speculative decoding is not supported for "
+                           f"{args.architecture} (a rejected draft would need the "
+                           "linear-attention layers' states rolled back)")
+    if cfg.adapter_cache:
+        raise StartupError(f"--adapter-cache: LoRA adapters are not supported for "
+                           f"{args.architecture} (linear-attention layers)")
 
 
 def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | None:

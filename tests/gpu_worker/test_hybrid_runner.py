@@ -45,8 +45,9 @@ def busy_batch(d: Driver, k: int, per_step: bool) -> list[list[int]]:
     return p
 
 
-@pytest.mark.parametrize("k, per_step", [(8, True), (1, False)], ids=["async-k8", "sync-k1"])
-@pytest.mark.parametrize("family", list(HYBRIDS))
+@pytest.mark.parametrize("family, k, per_step", [
+    *((f, 8, True) for f in HYBRIDS), ("qwen3.5", 1, False), ("qwen3-next", 1, False)],
+    ids=[*(f"{f}-async-k8" for f in HYBRIDS), "qwen3.5-sync-k1", "qwen3-next-sync-k1"])
 def test_busy_batch_equals_hf(ckpt_root: Path, family: str, k: int, per_step: bool) -> None:
     path = checkpoint(ckpt_root, family)
     runner = make_runner(path, max_num_seqs=6)
