@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem_serve.gpu_worker.attention.base import StateRows
 from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingBatch, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.token_messages import PromptDetail
@@ -51,8 +52,8 @@ class DecodeBatch:
     spec: SpecBatch | None = None
     stride: int = 1
     plan_id: int = -1  # for the profiler's spans inside a step
-    # Hybrid models: each row's recurrent-state slot [B] int64 (None: no such model).
-    state_slots: torch.Tensor | None = None
+    # Hybrid models: the rows' recurrent-state slots (None: no such model).
+    states: StateRows | None = None
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):
@@ -148,7 +149,7 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
                for step in sorted(set(joins)) if step > 0},
         step_lens=_step_lens(positions, joins, stride) if any(joins) else [],
         start_positions=positions, join_steps=joins, stride=stride,
-        state_slots=col([r.state_slot for r in reqs], torch.int64)
+        states=StateRows(col([r.state_slot for r in reqs], torch.int64), [], [])
         if any(r.state_slot >= 0 for r in reqs) else None,
     )
 

@@ -21,6 +21,7 @@ from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights
 from tandem_serve.gpu_worker.models.decoder import CausalLM
+from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec.batch import VerifyRows
@@ -55,6 +56,8 @@ class StepExecutor:
         # Mixed steps: every part of the forward but attention from graphs (None: eager).
         self.mixed_graphs = mixed_graphs
         self.sampler = Sampler()
+        # Hybrid models' recurrent states: a verify step commits each row's accepted run.
+        self.states = model.states if isinstance(model, HybridLM) else None
 
     def lora_context(self, slots: list[int]) -> LoraContext | None:
         return self.lora.context(slots) if self.lora is not None else None
@@ -96,16 +99,16 @@ class StepExecutor:
                        active: torch.Tensor, block_tables: torch.Tensor,
                        max_seq_len: int, lora: LoraContext | None = None,
                        row_lens: list[int] | None = None,
-                       state_slots: torch.Tensor | None = None) -> torch.Tensor:
+                       states: StateRows | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only.
         `row_lens`: host bounds of each row's context (rows far apart gather apart);
-        `state_slots`: a hybrid model's rows' recurrent-state slots."""
+        `states`: a hybrid model's rows' recurrent-state slots."""
         slots = self.decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
             max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens,
-            states=None if state_slots is None else StateRows(state_slots, [], []))
+            states=states)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
 
@@ -116,7 +119,7 @@ class StepExecutor:
         from piecewise graphs, `gpu_worker.graphs.piecewise`)."""
         slots = self.decode_slots(b.positions, b.active, b.block_tables)
         meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre,
-                              b.state_slots if isinstance(b, DecodeBatch) else None)
+                              b.states)
         meta.decode_lens = b.row_lens(step)
         ids, positions = torch.cat((b.input_ids, pre.ids)), torch.cat((b.positions, pre.positions))
         history = None
@@ -138,7 +141,7 @@ class StepExecutor:
             return graph(b), None
         return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
                                    b.max_seq_len(step), lora, b.row_lens(step),
-                                   b.state_slots if isinstance(b, DecodeBatch) else None), None
+                                   b.states), None
 
     # ------------------------------------------------------------------ after the forward
 

@@ -315,9 +315,9 @@ def _check_hybrid(cfg: WorkerConfig, hybrid: str | None) -> None:
     """What a hybrid model cannot be served with yet: a start-up error, never wrong tokens."""
     if hybrid is None:
         return
-    if cfg.speculative:
-        raise ValueError(f"speculative decoding is not supported for {hybrid} "
-                         "(a rejected draft would need the linear layers' states rolled back)")
+    if cfg.speculative and cfg.speculative.method != "ngram":
+        raise ValueError(f"speculative method {cfg.speculative.method!r} is not supported for "
+                         f"{hybrid}: only 'ngram' (a draft model would need states of its own)")
     if cfg.adapter_cache and cfg.max_loras > 0:
         raise ValueError(f"LoRA adapters are not supported for {hybrid} (--adapter-cache)")
 

@@ -129,12 +129,13 @@ class PrefillInputs:
     state_slots: list[int] = field(default_factory=list)
     state_fresh: list[bool] = field(default_factory=list)
 
-    def states(self, decode: torch.Tensor | None = None) -> StateRows | None:
-        """The rows' state slots for the metadata (after `decode` rows'), if the model has
-        linear layers (its requests hold slots)."""
+    def states(self, decode: StateRows | None = None) -> StateRows | None:
+        """The rows' state slots for the metadata (after the `decode` rows'), if the model
+        has linear layers (its requests hold slots)."""
         if not self.state_slots or self.state_slots[0] < 0:
             return None
-        return StateRows(decode, self.state_slots, self.state_fresh)
+        return StateRows(decode.decode if decode else None, self.state_slots, self.state_fresh,
+                         decode.verify if decode else None)
 
     @property
     def num_tokens(self) -> int:
@@ -197,7 +198,7 @@ def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
 
 def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
                    decode_tables: torch.Tensor, max_decode_len: int,
-                   inp: PrefillInputs, decode_states: torch.Tensor | None = None
+                   inp: PrefillInputs, decode_states: StateRows | None = None
                    ) -> AttentionMetadata:
     """A step's forward: the decode rows (one token each, lengths on the device only) and
     then `inp`'s prefill rows."""

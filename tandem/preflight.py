@@ -63,16 +63,18 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
 
 def check_hybrid(cfg: ServerConfig, config: dict[str, Any]) -> None:
     """What a hybrid linear-attention model cannot be served with yet (the gpu worker
-    refuses it too): speculative decoding and LoRA adapters."""
+    refuses it too): a speculative method other than n-gram, and LoRA adapters."""
     from tandem_serve.gpu_worker.models.config import ModelArgs
+    from tandem_serve.proto.speculative import parse_speculative
 
     args = ModelArgs.from_hf_config(config)
     if not args.is_hybrid:
         return
-    if cfg.speculative_config:
-        raise StartupError(f"--speculative-config: speculative decoding is not supported for "
-                           f"{args.architecture} (a rejected draft would need the "
-                           "linear-attention layers' states rolled back)")
+    spec = parse_speculative(cfg.speculative_config)
+    if spec is not None and spec.method != "ngram":
+        raise StartupError(f"--speculative-config: method {spec.method!r} is not supported for "
+                           f"{args.architecture}: only 'ngram' (a draft model would need "
+                           "linear-attention states of its own)")
     if cfg.adapter_cache:
         raise StartupError(f"--adapter-cache: LoRA adapters are not supported for "
                            f"{args.architecture} (linear-attention layers)")

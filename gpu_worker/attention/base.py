@@ -31,11 +31,14 @@ from tandem_serve.gpu_worker.attention.kv_cache import KVCache
 class StateRows:
     """Hybrid models' recurrent-state slots of a forward's rows (`models.hybrid`): the decode
     rows' (device), then per prefill row its slot and whether it starts a sequence (its
-    state starts from zeros rather than from the slot)."""
+    state starts from zeros rather than from the slot). A verify step's forward (speculative
+    decoding) has B decode rows, then k draft rows for each of the rows `verify` names:
+    (their batch rows [S] on the device, k)."""
 
-    decode: torch.Tensor | None  # [num_decode] int64
+    decode: torch.Tensor | None  # [B] int64
     prefill: list[int]
     fresh: list[bool]
+    verify: tuple[torch.Tensor, int] | None = None
 
 
 @dataclass

@@ -5,6 +5,7 @@ prefix hits (a cached prefix's KV would not restore the recurrent state), a guid
 what it cannot be served with yet is one `tandem: error:` line."""
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -75,6 +76,6 @@ def test_unsupported_combinations_are_one_line_errors(model: str) -> None:
     proc = serve("--model", model, "--port", str(free_port()), "--tensor-parallel-size", "2")
     assert_one_line_error(proc, "--tensor-parallel-size 2", "Qwen3NextForCausalLM")
     proc = serve("--model", model, "--port", str(free_port()), "--speculative-config",
-                 '{"method": "ngram", "num_speculative_tokens": 2}')
-    assert_one_line_error(proc, "speculative decoding is not supported",
-                          "Qwen3NextForCausalLM")
+                 json.dumps({"method": "draft_model", "model": model,
+                             "num_speculative_tokens": 2}))
+    assert_one_line_error(proc, "method 'draft_model' is not supported", "Qwen3NextForCausalLM")

@@ -125,8 +125,9 @@ def test_slots_are_bounded() -> None:
 
 def test_unsupported_combinations_are_refused(ckpt_root: Path) -> None:
     path = checkpoint(ckpt_root, "qwen3.5")
-    spec = parse_speculative('{"method": "ngram", "num_speculative_tokens": 2}')
-    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+    spec = parse_speculative(json.dumps({"method": "draft_model", "model": path,
+                                         "num_speculative_tokens": 2}))
+    with pytest.raises(ValueError, match="speculative method 'draft_model' is not supported"):
         make_runner(path, speculative=spec)
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         make_runner(path, adapter_cache=str(ckpt_root), max_loras=2)

@@ -1,5 +1,7 @@
 """Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE, the published multimodal Qwen3.5 layout)
-through `ModelRunner.execute` against HF `generate()` (greedy, float32).
+through `ModelRunner.execute` against HF `generate()` (greedy, float32); with n-gram
+speculation, drafts rejected and the linear layers' states rolled back to each row's
+accepted run.
 
 A busy batch: requests joining a running batch, a prompt chunked over two plans, one spread
 over three steps of a plan (mixed steps; it joins the decode rows mid-plan and reads the
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.hybrid_utils import HYBRIDS, as_multimodal, checkpoint
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
@@ -22,8 +25,8 @@ from tests.gpu_worker.sync_guard import forbid_host_sync
 LENGTHS = [1, 33, 70, 9, 40, 100]
 
 
-def busy_batch(d: Driver, k: int, per_step: bool) -> list[list[int]]:
-    p = random_prompts(LENGTHS, 512, seed=7)
+def busy_batch(d: Driver, k: int, per_step: bool, vocab: int = 512) -> list[list[int]]:
+    p = random_prompts(LENGTHS, vocab, seed=7)
     d.add(0, p[0])
     d.add(1, p[1])
     d.add(2, p[2], chunk=40)  # the rest of its prompt in the next plan
@@ -59,6 +62,24 @@ def test_busy_batch_equals_hf(ckpt_root: Path, family: str, k: int, per_step: bo
     assert max(len(set(o)) for o in want) >= 8  # parity means something: output varies
     assert runner.slots is not None and runner.slots.num_free == 6 - sum(
         1 for t in d.reqs.values() if not t.gone)
+
+
+@pytest.mark.parametrize("family", ["qwen3-next", "qwen3.5"])
+def test_ngram_speculation_rolls_states_back(ckpt_root: Path, family: str) -> None:
+    """Every row speculates ("adaptive": false); prompts over 64 token ids repeat n-grams, so
+    drafts happen, and most are rejected: the states kept are the accepted runs'."""
+    spec = parse_speculative('{"method": "ngram", "num_speculative_tokens": 3, '
+                             '"prompt_lookup_max": 3, "prompt_lookup_min": 1, '
+                             '"adaptive": false}')
+    path = checkpoint(ckpt_root, family)
+    runner = make_runner(path, speculative=spec)
+    runner.step_guard = forbid_host_sync
+    d = Driver(runner, seed=1)
+    prompts = busy_batch(d, 8, True, vocab=64)
+    assert [d.reqs[r].out for r in range(6)] == [hf_greedy(path, q) for q in prompts]
+    drafted = sum(x.num_draft_tokens for x in d.done)
+    accepted = sum(x.num_accepted_tokens for x in d.done)
+    assert drafted > 20 and 0 < accepted < drafted
 
 
 def test_published_multimodal_layout_serves_its_language_model(ckpt_root: Path) -> None:

@@ -25,7 +25,7 @@ from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.decoder import DecoderLayer
 from tandem_serve.gpu_worker.models.fused import rope
 from tandem_serve.gpu_worker.models.hybrid import delta_rule
-from tandem_serve.gpu_worker.models.hybrid.state_cache import StateRowsPlan
+from tandem_serve.gpu_worker.models.hybrid.state_cache import StateCache, StateRowsPlan
 from tandem_serve.gpu_worker.models.rope import CosSin
 
 if TYPE_CHECKING:
@@ -75,12 +75,12 @@ class LinearAttentionLayer(DecoderLayer):
         self.a_log = _param((s.num_v_heads,))
         self.gated_norm = _param((s.head_v_dim,))
 
-    def forward_linear(self, x: torch.Tensor, rows: StateRowsPlan, conv: torch.Tensor,
-                       recurrent: torch.Tensor, lora: LoraContext | None = None
-                       ) -> torch.Tensor:
+    def forward_linear(self, x: torch.Tensor, rows: StateRowsPlan, states: StateCache,
+                       index: int, lora: LoraContext | None = None) -> torch.Tensor:
         """x [T, hidden] (decode rows, then prefill pieces) -> the layer's output; reads and
-        advances the rows' state slots in `conv` and `recurrent` (this layer's)."""
+        advances the rows' state slots (this layer's are `index`-th in `states`)."""
         s, t = self.shape, x.shape[0]
+        conv, recurrent = states.conv[index], states.recurrent[index]
         proj = self._linear("qkv_weight", self.norm(x, self.input_norm, self.eps), None)
         c, vd, hv = s.conv_dim, s.value_dim, s.num_v_heads
         mixed, z = proj[:, :c], proj[:, c:c + vd]
@@ -98,7 +98,11 @@ class LinearAttentionLayer(DecoderLayer):
             core[part], recurrent[slot] = delta_rule.chunked(
                 q, k, v, g[part], beta[part], None if fresh else recurrent[slot])
         n = rows.num_decode
-        if n:
+        if n and rows.verify is not None:
+            assert rows.decode_slots is not None
+            states.pending[index] = self._verify(mixed, g, beta, core, rows.decode_slots,
+                                                 rows.verify, conv, recurrent)
+        elif n:
             slots = rows.decode_slots
             assert slots is not None
             mixed_conv, conv_new = delta_rule.conv_step(mixed[:n], conv.index_select(0, slots),
@@ -110,6 +114,36 @@ class LinearAttentionLayer(DecoderLayer):
             recurrent.index_copy_(0, slots, state)
         out = self._gated_norm(core.to(x.dtype), z.reshape(t, hv, s.head_v_dim))
         return self.after_attention(x, out.reshape(t, vd), lora)
+
+    def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                core: torch.Tensor, slots: torch.Tensor, verify: tuple[torch.Tensor, int],
+                conv: torch.Tensor, recurrent: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A verify step: each of the B rows' first token, then the speculating rows' k
+        drafts, one position at a time from the rows' slots. Nothing is written to the slots:
+        the states after every position are returned ([B, 2 + k, ...], position 0 the state
+        before the step) for the step to keep each row's accepted run (`StateCache.commit`).
+        A row that does not speculate repeats its first token past position 0; those
+        outputs and states are never used."""
+        index, k = verify
+        b = slots.shape[0]
+        token = torch.arange(b, device=mixed.device).unsqueeze(1).repeat(1, 1 + k)
+        drafts = b + torch.arange(index.shape[0] * k, device=mixed.device).view(-1, k)
+        token[index, 1:] = drafts
+        conv_s, state = conv.index_select(0, slots), recurrent.index_select(0, slots)
+        convs, states = [conv_s], [state]
+        for j in range(1 + k):
+            at = token[:, j]
+            mixed_conv, conv_s = delta_rule.conv_step(mixed[at], conv_s, self.conv_weight)
+            q, k_, v = self._split(mixed_conv)
+            out, state = delta_rule.recurrent_step(q, k_, v, g[at], beta[at], state)
+            if j == 0:
+                core[:b] = out
+            else:
+                core.index_copy_(0, drafts[:, j - 1], out.index_select(0, index))
+            convs.append(conv_s)
+            states.append(state)
+        return slots, torch.stack(convs, dim=1), torch.stack(states, dim=1)
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, t = self.shape, mixed.shape[0]

@@ -54,8 +54,7 @@ class HybridLM(CausalLM):
         linear = 0
         for module in self.layers:
             if isinstance(module, LinearAttentionLayer):
-                x = module.forward_linear(x, rows, states.conv[linear], states.recurrent[linear],
-                                          lora)
+                x = module.forward_linear(x, rows, states, linear, lora)
                 linear += 1
             else:
                 layer: DecoderLayer = module  # type: ignore[assignment]

@@ -49,6 +49,10 @@ class StateCache:
         self.recurrent = [torch.zeros(num_slots + 1, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                                       dtype=torch.float32, device=device)
                           for _ in range(layers)]
+        # A verify step's states per row and position, per layer, until `commit` keeps each
+        # row's: (slots [B], conv [B, 2 + k, ...], recurrent [B, 2 + k, ...]).
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = \
+            [None] * layers
 
     @property
     def nbytes(self) -> int:
@@ -64,15 +68,27 @@ class StateCache:
         decode = None
         if n:
             assert states.decode is not None, "decode rows without state slots"
+            base = states.decode.shape[0]  # a verify step's draft rows come after these
             # Masked rows (slot -1: finished, or joining later) use the scratch slot.
-            decode = torch.where(meta.slot_mapping[:n] >= 0, states.decode, self.scratch)
+            decode = torch.where(meta.slot_mapping[:base] >= 0, states.decode, self.scratch)
         lens = (meta.query_lens or [])[n:] if not meta.is_decode else []
         starts, at = [], n
         for length in lens:
             starts.append(at)
             at += length
         return StateRowsPlan(n, decode, list(zip(states.prefill, states.fresh, starts, lens,
-                                                 strict=True)))
+                                                 strict=True)), states.verify)
+
+    def commit(self, count: torch.Tensor) -> None:
+        """After a verify step: each row's state after its `count` [B] emitted tokens (0:
+        the state before the step), from every linear layer's pending states."""
+        for layer, pending in enumerate(self.pending):
+            assert pending is not None, "a verify step's states to commit"
+            slots, conv, recurrent = pending
+            rows = torch.arange(slots.shape[0], device=slots.device)
+            self.conv[layer].index_copy_(0, slots, conv[rows, count])
+            self.recurrent[layer].index_copy_(0, slots, recurrent[rows, count])
+            self.pending[layer] = None
 
 
 @dataclass
@@ -83,6 +99,7 @@ class StateRowsPlan:
     num_decode: int
     decode_slots: torch.Tensor | None
     pieces: list[tuple[int, bool, int, int]]
+    verify: tuple[torch.Tensor, int] | None = None  # speculating rows [S], k
 
 
 class SlotPool:
