@@ -51,10 +51,6 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError) as exc:
         detail = f"config.json lacks {exc}" if isinstance(exc, KeyError) else str(exc)
         raise StartupError(f"--model {model!r}: {detail}") from None
-    if args.is_hybrid and tensor_parallel_size > 1:
-        raise StartupError(f"--model {model!r}: --tensor-parallel-size {tensor_parallel_size} "
-                           f"is not supported for {args.architecture} (linear-attention "
-                           "layers); serve it on one device")
     problems = split_problems(args, tensor_parallel_size)
     if problems:
         raise StartupError(f"--model {model!r} cannot be split: {'; '.join(problems)}")

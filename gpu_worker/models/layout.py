@@ -14,6 +14,7 @@ from __future__ import annotations
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.config_families import MIXTRAL, PHI3
 from tandem_serve.gpu_worker.models.hybrid.layout import (
+    linear_attention_views,
     linear_attention_weights,
     shared_expert_weights,
 )
@@ -101,6 +102,9 @@ def _moe(a: ModelArgs, layer: int) -> dict[str, Shape]:
 
 def views(a: ModelArgs) -> dict[str, tuple[str, int]]:
     """Part name -> (the fused checkpoint tensor holding it, its first row there)."""
+    if a.is_hybrid:
+        return {k: v for n in range(a.num_layers) if a.is_linear(n)
+                for k, v in linear_attention_views(a, layer_prefix(n)).items()}
     if a.architecture != PHI3:
         return {}
     d, i = a.head_dim, a.intermediate_size
@@ -123,7 +127,7 @@ def checkpoint_shapes(a: ModelArgs) -> dict[str, Shape]:
     parts = views(a)
     out = {name: shape for name, shape in expected.items() if name not in parts}
     for name, (fused, _) in parts.items():
-        rows, cols = expected[name]
-        have = out.get(fused, (0, cols))
-        out[fused] = (have[0] + rows, cols)
+        rows, *rest = expected[name]
+        have = out.get(fused, (0, *rest))
+        out[fused] = (have[0] + rows, *rest)
     return out

@@ -101,9 +101,6 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         raise ValueError("; ".join(problems))
     keep = (device.type == "cuda" or CPU_KEEPS_QUANTIZED) if keep_quantized is None \
         else keep_quantized
-    if args.is_hybrid and shard.size > 1:
-        raise ValueError(f"tensor parallelism (tensor_parallel_size {shard.size}) is not "
-                         f"supported for {args.architecture} (linear-attention layers)")
     model = (HybridLM if args.is_hybrid else CausalLM)(local_args(args, shard))
     if load_format == "dummy":
         def dummy(name: str) -> torch.Tensor:

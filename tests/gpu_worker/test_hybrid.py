@@ -13,8 +13,7 @@ import torch
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.hybrid import delta_rule
 from tandem_serve.gpu_worker.models.hybrid.state_cache import SlotPool, bytes_per_slot
-from tandem_serve.gpu_worker.models.loader import load_model
-from tandem_serve.gpu_worker.models.sharding import Shard
+from tandem_serve.gpu_worker.models.sharding import Shard, local_args
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.hybrid_utils import HYBRIDS, checkpoint
 from tests.gpu_worker.runner_driver import make_runner
@@ -131,5 +130,7 @@ def test_unsupported_combinations_are_refused(ckpt_root: Path) -> None:
         make_runner(path, speculative=spec)
     with pytest.raises(ValueError, match="LoRA adapters are not supported"):
         make_runner(path, adapter_cache=str(ckpt_root), max_loras=2)
-    with pytest.raises(ValueError, match="tensor parallelism"):
-        load_model(path, torch.float32, CPU, shard=Shard(0, 2))
+    cfg = {**_config(ckpt_root, "qwen3.5"), "linear_num_key_heads": 3,
+           "linear_num_value_heads": 6}
+    with pytest.raises(ValueError, match="linear_num_key_heads 3 is not divisible"):
+        local_args(ModelArgs.from_hf_config(cfg), Shard(0, 2))

@@ -44,10 +44,11 @@ def fill_linear_attention(a: ModelArgs, layer: LinearAttentionLayer, p: str, get
         b, a_rows = (x.reshape(-1, a.hidden_size) for x in ba.split([r, r], dim=1))
         parts = [q, k, v, z, b, a_rows]
     else:
-        parts = [get(la + f"in_proj_{n}.weight") for n in ("qkv", "z", "b", "a")]
+        parts = [get(la + f"in_proj_{n}.weight") for n in ("q", "k", "v", "z", "b", "a")]
     layer.qkv_weight = _frozen(torch.cat(parts))
     layer.o_weight = _frozen(get(la + "out_proj.weight"))
-    layer.conv_weight = _frozen(get(la + "conv1d.weight").reshape(s.conv_dim, s.conv_kernel))
+    conv = torch.cat([get(la + f"conv1d_{n}.weight") for n in ("q", "k", "v")])
+    layer.conv_weight = _frozen(conv.reshape(s.conv_dim, s.conv_kernel))
     layer.dt_bias = _frozen(get(la + "dt_bias"))
     layer.a_log = _frozen(get(la + "A_log"))
     layer.gated_norm = _frozen(get(la + "norm.weight"))
