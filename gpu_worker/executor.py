@@ -69,7 +69,8 @@ class StepExecutor:
         """Chunks in one forward of their own, before a plan's steps (the `--prefill-phase`
         baseline, and a plan with no decode row); their prompt logprobs are queued."""
         inp = prefill_inputs(pieces, self.block_size, self.device,
-                             history_lens=self.model.uses_history_lens)
+                             history_lens=self.model.uses_history_lens,
+                             state_span=self.states.span if self.states else 0)
         hidden = self.model(inp.ids, inp.positions, self.kv_caches, prefill_metadata(inp),
                             self.lora_context(inp.token_slots), inp.history_lens)
         if inp.scores.rows:
@@ -83,7 +84,8 @@ class StepExecutor:
                     decode_slots: list[int]) -> PrefillInputs:
         """A step's prefill pieces on the device, with the step's adapter rows."""
         inp = prefill_inputs(pieces, self.block_size, self.device, len(decode_slots),
-                             b.block_tables.shape[1], self.model.uses_history_lens)
+                             b.block_tables.shape[1], self.model.uses_history_lens,
+                             state_span=self.states.span if self.states else 0)
         inp.lora = self.lora_context(decode_slots + inp.token_slots)
         return inp
 

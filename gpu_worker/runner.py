@@ -35,7 +35,12 @@ from tandem_serve.gpu_worker.graphs.piecewise import MIXED_GRAPH_TOKENS, MixedGr
 from tandem_serve.gpu_worker.lora import LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.decoder import CausalLM
 from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
-from tandem_serve.gpu_worker.models.hybrid.state_cache import SlotPool, StateCache, bytes_per_slot
+from tandem_serve.gpu_worker.models.hybrid.state_cache import (
+    SlotPool,
+    StateCache,
+    bytes_per_slot,
+    checkpoint_span,
+)
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.request_table import RequestTable
@@ -86,8 +91,11 @@ class ModelRunner:
         self.model = _load(cfg, self.dtype, self.device, tp)
         mc = self.model.config
         _check_hybrid(cfg, mc.architecture if mc.is_hybrid else None)
-        # Hybrid models: one recurrent-state slot per running request, out of the KV budget.
+        # Hybrid models: one recurrent-state slot per running request, out of the KV budget;
+        # with prefix caching a state checkpoint per block too (speculation turns it off:
+        # a verify step does not checkpoint).
         state_bytes = bytes_per_slot(mc, self.dtype) * (cfg.max_num_seqs + 1)
+        checkpoints = mc.is_hybrid and cfg.prefix_caching and not cfg.speculative
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -102,8 +110,9 @@ class ModelRunner:
         self.num_blocks = cfg.num_kv_blocks or blocks_for(
             mc, cfg.block_size, self.kv_dtype, cfg.kv_cache_memory, cfg.max_num_seqs,
             self.max_model_len,
-            self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
-            if self.proposer else 0, state_bytes)
+            (self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
+             if self.proposer else 0)
+            + (bytes_per_slot(mc, self.dtype) if checkpoints else 0), state_bytes)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
         self.kv_caches = allocate_kv_cache(mc.num_attention_layers, self.num_blocks,
@@ -121,8 +130,13 @@ class ModelRunner:
                  cfg.block_size, str(self.kv_dtype).removeprefix("torch."),
                  sum(t.nbytes for kv in self.kv_caches for t in kv) / 2**20)
         self.slots: SlotPool | None = None
+        # Prefix hits end on a multiple of this many blocks (0: no hits; see WorkerReady).
+        self.state_checkpoint_blocks = (checkpoint_span(cfg.block_size) // cfg.block_size
+                                        if checkpoints else 0)
         if isinstance(self.model, HybridLM):
-            self.model.states = StateCache(mc, cfg.max_num_seqs, self.dtype, self.device)
+            self.model.states = StateCache(mc, cfg.max_num_seqs, self.dtype, self.device,
+                                           self.num_blocks if checkpoints else 0,
+                                           cfg.block_size)
             self.slots = SlotPool(cfg.max_num_seqs)
             log.info("recurrent states: %d slots, %.1f MiB", cfg.max_num_seqs,
                      self.model.states.nbytes / 2**20)

@@ -128,6 +128,8 @@ class PrefillInputs:
     # Hybrid models: each row's recurrent-state slot, and whether it starts its sequence.
     state_slots: list[int] = field(default_factory=list)
     state_fresh: list[bool] = field(default_factory=list)
+    state_restore: list[int] = field(default_factory=list)
+    state_marks: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def states(self, decode: StateRows | None = None) -> StateRows | None:
         """The rows' state slots for the metadata (after the `decode` rows'), if the model
@@ -135,7 +137,8 @@ class PrefillInputs:
         if not self.state_slots or self.state_slots[0] < 0:
             return None
         return StateRows(decode.decode if decode else None, self.state_slots, self.state_fresh,
-                         decode.verify if decode else None)
+                         decode.verify if decode else None, self.state_restore,
+                         self.state_marks)
 
     @property
     def num_tokens(self) -> int:
@@ -144,13 +147,15 @@ class PrefillInputs:
 
 def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
                    num_decode: int = 0, min_width: int = 0,
-                   history_lens: bool = False, score: bool = True) -> PrefillInputs:
+                   history_lens: bool = False, score: bool = True, state_span: int = 0
+                   ) -> PrefillInputs:
     """The device inputs of `pieces`; `num_decode` decode rows come first in the forward
     (their query offsets lead `query_start_loc`), and the block table is at least
     `min_width` wide (the decode rows' width, so both stack).  `history_lens`: also each
     token's request's history length (a LongRoPE model picks its factors by it).  `score`:
     pick the rows whose prompt logprobs are asked for (and count them as sent); False for a
-    forward whose logits nobody reads (a speculative draft's)."""
+    forward whose logits nobody reads (a speculative draft's).  `state_span`: a hybrid
+    model's state checkpoints every this many tokens (0: none)."""
     ids: list[int] = []
     slots: list[np.ndarray] = []
     token_slots: list[int] = []
@@ -184,7 +189,28 @@ def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
         scores=scores.to(device),
         history_lens=dev(np.repeat([len(p.req.history) for p in pieces], lens), torch.int64)
         if history_lens else None,
-        state_slots=[p.req.state_slot for p in pieces], state_fresh=[p.start == 0 for p in pieces])
+        state_slots=[p.req.state_slot for p in pieces], state_fresh=[p.start == 0 for p in pieces],
+        state_restore=[_restore(p, block_size) for p in pieces],
+        state_marks=[_marks(p, block_size, state_span) for p in pieces])
+
+
+def _restore(p: Piece, block_size: int) -> int:
+    """The block whose state checkpoint a piece starts from (-1: none): the first piece of a
+    request added with a cached prefix (once)."""
+    if not p.req.state_restore or p.start != p.req.state_restore:
+        return -1
+    p.req.state_restore = 0
+    return p.req.block_ids[p.start // block_size - 1]
+
+
+def _marks(p: Piece, block_size: int, span: int) -> list[tuple[int, int]]:
+    """Where a piece passes a checkpoint boundary (every `span` tokens): the offset in the
+    piece after which its state is saved, and the block that position ends."""
+    if not span:
+        return []
+    first = (p.start // span + 1) * span
+    return [(end - p.start, p.req.block_ids[(end - 1) // block_size])
+            for end in range(first, p.start + p.count + 1, span)]
 
 
 def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:

@@ -199,7 +199,8 @@ class ServerConfig:
             attention_backend=self.attention_backend, adapter_cache=self.adapter_cache,
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
-            speculative=parse_speculative(self.speculative_config))
+            speculative=parse_speculative(self.speculative_config),
+            prefix_caching=self.enable_prefix_caching)
 
     def worker_role(self, rank: int) -> str:
         """A gpu worker rank's role name and process title: `gpu-worker R/N` under tensor
@@ -233,6 +234,9 @@ class WorkerConfig:
     max_lora_rank: int = 16
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
+    # Whether the scheduler may serve prefix hits (a hybrid model then checkpoints its
+    # recurrent states at block boundaries); off unless the server's flag says so.
+    prefix_caching: bool = False
 
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.

@@ -287,6 +287,7 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
         hits = [] if req.sampling.prompt_logprobs else self.state.blocks.lookup(
             self._cacheable_hashes(req))
+        hits = hits[:len(hits) - len(hits) % self.params.prefix_granularity]
         num_cached = len(hits) * self.params.block_size
         split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
                                    context=num_cached)

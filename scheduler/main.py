@@ -39,9 +39,10 @@ def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
     """Off for a LongRoPE model that may run past its original context: the same prompt
     tokens then have KV rotated with other factors depending on the request's length, and a
     block hash of the tokens alone would share the wrong KV."""
-    if cfg.enable_prefix_caching and ready.recurrent_state:
+    if cfg.enable_prefix_caching and ready.recurrent_state and not ready.state_checkpoint_blocks:
         log.warning("prefix caching is off: the model's linear-attention layers keep a "
-                    "recurrent state per request that cached KV blocks do not restore")
+                    "recurrent state per request that the worker does not checkpoint "
+                    "(speculative decoding is on)")
         return False
     if cfg.enable_prefix_caching and 0 < ready.long_rope_from < ready.max_model_len:
         log.warning("prefix caching is off: LongRoPE rotates histories longer than %d tokens "
@@ -64,7 +65,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         max_queued_requests=cfg.max_queued_requests, max_queued_tokens=cfg.max_queued_tokens,
         pace_plans=cfg.pace_plans, vocab_size=ready.vocab_size,
         max_loras=cfg.max_loras if cfg.adapter_cache else 0,
-        num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+        prefix_granularity=max(1, ready.state_checkpoint_blocks))
 
 
 def run_scheduler(cfg: ServerConfig) -> None:

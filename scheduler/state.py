@@ -57,6 +57,9 @@ class SchedulerParams:
     max_loras: int = 0  # the gpu worker's LoRA adapter slots (0: adapters off)
     # Speculative decoding's draft tokens per step (0: off; `scheduler.speculation`).
     num_speculative_tokens: int = 0
+    # A prefix hit covers a multiple of this many blocks (a hybrid model's recurrent states
+    # are checkpointed only there: `WorkerReady.state_checkpoint_blocks`).
+    prefix_granularity: int = 1
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +39,10 @@ class StateRows:
     prefill: list[int]
     fresh: list[bool]
     verify: tuple[torch.Tensor, int] | None = None
+    # Prefix caching: per prefill row, the block whose state checkpoint it starts from (-1:
+    # none), and the (offset in the row, block) after which it checkpoints its state.
+    restore: list[int] = field(default_factory=list)
+    marks: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """End to end over real processes: a hybrid linear-attention model (Qwen3-Next: Gated
 DeltaNet, gated attention, MoE with a shared expert) serves concurrent greedy streams equal
-to HF `generate()` at K=8 under a KV cache small enough to preempt, a repeated prompt without
-prefix hits (a cached prefix's KV would not restore the recurrent state), a guided choice;
-what it cannot be served with yet is one `tandem: error:` line."""
+to HF `generate()` at K=8 under a KV cache small enough to preempt, a repeated and an
+extended prompt from checkpointed states (prefix hits), a guided choice; what it cannot be
+served with yet is one `tandem: error:` line."""
 from __future__ import annotations
 
 import json
@@ -47,14 +47,28 @@ def server(model: str) -> Iterator[Server]:
 
 def test_streams_under_kv_pressure_equal_hf(model: str, server: Server) -> None:
     rng = random.Random(5)
-    long = " ".join(rng.choice(WORDS) for _ in range(24))  # ~110 tokens of 160
-    jobs = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24))),
-             rng.randint(8, 24)) for _ in range(7)] + [(long, 12), (long, 12)]
+    # 45 to 110 prompt tokens each: two or three fit in the cache at once.
+    jobs = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 24))),
+             rng.randint(12, 32)) for _ in range(10)]
     want = hf_greedy(model, jobs)
     assert run_all(server, jobs) == want
     stats = server.wait_stats(lambda s: not s.num_running and not s.num_waiting)
     assert stats.num_preemptions > 0
-    assert stats.prefix_hit_tokens == 0
+
+
+def test_repeated_and_extended_prompt_hit_checkpointed_states(model: str,
+                                                              server: Server) -> None:
+    """The same long prompt twice, then a prompt extending it: the later two start from
+    the state checkpointed 64 tokens in (4 blocks), and equal HF."""
+    rng = random.Random(9)
+    long = " ".join(rng.choice(WORDS) for _ in range(22))  # ~100 tokens
+    jobs = [(long, 12), (long, 12), (long + " seven orange tiger music", 12)]
+    want = hf_greedy(model, jobs)
+    before = server.wait_stats(lambda s: not s.num_running and not s.num_waiting)
+    got = run_all(server, jobs[:1]) + run_all(server, jobs[1:2]) + run_all(server, jobs[2:])
+    stats = server.wait_stats(lambda s: s.prefix_hit_tokens >= before.prefix_hit_tokens + 128)
+    assert stats.prefix_hit_tokens - before.prefix_hit_tokens >= 128
+    assert got == want
 
 
 def test_guided_choice(model: str, server: Server) -> None:

@@ -82,6 +82,35 @@ def test_ngram_speculation_rolls_states_back(ckpt_root: Path, family: str) -> No
     assert drafted > 20 and 0 < accepted < drafted
 
 
+@pytest.mark.parametrize("k, per_step", [(8, True), (1, False)], ids=["async-k8", "sync-k1"])
+def test_prefix_hits_restore_checkpointed_states(ckpt_root: Path, k: int,
+                                                 per_step: bool) -> None:
+    """States are checkpointed every 64 tokens (4 blocks): the same 150-token prompt again
+    and a prompt extending it share its first 128 tokens' blocks and start from the
+    checkpoint at their end; a prompt with other tokens there shares nothing (as the
+    scheduler's hashes decide), and every output equals HF."""
+    path = checkpoint(ckpt_root, "qwen3.5")
+    runner = make_runner(path, prefix_caching=True)
+    assert runner.state_checkpoint_blocks == 4
+    d = Driver(runner, seed=3)
+    long, exact = random_prompts([150, 128], 512, seed=11)
+    d.add(0, long, chunk=100)  # its checkpoints at 64 (prefill), 128 (next plan's piece)
+    d.add(4, exact)  # its checkpoint at 128 comes from its first decode step
+    d.run(k, per_step)
+    d.prefill(0, len(long) - 1 - 100)
+    d.run(k, per_step)
+    extended = long + random_prompts([40], 512, seed=12)[0]
+    other = long[:64] + random_prompts([90], 512, seed=13)[0]
+    after_exact = exact + random_prompts([30], 512, seed=14)[0]
+    d.add(1, long, shared=d.reqs[0].blocks[:8], cached=128)
+    d.add(2, extended, shared=d.reqs[0].blocks[:8], cached=128)
+    d.add(3, other, shared=d.reqs[0].blocks[:4], cached=64)
+    d.add(5, after_exact, shared=d.reqs[4].blocks[:8], cached=128)
+    d.run_until_done([k])
+    prompts = [long, long, extended, other, exact, after_exact]
+    assert [d.reqs[r].out for r in range(6)] == [hf_greedy(path, q) for q in prompts]
+
+
 def test_published_multimodal_layout_serves_its_language_model(ckpt_root: Path) -> None:
     """text_config, weights under model.language_model.*, a vision tower and an MTP head
     (ignored): the same tokens as the text model in HF."""

@@ -25,7 +25,11 @@ from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.decoder import DecoderLayer
 from tandem_serve.gpu_worker.models.fused import rope
 from tandem_serve.gpu_worker.models.hybrid import delta_rule
-from tandem_serve.gpu_worker.models.hybrid.state_cache import StateCache, StateRowsPlan
+from tandem_serve.gpu_worker.models.hybrid.state_cache import (
+    Segments,
+    StateCache,
+    StateRowsPlan,
+)
 from tandem_serve.gpu_worker.models.rope import CosSin
 
 if TYPE_CHECKING:
@@ -90,13 +94,19 @@ class LinearAttentionLayer(DecoderLayer):
         core = torch.empty(t, hv, s.head_v_dim, dtype=torch.float32, device=x.device)
         # Pieces first: a row joining the decode rows in this forward reads the state its
         # last piece leaves.
-        for slot, fresh, start, length in rows.pieces:
-            part = slice(start, start + length)
-            mixed_conv, conv[slot] = delta_rule.conv_sequence(
-                mixed[part], None if fresh else conv[slot], self.conv_weight)
-            q, k, v = self._split(mixed_conv)
-            core[part], recurrent[slot] = delta_rule.chunked(
-                q, k, v, g[part], beta[part], None if fresh else recurrent[slot])
+        for piece in rows.pieces:
+            c_state, r_state = self._initial(piece, states, index)
+            for first, end, block in piece.parts():
+                part = slice(first, end)
+                mixed_conv, c_state = delta_rule.conv_sequence(mixed[part], c_state,
+                                                               self.conv_weight)
+                q, k, v = self._split(mixed_conv)
+                core[part], r_state = delta_rule.chunked(q, k, v, g[part], beta[part], r_state)
+                if block >= 0:
+                    states.ckpt_conv[index][block] = c_state
+                    states.ckpt_recurrent[index][block] = r_state
+            assert c_state is not None and r_state is not None
+            conv[piece.slot], recurrent[piece.slot] = c_state, r_state
         n = rows.num_decode
         if n and rows.verify is not None:
             assert rows.decode_slots is not None
@@ -112,8 +122,23 @@ class LinearAttentionLayer(DecoderLayer):
             core[:n], state = delta_rule.recurrent_step(q, k, v, g[:n], beta[:n],
                                                         recurrent.index_select(0, slots))
             recurrent.index_copy_(0, slots, state)
+            if rows.decode_checkpoints is not None:
+                states.ckpt_conv[index].index_copy_(0, rows.decode_checkpoints, conv_new)
+                states.ckpt_recurrent[index].index_copy_(0, rows.decode_checkpoints, state)
         out = self._gated_norm(core.to(x.dtype), z.reshape(t, hv, s.head_v_dim))
         return self.after_attention(x, out.reshape(t, vd), lora)
+
+    @staticmethod
+    def _initial(piece: Segments, states: StateCache, index: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A piece's starting states: none (zeros), a cached prefix's checkpoint, or its
+        slot's (the previous piece's)."""
+        if piece.fresh:
+            return None, None
+        if piece.restore >= 0:
+            return (states.ckpt_conv[index][piece.restore],
+                    states.ckpt_recurrent[index][piece.restore])
+        return states.conv[index][piece.slot], states.recurrent[index][piece.slot]
 
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 core: torch.Tensor, slots: torch.Tensor, verify: tuple[torch.Tensor, int],

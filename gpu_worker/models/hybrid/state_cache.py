@@ -15,6 +15,7 @@ inputs in the model dtype, as transformers does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,9 @@ class StateCache:
     """Per linear layer: conv [slots + 1, C, K - 1] and recurrent [slots + 1, Hv, dk, dv]."""
 
     def __init__(self, args: ModelArgs, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, checkpoints: int = 0, block_size: int = 16) -> None:
+        """`checkpoints`: prefix caching's KV blocks (0: off): one state checkpoint per block
+        (plus a scratch one), written every `span` tokens (`checkpoint_span`)."""
         s = args.linear_attn
         assert s is not None, "a hybrid model's state cache"
         self.num_slots = num_slots
@@ -49,6 +52,14 @@ class StateCache:
         self.recurrent = [torch.zeros(num_slots + 1, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                                       dtype=torch.float32, device=device)
                           for _ in range(layers)]
+        self.block_size = block_size
+        self.span = checkpoint_span(block_size) if checkpoints else 0
+        self.ckpt_scratch = checkpoints
+        self.ckpt_conv = [torch.zeros(checkpoints + 1, *t.shape[1:], dtype=t.dtype, device=device)
+                          for t in self.conv] if checkpoints else []
+        self.ckpt_recurrent = [torch.zeros(checkpoints + 1, *t.shape[1:], dtype=t.dtype,
+                                           device=device)
+                               for t in self.recurrent] if checkpoints else []
         # A verify step's states per row and position, per layer, until `commit` keeps each
         # row's: (slots [B], conv [B, 2 + k, ...], recurrent [B, 2 + k, ...]).
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = \
@@ -56,7 +67,8 @@ class StateCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.conv, *self.recurrent))
+        return sum(t.nbytes for t in (*self.conv, *self.recurrent, *self.ckpt_conv,
+                                      *self.ckpt_recurrent))
 
     def rows(self, meta: AttentionMetadata) -> StateRowsPlan:
         """Which slot each of a forward's rows reads and writes (once per forward, shared by
@@ -65,19 +77,27 @@ class StateCache:
         if states is None:
             raise ValueError("a hybrid model's forward needs its rows' state slots")
         n = meta.slot_mapping.shape[0] if meta.is_decode else meta.num_decode
-        decode = None
+        decode = ckpt = None
         if n:
             assert states.decode is not None, "decode rows without state slots"
             base = states.decode.shape[0]  # a verify step's draft rows come after these
             # Masked rows (slot -1: finished, or joining later) use the scratch slot.
             decode = torch.where(meta.slot_mapping[:base] >= 0, states.decode, self.scratch)
+            if self.span:  # a decode token that ends a span: its state into its block's
+                slots = meta.slot_mapping[:base]
+                ends = (slots >= 0) & (meta.seq_lens[:base] % self.span == 0)
+                ckpt = torch.where(ends, slots // self.block_size, self.ckpt_scratch)
         lens = (meta.query_lens or [])[n:] if not meta.is_decode else []
         starts, at = [], n
         for length in lens:
             starts.append(at)
             at += length
-        return StateRowsPlan(n, decode, list(zip(states.prefill, states.fresh, starts, lens,
-                                                 strict=True)), states.verify)
+        pieces = [Segments(slot, fresh, start, length, restore, marks) for
+                  slot, fresh, start, length, restore, marks in zip(
+                      states.prefill, states.fresh, starts, lens,
+                      states.restore or [-1] * len(lens), states.marks or [[]] * len(lens),
+                      strict=True)]
+        return StateRowsPlan(n, decode, pieces, states.verify, ckpt)
 
     def commit(self, count: torch.Tensor) -> None:
         """After a verify step: each row's state after its `count` [B] emitted tokens (0:
@@ -98,9 +118,40 @@ class StateRowsPlan:
 
     num_decode: int
     decode_slots: torch.Tensor | None
-    pieces: list[tuple[int, bool, int, int]]
+    pieces: list[Segments]
     verify: tuple[torch.Tensor, int] | None = None  # speculating rows [S], k
+    # Prefix caching: the checkpoint each decode row's state goes to (scratch: none).
+    decode_checkpoints: torch.Tensor | None = None
 
+
+@dataclass
+class Segments:
+    """A prefill piece as a linear layer runs it: its slot, where its state starts (zeros
+    when `fresh`, a checkpoint's when `restore` >= 0, else the slot's), its tokens in the
+    forward, and where it checkpoints its state ((offset in the piece, block))."""
+
+    slot: int
+    fresh: bool
+    start: int
+    length: int
+    restore: int
+    marks: list[tuple[int, int]]
+
+    def parts(self) -> list[tuple[int, int, int]]:
+        """(first token, last token + 1, the block to checkpoint after it or -1)."""
+        out, at = [], 0
+        for offset, block in self.marks:
+            out.append((self.start + at, self.start + offset, block))
+            at = offset
+        if at < self.length:
+            out.append((self.start + at, self.start + self.length, -1))
+        return out
+
+
+def checkpoint_span(block_size: int) -> int:
+    """Tokens between state checkpoints: whole blocks and whole chunks of the delta rule
+    (64), so a prompt's chunks fall where a prefill from its start puts them."""
+    return block_size * 64 // math.gcd(block_size, 64)
 
 class SlotPool:
     """The free state slots (host); a request takes one when added or resumed."""
