@@ -95,8 +95,7 @@ class RequestTable:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
         if self.slots is not None:
-            # A cached prefix's state comes from the checkpoint at its end (`steps`).
-            req.state_restore = new.num_cached_tokens
+            # A cached prefix's state is restored into the slot by the runner.
             if req.state_slot < 0:
                 req.state_slot = self.slots.take()
         req.prefill_chunk = new.num_prefill_tokens

@@ -138,7 +138,10 @@ class ModelRunner:
                                            self.num_blocks if checkpoints else 0,
                                            cfg.block_size)
             self.slots = SlotPool(cfg.max_num_seqs)
-            log.info("recurrent states: %d slots, %.1f MiB", cfg.max_num_seqs,
+            per_block = (f" and a checkpoint per KV block for prefix caching "
+                         f"({bytes_per_slot(mc, self.dtype) / 2**20:.2f} MiB each; "
+                         "--no-prefix-caching gives them to KV)") if checkpoints else ""
+            log.info("recurrent states: %d slots%s, %.1f MiB", cfg.max_num_seqs, per_block,
                      self.model.states.nbytes / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
         # Hybrid models run eager (their state updates are not captured yet).
@@ -204,6 +207,7 @@ class ModelRunner:
         t0 = time.monotonic()
         with TRACER.span("apply", plan.plan_id):
             self.table.apply(plan)
+            self._restore_states(plan)
         layout = lay_out(self.requests.values(), plan.num_steps, plan.prefill_phase)
         if ending is not None and not layout.decoding:  # no steps to time: ask now
             ending()
@@ -236,6 +240,19 @@ class ModelRunner:
             (done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens,
              done.num_accepted_per_pos) = self.speculation.finish(batch.spec, layout.decoding)
         return done
+
+    def _restore_states(self, plan: StepPlan) -> None:
+        """Hybrid models: a request added with a cached prefix starts from the state
+        checkpointed at the prefix's last block (a hit ends on one: `state_checkpoint_blocks`),
+        whether a piece or its first decode step reads it next."""
+        states = self.model.states if isinstance(self.model, HybridLM) else None
+        if states is None:
+            return
+        for new in plan.new:
+            req = self.requests.get(new.request_id)
+            if new.num_cached_tokens and req is not None and not req.finished:
+                states.restore(req.state_slot,
+                               req.block_ids[new.num_cached_tokens // self.block_size - 1])
 
     def _batch(self, plan: StepPlan, decoding: list[RequestState], join_steps: list[int]
                ) -> tuple[DecodeBatch, list[int]]:

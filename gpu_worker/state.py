@@ -36,9 +36,6 @@ class RequestState:
     # Hybrid models: the recurrent-state slot it holds while it runs (-1: none; released
     # when preempted or dropped, see `models.hybrid.state_cache`).
     state_slot: int = -1
-    # Added with a cached prefix of this many tokens: its state comes from the checkpoint at
-    # that prefix's last block (0: none).
-    state_restore: int = 0
 
     @property
     def num_generated(self) -> int:

@@ -128,7 +128,6 @@ class PrefillInputs:
     # Hybrid models: each row's recurrent-state slot, and whether it starts its sequence.
     state_slots: list[int] = field(default_factory=list)
     state_fresh: list[bool] = field(default_factory=list)
-    state_restore: list[int] = field(default_factory=list)
     state_marks: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def states(self, decode: StateRows | None = None) -> StateRows | None:
@@ -137,8 +136,7 @@ class PrefillInputs:
         if not self.state_slots or self.state_slots[0] < 0:
             return None
         return StateRows(decode.decode if decode else None, self.state_slots, self.state_fresh,
-                         decode.verify if decode else None, self.state_restore,
-                         self.state_marks)
+                         decode.verify if decode else None, self.state_marks)
 
     @property
     def num_tokens(self) -> int:
@@ -190,17 +188,7 @@ def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
         history_lens=dev(np.repeat([len(p.req.history) for p in pieces], lens), torch.int64)
         if history_lens else None,
         state_slots=[p.req.state_slot for p in pieces], state_fresh=[p.start == 0 for p in pieces],
-        state_restore=[_restore(p, block_size) for p in pieces],
         state_marks=[_marks(p, block_size, state_span) for p in pieces])
-
-
-def _restore(p: Piece, block_size: int) -> int:
-    """The block whose state checkpoint a piece starts from (-1: none): the first piece of a
-    request added with a cached prefix (once)."""
-    if not p.req.state_restore or p.start != p.req.state_restore:
-        return -1
-    p.req.state_restore = 0
-    return p.req.block_ids[p.start // block_size - 1]
 
 
 def _marks(p: Piece, block_size: int, span: int) -> list[tuple[int, int]]:

@@ -39,9 +39,8 @@ class StateRows:
     prefill: list[int]
     fresh: list[bool]
     verify: tuple[torch.Tensor, int] | None = None
-    # Prefix caching: per prefill row, the block whose state checkpoint it starts from (-1:
-    # none), and the (offset in the row, block) after which it checkpoints its state.
-    restore: list[int] = field(default_factory=list)
+    # Prefix caching: per prefill row, the (offset in the row, block) after which it
+    # checkpoints its state.
     marks: list[list[tuple[int, int]]] = field(default_factory=list)
 
 

@@ -87,8 +87,9 @@ def test_prefix_hits_restore_checkpointed_states(ckpt_root: Path, k: int,
                                                  per_step: bool) -> None:
     """States are checkpointed every 64 tokens (4 blocks): the same 150-token prompt again
     and a prompt extending it share its first 128 tokens' blocks and start from the
-    checkpoint at their end; a prompt with other tokens there shares nothing (as the
-    scheduler's hashes decide), and every output equals HF."""
+    checkpoint at their end (restored into their slots as the plan adds them, so one with
+    nothing left to prefill decodes from it at once); a prompt sharing only the first 64
+    tokens starts from that checkpoint; every output equals HF."""
     path = checkpoint(ckpt_root, "qwen3.5")
     runner = make_runner(path, prefix_caching=True)
     assert runner.state_checkpoint_blocks == 4
@@ -106,9 +107,10 @@ def test_prefix_hits_restore_checkpointed_states(ckpt_root: Path, k: int,
     d.add(2, extended, shared=d.reqs[0].blocks[:8], cached=128)
     d.add(3, other, shared=d.reqs[0].blocks[:4], cached=64)
     d.add(5, after_exact, shared=d.reqs[4].blocks[:8], cached=128)
+    d.add(6, long[:129], shared=d.reqs[0].blocks[:8], cached=128)  # no prefill: decodes at once
     d.run_until_done([k])
-    prompts = [long, long, extended, other, exact, after_exact]
-    assert [d.reqs[r].out for r in range(6)] == [hf_greedy(path, q) for q in prompts]
+    prompts = [long, long, extended, other, exact, after_exact, long[:129]]
+    assert [d.reqs[r].out for r in range(7)] == [hf_greedy(path, q) for q in prompts]
 
 
 def test_published_multimodal_layout_serves_its_language_model(ckpt_root: Path) -> None:

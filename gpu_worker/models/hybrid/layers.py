@@ -131,13 +131,10 @@ class LinearAttentionLayer(DecoderLayer):
     @staticmethod
     def _initial(piece: Segments, states: StateCache, index: int
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """A piece's starting states: none (zeros), a cached prefix's checkpoint, or its
-        slot's (the previous piece's)."""
+        """A piece's starting states: none (zeros) or its slot's (the previous piece's, or a
+        cached prefix's checkpoint restored there)."""
         if piece.fresh:
             return None, None
-        if piece.restore >= 0:
-            return (states.ckpt_conv[index][piece.restore],
-                    states.ckpt_recurrent[index][piece.restore])
         return states.conv[index][piece.slot], states.recurrent[index][piece.slot]
 
     def _verify(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

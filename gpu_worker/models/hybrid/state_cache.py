@@ -92,12 +92,18 @@ class StateCache:
         for length in lens:
             starts.append(at)
             at += length
-        pieces = [Segments(slot, fresh, start, length, restore, marks) for
-                  slot, fresh, start, length, restore, marks in zip(
+        pieces = [Segments(slot, fresh, start, length, marks) for
+                  slot, fresh, start, length, marks in zip(
                       states.prefill, states.fresh, starts, lens,
-                      states.restore or [-1] * len(lens), states.marks or [[]] * len(lens),
-                      strict=True)]
+                      states.marks or [[]] * len(lens), strict=True)]
         return StateRowsPlan(n, decode, pieces, states.verify, ckpt)
+
+    def restore(self, slot: int, block: int) -> None:
+        """A request added with a cached prefix: the state checkpointed at the prefix's last
+        block into its slot (before any piece or decode step of it reads the slot)."""
+        for layer in range(len(self.conv)):
+            self.conv[layer][slot] = self.ckpt_conv[layer][block]
+            self.recurrent[layer][slot] = self.ckpt_recurrent[layer][block]
 
     def commit(self, count: torch.Tensor) -> None:
         """After a verify step: each row's state after its `count` [B] emitted tokens (0:
@@ -126,15 +132,14 @@ class StateRowsPlan:
 
 @dataclass
 class Segments:
-    """A prefill piece as a linear layer runs it: its slot, where its state starts (zeros
-    when `fresh`, a checkpoint's when `restore` >= 0, else the slot's), its tokens in the
-    forward, and where it checkpoints its state ((offset in the piece, block))."""
+    """A prefill piece as a linear layer runs it: its slot, whether its state starts from
+    zeros (`fresh`) or the slot's, its tokens in the forward, and where it checkpoints its
+    state ((offset in the piece, block))."""
 
     slot: int
     fresh: bool
     start: int
     length: int
-    restore: int
     marks: list[tuple[int, int]]
 
     def parts(self) -> list[tuple[int, int, int]]:
