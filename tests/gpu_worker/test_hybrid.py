@@ -134,3 +134,28 @@ def test_unsupported_combinations_are_refused(ckpt_root: Path) -> None:
            "linear_num_value_heads": 6}
     with pytest.raises(ValueError, match="linear_num_key_heads 3 is not divisible"):
         local_args(ModelArgs.from_hf_config(cfg), Shard(0, 2))
+
+
+@pytest.mark.parametrize("dims", [(2, 4, 16, 8), (1, 3, 24, 40)], ids=["grouped", "odd"])
+def test_recurrent_kernel_is_the_torch_step(triton_interpreter: None,
+                                            dims: tuple[int, int, int, int]) -> None:
+    """The Triton kernel CUDA decode steps take (here under the interpreter): the torch
+    step's output and states, written in place into the rows' slots only (head dims that
+    are not powers of two, value dims over several tiles)."""
+    from tandem_serve.gpu_worker.models import fused
+
+    hk, hv, dk, dv = dims
+    g = torch.Generator().manual_seed(4)
+    rows, num_slots = 3, 6
+    q, k = torch.randn(rows, hk, dk, generator=g), torch.randn(rows, hk, dk, generator=g)
+    v = torch.randn(rows, hv, dv, generator=g)
+    decay, beta = -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)
+    pool = torch.randn(num_slots, hv, dk, dv, generator=g)
+    slots = torch.tensor([4, 0, 2])
+    want_pool = pool.clone()
+    want = delta_rule.recurrent_update(q, k, v, decay, beta, want_pool, slots)
+    with fused.forced():
+        got = delta_rule.recurrent_update(q, k, v, decay, beta, pool, slots)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool, want_pool, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[[1, 3, 5]], want_pool[[1, 3, 5]], rtol=0, atol=0)

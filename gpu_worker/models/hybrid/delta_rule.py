@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem_serve.gpu_worker.models.fused import use_triton
+
 CHUNK = 64
 
 
@@ -45,6 +47,33 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
     delta = (v.float() - kv_mem) * beta.float().unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
+def recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor
+                     ) -> torch.Tensor:
+    """`recurrent_step` for rows whose states live in `states` [S, Hv, dk, dv] (float32) at
+    `slots` [B], advanced in place -> out [B, Hv, dv] float32. One Triton kernel on CUDA
+    (`delta_kernels`), else the torch step between a gather and a scatter."""
+    if not use_triton(q):
+        out, new = recurrent_step(q, k, v, g, beta, states.index_select(0, slots))
+        states.index_copy_(0, slots, new)
+        return out
+    import triton
+
+    from tandem_serve.gpu_worker.models.hybrid.delta_kernels import recurrent_step_kernel
+
+    rows, hv, dv = v.shape
+    dk = q.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(rows, hv, dv, dtype=torch.float32, device=v.device)
+    block_v = min(64, triton.next_power_of_2(dv))
+    recurrent_step_kernel[(rows, hv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, states, slots, out, q.stride(0), k.stride(0), v.stride(0),
+        g.stride(0), states.stride(0), states.stride(1), hv // q.shape[1], dk, dv,
+        BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v)
+    return out
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -119,12 +119,11 @@ class LinearAttentionLayer(DecoderLayer):
                                                         self.conv_weight)
             conv.index_copy_(0, slots, conv_new)
             q, k, v = self._split(mixed_conv)
-            core[:n], state = delta_rule.recurrent_step(q, k, v, g[:n], beta[:n],
-                                                        recurrent.index_select(0, slots))
-            recurrent.index_copy_(0, slots, state)
+            core[:n] = delta_rule.recurrent_update(q, k, v, g[:n], beta[:n], recurrent, slots)
             if rows.decode_checkpoints is not None:
                 states.ckpt_conv[index].index_copy_(0, rows.decode_checkpoints, conv_new)
-                states.ckpt_recurrent[index].index_copy_(0, rows.decode_checkpoints, state)
+                states.ckpt_recurrent[index].index_copy_(0, rows.decode_checkpoints,
+                                                         recurrent.index_select(0, slots))
         out = self._gated_norm(core.to(x.dtype), z.reshape(t, hv, s.head_v_dim))
         return self.after_attention(x, out.reshape(t, vd), lora)
 
