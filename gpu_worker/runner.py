@@ -90,7 +90,8 @@ class ModelRunner:
                       cfg.block_size)
         self.model = _load(cfg, self.dtype, self.device, tp)
         mc = self.model.config
-        _check_hybrid(cfg, mc.architecture if mc.is_hybrid else None)
+        _check_hybrid(cfg, mc.architecture if mc.is_hybrid else None,
+                      tp.shard.size if tp is not None else 1)
         # Hybrid models: one recurrent-state slot per running request, out of the KV budget;
         # with prefix caching a state checkpoint per block too (speculation turns it off:
         # a verify step does not checkpoint).
@@ -342,15 +343,16 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def _check_hybrid(cfg: WorkerConfig, hybrid: str | None) -> None:
+def _check_hybrid(cfg: WorkerConfig, hybrid: str | None, tp_size: int) -> None:
     """What a hybrid model cannot be served with yet: a start-up error, never wrong tokens."""
     if hybrid is None:
         return
     if cfg.speculative and cfg.speculative.method != "ngram":
         raise ValueError(f"speculative method {cfg.speculative.method!r} is not supported for "
                          f"{hybrid}: only 'ngram' (a draft model would need states of its own)")
-    if cfg.adapter_cache and cfg.max_loras > 0:
-        raise ValueError(f"LoRA adapters are not supported for {hybrid} (--adapter-cache)")
+    if cfg.adapter_cache and cfg.max_loras > 0 and tp_size > 1:
+        raise ValueError(f"LoRA adapters under tensor parallelism are not supported for "
+                         f"{hybrid} yet (--adapter-cache with --tensor-parallel-size)")
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,
@@ -364,6 +366,10 @@ def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: to
     lora = LoraWeights(ModelShapes.of(model.config), cfg.adapter_cache, cfg.max_loras,
                        cfg.max_lora_rank, dtype, device, tp_split, ModelShapes.of(whole),
                        model.config.moe_layers)
+    mc = model.config
+    if mc.is_hybrid:
+        lora.hybrid(mc.num_heads, mc.head_dim,
+                    tuple(mc.is_linear(n) for n in range(mc.num_layers)))
     log.info("LoRA: %d adapter slots of rank <= %d (%.1f MiB)", cfg.max_loras,
              cfg.max_lora_rank, lora.nbytes / 2**20)
     return lora

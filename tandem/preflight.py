@@ -59,7 +59,8 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
 
 def check_hybrid(cfg: ServerConfig, config: dict[str, Any]) -> None:
     """What a hybrid linear-attention model cannot be served with yet (the gpu worker
-    refuses it too): a speculative method other than n-gram, and LoRA adapters."""
+    refuses it too): a speculative method other than n-gram, and LoRA adapters under tensor
+    parallelism."""
     from tandem_serve.gpu_worker.models.config import ModelArgs
     from tandem_serve.proto.speculative import parse_speculative
 
@@ -71,9 +72,9 @@ def check_hybrid(cfg: ServerConfig, config: dict[str, Any]) -> None:
         raise StartupError(f"--speculative-config: method {spec.method!r} is not supported for "
                            f"{args.architecture}: only 'ngram' (a draft model would need "
                            "linear-attention states of its own)")
-    if cfg.adapter_cache:
-        raise StartupError(f"--adapter-cache: LoRA adapters are not supported for "
-                           f"{args.architecture} (linear-attention layers)")
+    if cfg.adapter_cache and cfg.tensor_parallel_size > 1:
+        raise StartupError(f"--adapter-cache: LoRA adapters under tensor parallelism are not "
+                           f"supported for {args.architecture} yet")
 
 
 def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | None:

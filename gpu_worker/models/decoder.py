@@ -112,6 +112,9 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor | None] = {}
         # Quantized checkpoints: the linears kept quantized, by weight name (`models.quant`).
         self.quant: dict[str, QuantLinear] = {}
+        # Whether LoRA's o_proj applies to `o_weight` (a linear-attention layer's is its
+        # output projection, which no adapter targets).
+        self.adapts_o = True
         # Tensor parallelism (gpu_worker.parallel): sums the row-parallel o/down partial
         # outputs over the ranks; the identity on one rank.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
@@ -169,7 +172,8 @@ class DecoderLayer(nn.Module):
         """The residual x and attention's output a [T, Hq * D] -> the layer's output."""
         o = self._linear("o_weight", a, self.o_bias)
         # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
-        a = self.reduce(o if lora is None else lora.add(self.layer_idx, "o", a, o))
+        a = self.reduce(o if lora is None or not self.adapts_o
+                        else lora.add(self.layer_idx, "o", a, o))
         if self.pre_ff_norm is not None:  # Gemma: norm the attention output, then the input
             h, x = add_rms_norm(x, a, self.pre_ff_norm, self.eps, True, self.post_norm)
         else:

@@ -87,8 +87,9 @@ def test_guided_choice(model: str, server: Server) -> None:
 
 
 def test_unsupported_combinations_are_one_line_errors(model: str) -> None:
-    proc = serve("--model", model, "--port", str(free_port()), "--adapter-cache", model)
-    assert_one_line_error(proc, "LoRA adapters are not supported", "Qwen3NextForCausalLM")
+    proc = serve("--model", model, "--port", str(free_port()), "--adapter-cache", model,
+                 "--tensor-parallel-size", "2")
+    assert_one_line_error(proc, "LoRA adapters under tensor parallelism", "Qwen3NextForCausalLM")
     proc = serve("--model", model, "--port", str(free_port()), "--speculative-config",
                  json.dumps({"method": "draft_model", "model": model,
                              "num_speculative_tokens": 2}))

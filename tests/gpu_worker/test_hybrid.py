@@ -14,7 +14,10 @@ from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.hybrid import delta_rule
 from tandem_serve.gpu_worker.models.hybrid.state_cache import SlotPool, bytes_per_slot
 from tandem_serve.gpu_worker.models.sharding import Shard, local_args
+from tandem_serve.ipc.process import StartupError
+from tandem_serve.proto.config import ServerConfig
 from tandem_serve.proto.speculative import parse_speculative
+from tandem_serve.tandem.preflight import check_hybrid
 from tests.gpu_worker.hybrid_utils import HYBRIDS, checkpoint
 from tests.gpu_worker.runner_driver import make_runner
 
@@ -128,8 +131,9 @@ def test_unsupported_combinations_are_refused(ckpt_root: Path) -> None:
                                          "num_speculative_tokens": 2}))
     with pytest.raises(ValueError, match="speculative method 'draft_model' is not supported"):
         make_runner(path, speculative=spec)
-    with pytest.raises(ValueError, match="LoRA adapters are not supported"):
-        make_runner(path, adapter_cache=str(ckpt_root), max_loras=2)
+    with pytest.raises(StartupError, match="LoRA adapters under tensor parallelism"):
+        check_hybrid(ServerConfig(model=path, adapter_cache=str(ckpt_root),
+                                  tensor_parallel_size=2), _config(ckpt_root, "qwen3.5"))
     cfg = {**_config(ckpt_root, "qwen3.5"), "linear_num_key_heads": 3,
            "linear_num_value_heads": 6}
     with pytest.raises(ValueError, match="linear_num_key_heads 3 is not divisible"):

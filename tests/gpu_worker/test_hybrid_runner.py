@@ -113,6 +113,36 @@ def test_prefix_hits_restore_checkpointed_states(ckpt_root: Path, k: int,
     assert [d.reqs[r].out for r in range(7)] == [hf_greedy(path, q) for q in prompts]
 
 
+def test_lora_on_attention_and_mlp_projections_equals_peft(ckpt_root: Path) -> None:
+    """Adapters on the gated attention (q_proj's query and gate rows land apart in the fused
+    projection) and on the MLPs, beside base rows, equal PEFT's greedy output; an adapter
+    on the linear-attention projections is refused by name."""
+    from tandem_serve.adapters.peft import AdapterError
+    from tests.lora_utils import ADAPTERS, make_adapter, peft_greedy
+
+    path = checkpoint(ckpt_root, "qwen3.5")
+    cache = ckpt_root / "hybrid-adapters"
+    for name in ("attn", "mlp", "all"):
+        make_adapter(path, cache / name, **ADAPTERS[name])
+    runner = make_runner(path, adapter_cache=str(cache), max_loras=2)
+    with pytest.raises(AdapterError, match="targets '(in|out)_proj.*which the model does not"):
+        runner.lora.load(1, "all")  # type: ignore[union-attr]
+    d = Driver(runner, seed=2)
+    d.load(1, "attn")
+    d.load(2, "mlp")
+    prompts = random_prompts([20, 45, 70, 9], 512, seed=4)
+    slots = [0, 1, 2, 1]
+    for rid, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
+        d.add(rid, prompt, lora_slot=slot)
+    d.run_until_done([8])
+    folders = {0: None, 1: cache / "attn", 2: cache / "mlp"}
+    for rid, (prompt, slot) in enumerate(zip(prompts, slots, strict=True)):
+        want = peft_greedy(path, folders[slot], [prompt], 24)[0]
+        assert d.reqs[rid].out == want[:len(d.reqs[rid].out)], rid
+        if slot:
+            assert d.reqs[rid].out != hf_greedy(path, prompt), f"adapter {slot} changes nothing"
+
+
 def test_published_multimodal_layout_serves_its_language_model(ckpt_root: Path) -> None:
     """text_config, weights under model.language_model.*, a vision tower and an MTP head
     (ignored): the same tokens as the text model in HF."""

@@ -55,6 +55,8 @@ class GatedAttentionLayer(DecoderLayer):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         h = self.norm(x, self.input_norm, self.eps)
         qkvg = self._linear("qkv_weight", h, None)
+        if lora is not None:  # q | k | v | gate, as `LoraWeights.hybrid` lays the deltas out
+            qkvg = lora.add(self.layer_idx, "qkv", h, qkvg)
         gate = qkvg[:, self.qkv_width:]
         qkv = qkvg[:, : self.qkv_width].reshape(t, hq + 2 * hkv, d)
         assert self.qk_norm_weight is not None
@@ -74,6 +76,7 @@ class LinearAttentionLayer(DecoderLayer):
         self.qkv_weight = _param((s.conv_dim + s.value_dim + 2 * s.num_v_heads, h))
         self.o_weight = _param((h, s.value_dim))  # out_proj
         self.qk_norm_weight = None
+        self.adapts_o = False
         self.conv_weight = _param((s.conv_dim, s.conv_kernel))
         self.dt_bias = _param((s.num_v_heads,))
         self.a_log = _param((s.num_v_heads,))
