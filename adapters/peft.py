@@ -98,8 +98,10 @@ class ModelShapes:
         """From a decoder's dimensions (`gpu_worker.models.config.ModelArgs`, torch-free)."""
         h, i, d = args.hidden_size, args.intermediate_size, args.head_dim
         q, kv = args.num_heads * d, args.num_kv_heads * d
+        # A gated attention's q_proj (Qwen3-Next, Qwen3.5) also yields the output gate.
+        gated = 2 if getattr(args, "attn_output_gate", False) else 1
         return cls(args.num_layers, args.vocab_size, {
-            "q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "q_proj": (gated * q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
             "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)})
 
 

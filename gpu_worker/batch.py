@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem_serve.gpu_worker.attention.base import StateRows
 from tandem_serve.gpu_worker.sampling.sampler import SamplerHints, SamplingBatch, SamplingTensors
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.token_messages import PromptDetail
@@ -54,6 +55,8 @@ class DecodeBatch:
     # An M-RoPE model's (Qwen VL) per-row offset of the rotary position past the prompt
     # (`gpu_worker.vision.inputs`); None: rotary positions are the positions.
     rope_delta: torch.Tensor | None = None
+    # Hybrid models: the rows' recurrent-state slots (None: no such model).
+    states: StateRows | None = None
 
     def max_seq_len(self, step: int) -> int:
         if step < len(self.step_lens):
@@ -161,6 +164,8 @@ def build_decode_batch(reqs: list[RequestState], vocab_size: int, device: torch.
                for step in sorted(set(joins)) if step > 0},
         step_lens=_step_lens(positions, joins, stride) if any(joins) else [],
         start_positions=positions, join_steps=joins, stride=stride,
+        states=StateRows(col([r.state_slot for r in reqs], torch.int64), [], [])
+        if any(r.state_slot >= 0 for r in reqs) else None,
     )
 
 

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from tandem_serve.gpu_worker.attention.base import AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata, StateRows
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
 from tandem_serve.gpu_worker.batch import DecodeBatch, StepTensors
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs, mixed_forward
 from tandem_serve.gpu_worker.lora import LoraContext, LoraWeights
 from tandem_serve.gpu_worker.models.decoder import CausalLM
+from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from tandem_serve.gpu_worker.spec.batch import VerifyRows
@@ -58,6 +59,8 @@ class StepExecutor:
         # Mixed steps: every part of the forward but attention from graphs (None: eager).
         self.mixed_graphs = mixed_graphs
         self.sampler = Sampler()
+        # Hybrid models' recurrent states: a verify step commits each row's accepted run.
+        self.states = model.states if isinstance(model, HybridLM) else None
 
     def lora_context(self, slots: list[int]) -> LoraContext | None:
         return self.lora.context(slots) if self.lora is not None else None
@@ -69,7 +72,8 @@ class StepExecutor:
         """Chunks in one forward of their own, before a plan's steps (the `--prefill-phase`
         baseline, and a plan with no decode row); their prompt logprobs are queued."""
         inp = prefill_inputs(pieces, self.block_size, self.device,
-                             history_lens=self.model.uses_history_lens)
+                             history_lens=self.model.uses_history_lens,
+                             state_span=self.states.span if self.states else 0)
         if self.vision is not None:
             self.vision.attach(inp, pieces)
         hidden = self.model(inp.ids, inp.positions, self.kv_caches, prefill_metadata(inp),
@@ -85,7 +89,8 @@ class StepExecutor:
                     decode_slots: list[int]) -> PrefillInputs:
         """A step's prefill pieces on the device, with the step's adapter rows."""
         inp = prefill_inputs(pieces, self.block_size, self.device, len(decode_slots),
-                             b.block_tables.shape[1], self.model.uses_history_lens)
+                             b.block_tables.shape[1], self.model.uses_history_lens,
+                             state_span=self.states.span if self.states else 0)
         inp.lora = self.lora_context(decode_slots + inp.token_slots)
         if self.vision is not None:
             self.vision.attach(inp, pieces)
@@ -103,15 +108,18 @@ class StepExecutor:
                        active: torch.Tensor, block_tables: torch.Tensor,
                        max_seq_len: int, lora: LoraContext | None = None,
                        row_lens: list[int] | None = None,
-                       rope_delta: torch.Tensor | None = None) -> torch.Tensor:
+                       rope_delta: torch.Tensor | None = None,
+                       states: StateRows | None = None) -> torch.Tensor:
         """Logits [B, V] of one decode forward; masked rows write the scratch block only.
-        `row_lens`: host bounds of each row's context (rows far apart gather apart).
-        `rope_delta`: an M-RoPE model's per-row offset of the rotary position."""
+        `row_lens`: host bounds of each row's context (rows far apart gather apart);
+        `rope_delta`: an M-RoPE model's per-row offset of the rotary position; `states`: a
+        hybrid model's rows' recurrent-state slots."""
         slots = self.decode_slots(positions, active, block_tables)
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=block_tables,
             seq_lens=(positions + 1).to(torch.int32), query_start_loc=None, query_lens=None,
-            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens)
+            max_seq_len=max_seq_len, is_decode=True, decode_lens=row_lens,
+            states=states)
         rope = positions if rope_delta is None else positions + rope_delta
         hidden = self.model(input_ids, rope, self.kv_caches, meta, lora)
         return self.model.compute_logits(hidden)
@@ -122,7 +130,8 @@ class StepExecutor:
         logits [B, V] and the pieces' hidden states (on CUDA all but attention replayed
         from piecewise graphs, `gpu_worker.graphs.piecewise`)."""
         slots = self.decode_slots(b.positions, b.active, b.block_tables)
-        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre)
+        meta = mixed_metadata(slots, b.positions, b.block_tables, b.max_seq_len(step), pre,
+                              b.states)
         meta.decode_lens = b.row_lens(step)
         ids = torch.cat((b.input_ids, pre.ids))
         positions, mm = self._mixed_positions(b, pre)
@@ -157,7 +166,8 @@ class StepExecutor:
             return graph(b), None
         return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
                                    b.max_seq_len(step), lora, b.row_lens(step),
-                                   b.rope_delta if isinstance(b, DecodeBatch) else None), None
+                                   b.rope_delta if isinstance(b, DecodeBatch) else None,
+                                   b.states), None
 
     # ------------------------------------------------------------------ after the forward
 

@@ -103,6 +103,18 @@ class LoraWeights:
         self.used: dict[int, dict[str, int]] = {}  # slot -> fused module -> rows it fills
         self.failed: dict[int, AdapterError] = {}  # slot -> why its last load failed
         self._slot_ids = torch.arange(1, max_loras + 1, device=device)
+        # Hybrid models (`hybrid`): the gated attention's (query heads, head_dim) and which
+        # layers are linear attention (no attention projections to adapt).
+        self.gated: tuple[int, int] | None = None
+        self.linear_layers: tuple[bool, ...] = ()
+
+    def hybrid(self, heads: int, head_dim: int, linear_layers: tuple[bool, ...]) -> None:
+        """A hybrid model: q_proj's B rows interleave query and gate rows per head, and the
+        fused projection is q | k | v | gate, so the query rows go first and the gate rows
+        after v."""
+        self.gated, self.linear_layers = (heads, head_dim), linear_layers
+        q, kv = heads * head_dim, self.shapes.linears["k_proj"][0]
+        self.offsets.update(q_proj=0, k_proj=q, v_proj=q + kv)
 
     @property
     def nbytes(self) -> int:
@@ -135,6 +147,10 @@ class LoraWeights:
         """Experts are stacked per projection, not linear layers: an adapter on the MLP of a
         mixture-of-experts layer is refused rather than silently left out."""
         for m in adapter.modules:
+            if FUSED_OF[m.module] in ("qkv", "o") and self.linear_layers \
+                    and self.linear_layers[m.layer]:
+                raise AdapterError(adapter.adapter_id, f"adapts {m.module} of layer {m.layer}, "
+                                   "a linear-attention layer, which has no such projection")
             if FUSED_OF[m.module] in ("gate_up", "down") and self.expert_layers \
                     and self.expert_layers[m.layer]:
                 raise AdapterError(adapter.adapter_id, f"adapts {m.module} of layer {m.layer}, "
@@ -166,8 +182,15 @@ class LoraWeights:
                     a, b = self.split(m, "A", a), self.split(m, "B", b)
                 col = self.offsets[m.module]
                 self.a[m.layer][fused][rows].copy_(a.to(self.dtype))
-                self.bt[m.layer][fused][rows, col: col + b.shape[0]].copy_(
-                    b.t().to(self.dtype))
+                bt = self.bt[m.layer][fused]
+                if m.module == "q_proj" and self.gated is not None:
+                    heads, d = self.gated
+                    per_head = b.reshape(heads, 2 * d, -1)
+                    gate_col = bt.shape[1] - heads * d  # after q | k | v
+                    bt[rows, :heads * d].copy_(per_head[:, :d].reshape(heads * d, -1).t())
+                    bt[rows, gate_col:].copy_(per_head[:, d:].reshape(heads * d, -1).t())
+                    continue
+                bt[rows, col: col + b.shape[0]].copy_(b.t().to(self.dtype))
         self.used[slot] = {f: len(FUSED[f]) * w for f, w in width.items()}
 
     # ------------------------------------------------------------------ forwards

@@ -63,7 +63,9 @@ def run_gpu_worker(cfg: ServerConfig, rank: int = 0) -> None:
                             runner.vocab_size, long_rope_from=runner.long_rope_from,
                             device_type=runner.device.type,
                             attention_tokens=attention_tokens(runner.model.config),
-                            num_host_blocks=runner.num_host_blocks)
+                            num_host_blocks=runner.num_host_blocks,
+                            recurrent_state=runner.model.config.is_hybrid,
+                            state_checkpoint_blocks=runner.state_checkpoint_blocks)
         # On our own, WorkerReady goes with every heartbeat of the frontend once we joined
         # its set: the scheduler of our set may not be up yet, and one of the set we replace
         # may still hold its address.  The scheduler keeps the first.

@@ -12,6 +12,7 @@ import logging
 from tandem_serve.adapters.peft import AdapterError
 from tandem_serve.gpu_worker.constrain.tables import GuidedRegistry
 from tandem_serve.gpu_worker.lora import LoraWeights
+from tandem_serve.gpu_worker.models.hybrid.state_cache import SlotPool
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
 from tandem_serve.gpu_worker.spec.proposer import Proposer
 from tandem_serve.gpu_worker.state import RequestState
@@ -27,20 +28,26 @@ class RequestTable:
     """The requests the scheduler has sent and not dropped, by id."""
 
     def __init__(self, guided: GuidedRegistry, lora: LoraWeights | None,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, slots: SlotPool | None = None) -> None:
         self.requests: dict[int, RequestState] = {}
         self.guided = guided  # constraint tables (device) and grammars (host matchers)
         self.lora = lora  # adapter slots; None: adapters off, every row is the base
         self.proposer = proposer  # speculation's drafts (None: off); it may hold KV too
+        self.slots = slots  # hybrid models' recurrent-state slots (None: no such model)
         self._details: list[PromptDetail] = []  # prompt detail waiting to be published
         self._adapter_failures: list[AdapterFailed] = []
 
     def apply(self, plan: StepPlan) -> None:
         for rid in plan.drop:
-            self.requests.pop(rid, None)
+            gone = self.requests.pop(rid, None)
+            if gone is not None and self.slots is not None:
+                self.slots.give(gone.state_slot)
         for rid in plan.preempt:
             req = self.requests.get(rid)
             if req is not None:
+                if self.slots is not None:  # resumed by recompute from position 0
+                    self.slots.give(req.state_slot)
+                    req.state_slot = -1
                 req.block_ids, req.num_computed, req.prefill_chunk = [], 0, 0
                 req.prefill_steps = []
                 self.guided.pause(req)
@@ -88,6 +95,10 @@ class RequestTable:
             if new.sampling.prompt_logprobs and len(prompt) == 1:
                 self._details.append(prompt_logprobs.empty_detail(req))
         req.num_computed = new.num_cached_tokens
+        if self.slots is not None:
+            # A cached prefix's state is restored into the slot by the runner.
+            if req.state_slot < 0:
+                req.state_slot = self.slots.take()
         req.prefill_chunk = new.num_prefill_tokens
         req.prefill_steps = list(new.prefill_steps)
         self.guided.start(req)  # fresh: the initial state; resumed: its output replayed

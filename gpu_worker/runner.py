@@ -35,6 +35,13 @@ from tandem_serve.gpu_worker.executor import StepExecutor
 from tandem_serve.gpu_worker.graphs.piecewise import MIXED_GRAPH_TOKENS, MixedGraphs
 from tandem_serve.gpu_worker.lora import LoraWeights, tensor_parallel_split
 from tandem_serve.gpu_worker.models.decoder import CausalLM
+from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
+from tandem_serve.gpu_worker.models.hybrid.state_cache import (
+    SlotPool,
+    StateCache,
+    bytes_per_slot,
+    checkpoint_span,
+)
 from tandem_serve.gpu_worker.models.loader import load_model, load_model_args
 from tandem_serve.gpu_worker.publisher import publish_step
 from tandem_serve.gpu_worker.request_table import RequestTable
@@ -90,6 +97,13 @@ class ModelRunner:
         self.model_dir = cfg.model
         self.onednn = cfg.onednn
         mc = self.model.config
+        _check_hybrid(cfg, mc.architecture if mc.is_hybrid else None,
+                      tp.shard.size if tp is not None else 1)
+        # Hybrid models: one recurrent-state slot per running request, out of the KV budget;
+        # with prefix caching a state checkpoint per block too (speculation turns it off:
+        # a verify step does not checkpoint).
+        state_bytes = bytes_per_slot(mc, self.dtype) * (cfg.max_num_seqs + 1)
+        checkpoints = mc.is_hybrid and cfg.prefix_caching and not cfg.speculative
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
@@ -104,11 +118,13 @@ class ModelRunner:
         self.num_blocks = cfg.num_kv_blocks or blocks_for(
             mc, cfg.block_size, self.kv_dtype, cfg.kv_cache_memory, cfg.max_num_seqs,
             self.max_model_len,
-            self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
-            if self.proposer else 0)
+            (self.proposer.kv_bytes_per_block(cfg.block_size, self.kv_dtype)
+             if self.proposer else 0)
+            + (bytes_per_slot(mc, self.dtype) if checkpoints else 0), state_bytes)
         if tp is not None:  # one block table serves every rank: the scheduler's count fits all
             self.num_blocks = tp.min_int(self.num_blocks)
-        self.kv_caches = allocate_kv_cache(mc.num_layers, self.num_blocks, cfg.block_size,
+        self.kv_caches = allocate_kv_cache(mc.num_attention_layers, self.num_blocks,
+                                           cfg.block_size,
                                            mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                                            self.device)
         # One attention backend (the draft's too); any fallback is decided and logged here.
@@ -126,19 +142,35 @@ class ModelRunner:
         self.num_host_blocks = self.host_pool.num_slots if self.host_pool else 0
         if tp is not None:
             self.num_host_blocks = tp.min_int(self.num_host_blocks)
+        self.slots: SlotPool | None = None
+        # Prefix hits end on a multiple of this many blocks (0: no hits; see WorkerReady).
+        self.state_checkpoint_blocks = (checkpoint_span(cfg.block_size) // cfg.block_size
+                                        if checkpoints else 0)
+        if isinstance(self.model, HybridLM):
+            self.model.states = StateCache(mc, cfg.max_num_seqs, self.dtype, self.device,
+                                           self.num_blocks if checkpoints else 0,
+                                           cfg.block_size)
+            self.slots = SlotPool(cfg.max_num_seqs)
+            per_block = (f" and a checkpoint per KV block for prefix caching "
+                         f"({bytes_per_slot(mc, self.dtype) / 2**20:.2f} MiB each; "
+                         "--no-prefix-caching gives them to KV)") if checkpoints else ""
+            log.info("recurrent states: %d slots%s, %.1f MiB", cfg.max_num_seqs, per_block,
+                     self.model.states.nbytes / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
         self.vision = _vision(cfg, self.dtype, self.device) if mc.image_token_id >= 0 else None
         # A VL model runs eager: its rotary positions carry a per-row offset and its prefill
-        # image embeddings, which the captured graphs do not take.
+        # image embeddings, which the captured graphs do not take. Hybrid models run eager
+        # too (their state updates are not captured yet).
         graphs = (cfg.cuda_graphs and self.device.type == "cuda"
-                  and self.attention.decode_graphs and self.vision is None)
+                  and self.attention.decode_graphs and self.vision is None
+                  and not mc.is_hybrid)
         # Mixed steps: every part of the forward but attention from graphs (one rank only).
         mixed = (MixedGraphs(self.model, MIXED_GRAPH_TOKENS + cfg.max_num_seqs, True)
                  if graphs and (tp is None or tp.shard.size == 1) else None)
         self.executor = StepExecutor(self.model, self.kv_caches, cfg.block_size,
                                      self.max_model_len, self.lora, mixed, self.vision)
         self.table = RequestTable(GuidedRegistry(self.device, self.vocab_size, cfg.model),
-                                  self.lora, self.proposer)
+                                  self.lora, self.proposer, self.slots)
         # Wraps the K-step loop; tests set it to sync_guard.forbid_host_sync.
         self.step_guard: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext
         self._step_s = 0.0  # the last decode step's time (paced planning's yardstick)
@@ -208,6 +240,7 @@ class ModelRunner:
             if self.host_pool is not None:  # before the forwards, in the plan's order
                 self.host_pool.run(plan)
             self.table.apply(plan)
+            self._restore_states(plan)
         layout = lay_out(self.requests.values(), plan.num_steps, plan.prefill_phase)
         if ending is not None and not layout.decoding:  # no steps to time: ask now
             ending()
@@ -240,6 +273,19 @@ class ModelRunner:
             (done.num_drafts, done.num_draft_tokens, done.num_accepted_tokens,
              done.num_accepted_per_pos) = self.speculation.finish(batch.spec, layout.decoding)
         return done
+
+    def _restore_states(self, plan: StepPlan) -> None:
+        """Hybrid models: a request added with a cached prefix starts from the state
+        checkpointed at the prefix's last block (a hit ends on one: `state_checkpoint_blocks`),
+        whether a piece or its first decode step reads it next."""
+        states = self.model.states if isinstance(self.model, HybridLM) else None
+        if states is None:
+            return
+        for new in plan.new:
+            req = self.requests.get(new.request_id)
+            if new.num_cached_tokens and req is not None and not req.finished:
+                states.restore(req.state_slot,
+                               req.block_ids[new.num_cached_tokens // self.block_size - 1])
 
     def _batch(self, plan: StepPlan, decoding: list[RequestState], join_steps: list[int]
                ) -> tuple[DecodeBatch, list[int]]:
@@ -342,6 +388,8 @@ def _vision(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device) -> Visi
     log.info("vision tower: %s, %.1f MiB", spec.architecture,
              sum(p.nbytes for p in tower.model.parameters()) / 2**20)
     return VisionInputs(tower, device)
+
+
 def _host_pool(cfg: WorkerConfig, caches: list[tuple[torch.Tensor, torch.Tensor]],
                proposer: object, device: torch.device) -> HostKvPool | None:
     if cfg.kv_offloading_gib <= 0:
@@ -349,6 +397,21 @@ def _host_pool(cfg: WorkerConfig, caches: list[tuple[torch.Tensor, torch.Tensor]
     draft = getattr(proposer, "caches", [])  # a draft model's cache mirrors our block ids
     return HostKvPool([t for kv in (*caches, *draft) for t in kv], cfg.kv_offloading_gib,
                       device)
+
+
+def _check_hybrid(cfg: WorkerConfig, hybrid: str | None, tp_size: int) -> None:
+    """What a hybrid model cannot be served with yet: a start-up error, never wrong tokens."""
+    if hybrid is None:
+        return
+    if cfg.speculative and cfg.speculative.method != "ngram":
+        raise ValueError(f"speculative method {cfg.speculative.method!r} is not supported for "
+                         f"{hybrid}: only 'ngram' (a draft model would need states of its own)")
+    if cfg.adapter_cache and cfg.max_loras > 0 and tp_size > 1:
+        raise ValueError(f"LoRA adapters under tensor parallelism are not supported for "
+                         f"{hybrid} yet (--adapter-cache with --tensor-parallel-size)")
+    if cfg.kv_offloading_gib > 0:
+        raise ValueError(f"--kv-offloading-size is not supported for {hybrid}: the host tier "
+                         "keeps KV blocks, not the recurrent-state checkpoints a hit restores")
 
 
 def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: torch.device,
@@ -362,6 +425,10 @@ def _adapters(cfg: WorkerConfig, model: CausalLM, dtype: torch.dtype, device: to
     lora = LoraWeights(ModelShapes.of(model.config), cfg.adapter_cache, cfg.max_loras,
                        cfg.max_lora_rank, dtype, device, tp_split, ModelShapes.of(whole),
                        model.config.moe_layers)
+    mc = model.config
+    if mc.is_hybrid:
+        lora.hybrid(mc.num_heads, mc.head_dim,
+                    tuple(mc.is_linear(n) for n in range(mc.num_layers)))
     log.info("LoRA: %d adapter slots of rank <= %d (%.1f MiB)", cfg.max_loras,
              cfg.max_lora_rank, lora.nbytes / 2**20)
     return lora

@@ -41,6 +41,9 @@ class RequestState:
     images: list[ImageInput] = field(default_factory=list)
     mrope: np.ndarray | None = None
     rope_delta: int = 0
+    # Hybrid models: the recurrent-state slot it holds while it runs (-1: none; released
+    # when preempted or dropped, see `models.hybrid.state_cache`).
+    state_slot: int = -1
 
     @property
     def num_generated(self) -> int:

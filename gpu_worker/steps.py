@@ -17,14 +17,14 @@ the `--prefill-phase` baseline, and a plan with no decode row at all, which has 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.base import AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata, StateRows
 from tandem_serve.gpu_worker.constrain.tables import batch_order
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.sampling import prompt_logprobs
@@ -128,6 +128,18 @@ class PrefillInputs:
     # A VL model's image embeddings: (rows among these P tokens, their values [1 + DeepStack
     # levels, rows, hidden]); set, with M-RoPE positions [3, P], by `gpu_worker.vision`.
     mm: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Hybrid models: each row's recurrent-state slot, and whether it starts its sequence.
+    state_slots: list[int] = field(default_factory=list)
+    state_fresh: list[bool] = field(default_factory=list)
+    state_marks: list[list[tuple[int, int]]] = field(default_factory=list)
+
+    def states(self, decode: StateRows | None = None) -> StateRows | None:
+        """The rows' state slots for the metadata (after the `decode` rows'), if the model
+        has linear layers (its requests hold slots)."""
+        if not self.state_slots or self.state_slots[0] < 0:
+            return None
+        return StateRows(decode.decode if decode else None, self.state_slots, self.state_fresh,
+                         decode.verify if decode else None, self.state_marks)
 
     @property
     def num_tokens(self) -> int:
@@ -136,13 +148,15 @@ class PrefillInputs:
 
 def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
                    num_decode: int = 0, min_width: int = 0,
-                   history_lens: bool = False, score: bool = True) -> PrefillInputs:
+                   history_lens: bool = False, score: bool = True, state_span: int = 0
+                   ) -> PrefillInputs:
     """The device inputs of `pieces`; `num_decode` decode rows come first in the forward
     (their query offsets lead `query_start_loc`), and the block table is at least
     `min_width` wide (the decode rows' width, so both stack).  `history_lens`: also each
     token's request's history length (a LongRoPE model picks its factors by it).  `score`:
     pick the rows whose prompt logprobs are asked for (and count them as sent); False for a
-    forward whose logits nobody reads (a speculative draft's)."""
+    forward whose logits nobody reads (a speculative draft's).  `state_span`: a hybrid
+    model's state checkpoints every this many tokens (0: none)."""
     ids: list[int] = []
     slots: list[np.ndarray] = []
     token_slots: list[int] = []
@@ -175,7 +189,19 @@ def prefill_inputs(pieces: list[Piece], block_size: int, device: torch.device,
         query_lens=lens, seq_lens_host=seq_lens, token_slots=token_slots,
         scores=scores.to(device),
         history_lens=dev(np.repeat([len(p.req.history) for p in pieces], lens), torch.int64)
-        if history_lens else None)
+        if history_lens else None,
+        state_slots=[p.req.state_slot for p in pieces], state_fresh=[p.start == 0 for p in pieces],
+        state_marks=[_marks(p, block_size, state_span) for p in pieces])
+
+
+def _marks(p: Piece, block_size: int, span: int) -> list[tuple[int, int]]:
+    """Where a piece passes a checkpoint boundary (every `span` tokens): the offset in the
+    piece after which its state is saved, and the block that position ends."""
+    if not span:
+        return []
+    first = (p.start // span + 1) * span
+    return [(end - p.start, p.req.block_ids[(end - 1) // block_size])
+            for end in range(first, p.start + p.count + 1, span)]
 
 
 def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
@@ -184,12 +210,13 @@ def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
         slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
         query_start_loc=inp.query_start_loc, query_lens=inp.query_lens,
         max_seq_len=max(inp.seq_lens_host), is_decode=False,
-        prefill_seq_lens=inp.seq_lens_host)
+        prefill_seq_lens=inp.seq_lens_host, states=inp.states())
 
 
 def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
                    decode_tables: torch.Tensor, max_decode_len: int,
-                   inp: PrefillInputs) -> AttentionMetadata:
+                   inp: PrefillInputs, decode_states: StateRows | None = None
+                   ) -> AttentionMetadata:
     """A step's forward: the decode rows (one token each, lengths on the device only) and
     then `inp`'s prefill rows."""
     n = decode_slots.shape[0]
@@ -204,7 +231,8 @@ def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
                             inp.seq_lens)),
         query_start_loc=inp.query_start_loc, query_lens=[1] * n + inp.query_lens,
         max_seq_len=max(max_decode_len, *inp.seq_lens_host), is_decode=False,
-        num_decode=n, decode_max_seq_len=max_decode_len, prefill_seq_lens=inp.seq_lens_host)
+        num_decode=n, decode_max_seq_len=max_decode_len, prefill_seq_lens=inp.seq_lens_host,
+        states=inp.states(decode_states))
 
 
 @dataclass

@@ -236,7 +236,8 @@ class ServerConfig:
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
             load_format=self.load_format,
             kv_offloading_gib=self.kv_offloading_size / self.tensor_parallel_size,
-            speculative=parse_speculative(self.speculative_config))
+            speculative=parse_speculative(self.speculative_config),
+            prefix_caching=self.enable_prefix_caching)
 
     def worker_role(self, rank: int) -> str:
         """A gpu worker rank's role name and process title: `gpu-worker R/N` under tensor
@@ -271,6 +272,9 @@ class WorkerConfig:
     load_format: str = "auto"
     speculative: SpeculativeConfig | None = None
     kv_offloading_gib: float = 0.0  # this rank's host KV tier (0: off)
+    # Whether the scheduler may serve prefix hits (a hybrid model then checkpoints its
+    # recurrent states at block boundaries); off unless the server's flag says so.
+    prefix_caching: bool = False
 
 
 # field -> (lowest allowed, highest allowed or None); flags are the fields' names in kebab case.

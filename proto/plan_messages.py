@@ -130,3 +130,9 @@ class WorkerReady:
     attention_tokens: int = 0
     # Blocks of the host KV tier each rank holds (0: no tier; `--kv-offloading-size`).
     num_host_blocks: int = 0
+    # A hybrid model's linear layers keep a recurrent state per request, which a cached
+    # prefix's KV blocks restore only at a block the worker checkpointed the state at: every
+    # `state_checkpoint_blocks`-th block of a prompt (0: none; the scheduler then serves no
+    # prefix hits), so a hit ends at a multiple of that many blocks.
+    recurrent_state: bool = False
+    state_checkpoint_blocks: int = 0

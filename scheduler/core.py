@@ -331,6 +331,9 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed: no cached prefix for those.
         hashes = [] if req.sampling.prompt_logprobs else self._cacheable_hashes(req)
         hits = self.state.blocks.lookup(hashes)
+        # A hybrid model's hits end where its recurrent state was checkpointed (the host
+        # tier is refused for those models, so its run follows whole device hits only).
+        hits = hits[:len(hits) - len(hits) % self.params.prefix_granularity]
         host = self.state.tier.lookup(hashes[len(hits):])  # then the host tier's run
         num_cached = (len(hits) + len(host)) * self.params.block_size
         split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),

@@ -49,6 +49,11 @@ def prefix_caching(cfg: ServerConfig, ready: WorkerReady) -> bool:
     """Off for a LongRoPE model that may run past its original context: the same prompt
     tokens then have KV rotated with other factors depending on the request's length, and a
     block hash of the tokens alone would share the wrong KV."""
+    if cfg.enable_prefix_caching and ready.recurrent_state and not ready.state_checkpoint_blocks:
+        log.warning("prefix caching is off: the model's linear-attention layers keep a "
+                    "recurrent state per request that the worker does not checkpoint "
+                    "(speculative decoding is on)")
+        return False
     if cfg.enable_prefix_caching and 0 < ready.long_rope_from < ready.max_model_len:
         log.warning("prefix caching is off: LongRoPE rotates histories longer than %d tokens "
                     "with other factors (--max-model-len %d keeps it on)",
@@ -73,7 +78,8 @@ def make_params(cfg: ServerConfig, ready: WorkerReady) -> SchedulerParams:
         num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         scheduling_policy=cfg.scheduling_policy,
         num_host_blocks=ready.num_host_blocks,
-        record_kv_events=parse_kv_events(cfg.kv_events_config).publishing)
+        record_kv_events=parse_kv_events(cfg.kv_events_config).publishing,
+        prefix_granularity=max(1, ready.state_checkpoint_blocks))
 
 
 def run_scheduler(cfg: ServerConfig) -> None:

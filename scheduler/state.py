@@ -64,6 +64,9 @@ class SchedulerParams:
     # cache's changes are recorded for vLLM's KV events (`scheduler/kv/events.py`).
     num_host_blocks: int = 0
     record_kv_events: bool = False
+    # A prefix hit covers a multiple of this many blocks (a hybrid model's recurrent states
+    # are checkpointed only there: `WorkerReady.state_checkpoint_blocks`).
+    prefix_granularity: int = 1
 
 
 @dataclass(frozen=True)

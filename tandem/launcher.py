@@ -39,6 +39,7 @@ from tandem_serve.tandem import serve as frontend_process
 from tandem_serve.tandem.preflight import (
     adapter_store,
     check_host_memory,
+    check_hybrid,
     check_model,
     check_pooling_model,
     load_tokenizer,
@@ -112,6 +113,7 @@ class Launcher:
             adapters = None
         else:
             config = check_model(self.cfg.model, self.cfg.tensor_parallel_size)
+            check_hybrid(self.cfg, config)
             adapters = adapter_store(self.cfg, config)
         check_host_memory(self.cfg)
         tok = load_tokenizer(self.cfg.model)

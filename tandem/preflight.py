@@ -71,6 +71,30 @@ def check_model(model: str, tensor_parallel_size: int = 1) -> dict[str, Any]:
     return config
 
 
+def check_hybrid(cfg: ServerConfig, config: dict[str, Any]) -> None:
+    """What a hybrid linear-attention model cannot be served with yet (the gpu worker
+    refuses it too): a speculative method other than n-gram, LoRA adapters under tensor
+    parallelism, and the host KV tier."""
+    from tandem_serve.gpu_worker.models.config import ModelArgs
+    from tandem_serve.proto.speculative import parse_speculative
+
+    args = ModelArgs.from_hf_config(config)
+    if not args.is_hybrid:
+        return
+    spec = parse_speculative(cfg.speculative_config)
+    if spec is not None and spec.method != "ngram":
+        raise StartupError(f"--speculative-config: method {spec.method!r} is not supported for "
+                           f"{args.architecture}: only 'ngram' (a draft model would need "
+                           "linear-attention states of its own)")
+    if cfg.adapter_cache and cfg.tensor_parallel_size > 1:
+        raise StartupError(f"--adapter-cache: LoRA adapters under tensor parallelism are not "
+                           f"supported for {args.architecture} yet")
+    if cfg.kv_offloading_size > 0:
+        raise StartupError(f"--kv-offloading-size is not supported for {args.architecture}: the "
+                           "host tier keeps KV blocks, not the recurrent-state checkpoints a "
+                           "prefix hit restores")
+
+
 def adapter_store(cfg: ServerConfig, config: dict[str, Any]) -> AdapterStore | None:
     """The frontend's adapter validator, sized from the model's config (None: adapters off)."""
     if not cfg.adapter_cache:

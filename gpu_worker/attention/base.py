@@ -19,12 +19,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
+
+
+@dataclass
+class StateRows:
+    """Hybrid models' recurrent-state slots of a forward's rows (`models.hybrid`): the decode
+    rows' (device), then per prefill row its slot and whether it starts a sequence (its
+    state starts from zeros rather than from the slot). A verify step's forward (speculative
+    decoding) has B decode rows, then k draft rows for each of the rows `verify` names:
+    (their batch rows [S] on the device, k)."""
+
+    decode: torch.Tensor | None  # [B] int64
+    prefill: list[int]
+    fresh: list[bool]
+    verify: tuple[torch.Tensor, int] | None = None
+    # Prefix caching: per prefill row, the (offset in the row, block) after which it
+    # checkpoints its state.
+    marks: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +61,8 @@ class AttentionMetadata:
     # Host bounds of each decode row's seq_len (None: max_seq_len for all): rows far apart
     # in length are gathered in two groups rather than all to the longest (SDPA path).
     decode_lens: list[int] | None = None
+    # Hybrid models: the rows' recurrent-state slots (None: a model without linear layers).
+    states: StateRows | None = None
 
     @property
     def is_mixed(self) -> bool:

@@ -51,14 +51,17 @@ def kv_cache_bytes_per_block(
 
 
 def blocks_for(cfg: ModelArgs, block_size: int, dtype: torch.dtype, gib: float,
-               max_num_seqs: int, max_model_len: int, extra_per_block: int = 0) -> int:
+               max_num_seqs: int, max_model_len: int, extra_per_block: int = 0,
+               fixed: int = 0) -> int:
     """How many blocks the cache gets: `gib` GiB of them, or (0) enough for every sequence
     slot at full length, capped at 4 GiB.  `extra_per_block`: bytes a block costs besides
-    the model's own (a speculative draft model's cache mirrors every block)."""
+    the model's own (a speculative draft model's cache mirrors every block); `fixed`: bytes
+    the budget pays first (a hybrid model's recurrent states).  Only attention layers hold
+    KV (a hybrid model's linear layers hold states instead)."""
     per_block = extra_per_block + kv_cache_bytes_per_block(
-        cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
+        cfg.num_attention_layers, cfg.num_kv_heads, cfg.head_dim, block_size, dtype)
     if gib > 0:
-        return max(1, int(gib * (1 << 30)) // per_block)
+        return max(1, (int(gib * (1 << 30)) - fixed) // per_block)
     wanted = max_num_seqs * -(-max_model_len // block_size)
     return max(1, min(wanted, (4 << 30) // per_block))
 

@@ -21,6 +21,15 @@ from tandem_serve.gpu_worker.models.config_families import (
     sliding_windows,
 )
 from tandem_serve.gpu_worker.models.config_rope import SUPPORTED_ROPE_TYPES, rope_fields
+from tandem_serve.gpu_worker.models.hybrid.config import (
+    HYBRID_ARCHITECTURES,
+    LINEAR,
+    MODEL_TYPES,
+    LinearAttnShape,
+    hybrid_fields,
+    hybrid_moe_fields,
+    text_config,
+)
 from tandem_serve.gpu_worker.models.quant.config import QuantConfig
 from tandem_serve.gpu_worker.models.quant.config import parse as parse_quant
 from tandem_serve.proto.vision import split_config
@@ -36,8 +45,10 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     MIXTRAL,
     GEMMA3,
     PHI3,
+    *HYBRID_ARCHITECTURES,
 )
 _MODEL_TYPE_TO_ARCH = {
+    **MODEL_TYPES,
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -107,6 +118,18 @@ class ModelArgs:
     mrope_interleaved: bool = False
     image_token_id: int = -1
     deepstack_layers: int = 0  # Qwen3-VL: layers whose output adds the tower's features
+    # Hybrid linear-attention models (`models.hybrid`): per layer "linear_attention" (Gated
+    # DeltaNet, a recurrent state per request) or "full_attention" (empty: every layer
+    # attends), the linear layers' shape, a sigmoid gate on attention's output (q_proj's
+    # second half per head), (1 + w) norms without Gemma's other traits, a gated shared
+    # expert beside the routed ones, and weights under model.language_model.* (the
+    # published multimodal folders).
+    layer_types: tuple[str, ...] = ()
+    linear_attn: LinearAttnShape | None = None
+    attn_output_gate: bool = False
+    offset_norms: bool = False
+    shared_expert_intermediate_size: int = 0
+    language_model: bool = False
 
     @property
     def eos_token_id(self) -> int | None:
@@ -115,13 +138,33 @@ class ModelArgs:
     def is_moe(self, layer: int) -> bool:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
+    def is_linear(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (no KV cache; a recurrent state per request)."""
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.linear_attn is not None
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers with a KV cache: all but the linear-attention ones."""
+        return sum(1 for n in range(self.num_layers) if not self.is_linear(n))
+
+    @property
+    def one_plus_norms(self) -> bool:
+        """RMSNorms scale by (1 + w) in float32 (Gemma, Qwen3-Next, Qwen3.5)."""
+        return self.gemma_norms or self.offset_norms
+
     @classmethod
     def from_hf_config(
         cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None
     ) -> ModelArgs:
         """Build from a parsed config.json (and generation_config.json, whose eos/bos win,
         as they do for HF generate). Raises ValueError on anything unsupported."""
-        cfg, vision = split_config(cfg)  # a VL checkpoint: its language model's keys
+        # A multimodal folder: its language model's config (Qwen3.5's, `models.hybrid`), and
+        # a VL checkpoint's vision spec (`proto.vision`).
+        cfg, vision = split_config(text_config(cfg))
         arch = _architecture(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -137,6 +180,9 @@ class ModelArgs:
         family: dict[str, Any] = {**bias_fields(cfg, arch), **moe_fields(cfg, arch, layers)}
         if arch == GEMMA3:
             family.update(gemma3_fields(cfg))
+        if arch in HYBRID_ARCHITECTURES:
+            family.update(hybrid_fields(cfg, arch, layers))
+            family.update(hybrid_moe_fields(cfg, arch, layers))
         gen = generation_config or {}
         eos = gen.get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
@@ -164,7 +210,7 @@ class ModelArgs:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
             **rope_fields(cfg, arch, head_dim, max_pos),
-            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3),
+            qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3, *HYBRID_ARCHITECTURES),
             # Gemma 3 ties its head unless told otherwise (its config class default).
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == GEMMA3)),
             hidden_act=act,
@@ -180,10 +226,11 @@ class ModelArgs:
 def _quant(cfg: dict[str, Any], arch: str, family: dict[str, Any]) -> QuantConfig | None:
     quant = parse_quant(cfg)
     # Stacked experts and Phi-3's fused checkpoint tensors have no quantized form here yet.
-    if quant is not None and (family.get("num_experts") or arch == PHI3):
+    if quant is not None and (family.get("num_experts") or arch == PHI3
+                              or family.get("linear_attn")):
         raise ValueError(f"quantized {arch} checkpoints are not supported (quantization_config "
-                         f"{quant.kind}): quantized mixture-of-experts and fused Phi-3 "
-                         "projections are not implemented")
+                         f"{quant.kind}): quantized mixture-of-experts, fused Phi-3 "
+                         "projections and linear-attention layers are not implemented")
     return quant
 
 

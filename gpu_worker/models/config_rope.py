@@ -13,9 +13,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tandem_serve.gpu_worker.models.hybrid.config import HYBRID_ARCHITECTURES
+
 SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "longrope")
 _GEMMA3 = "Gemma3ForCausalLM"
 _PHI3 = "Phi3ForCausalLM"
+# Families that rotate only part of each head (`partial_rotary_factor`).
+_PARTIAL_ROTARY = (_PHI3, *HYBRID_ARCHITECTURES)
 # transformers' class defaults where a config.json leaves the theta out.
 _GEMMA3_GLOBAL_THETA = 1_000_000.0
 _LOCAL_THETA = 10_000.0
@@ -82,7 +86,7 @@ def _rotary_dim(rope: dict[str, Any], cfg: dict[str, Any], arch: str, head_dim: 
     prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf in (None, 1, 1.0):
         return head_dim
-    if arch != _PHI3:
+    if arch not in _PARTIAL_ROTARY:
         raise ValueError(f"unsupported partial_rotary_factor {prf}")
     dim = int(head_dim * float(prf))
     if dim <= 0 or dim % 2:

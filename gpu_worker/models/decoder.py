@@ -73,7 +73,7 @@ class DecoderLayer(nn.Module):
         self.scale = args.attn_scale if args.attn_scale is not None else args.head_dim**-0.5
         self.sliding_window = args.sliding_windows[layer_idx] if args.sliding_windows else None
         self.act = ACTIVATIONS[args.hidden_act]
-        self.norm: Norm = gemma_rms_norm if args.gemma_norms else rms_norm
+        self.norm: Norm = gemma_rms_norm if args.one_plus_norms else rms_norm
         self.rope_index = 0  # which of the model's ropes (Gemma 3: 1 = the sliding layers')
         h, d = args.hidden_size, args.head_dim
         qkv_out = (args.num_heads + 2 * args.num_kv_heads) * d
@@ -97,6 +97,12 @@ class DecoderLayer(nn.Module):
             self.experts_gate_up = _param((e, 2 * i, h))
             self.experts_down = _param((e, h, i))
             self.grouped = True  # set at load: whether torch's grouped matmul serves them
+            # Qwen3-Next / Qwen3.5-MoE: a shared expert beside the routed ones, its output
+            # weighed by sigmoid(shared_gate . h).
+            si = args.shared_expert_intermediate_size
+            self.shared_gate_up = _param((2 * si, h)) if si else None
+            self.shared_down = _param((h, si)) if si else None
+            self.shared_gate = _param((1, h)) if si else None
         else:
             self.gate_up_weight = _param((2 * args.intermediate_size, h))
             self.gate_up_bias = _param((2 * args.intermediate_size,)) if args.mlp_bias else None
@@ -106,6 +112,9 @@ class DecoderLayer(nn.Module):
         self.packed: dict[str, torch.Tensor | None] = {}
         # Quantized checkpoints: the linears kept quantized, by weight name (`models.quant`).
         self.quant: dict[str, QuantLinear] = {}
+        # Whether LoRA's o_proj applies to `o_weight` (a linear-attention layer's is its
+        # output projection, which no adapter targets).
+        self.adapts_o = True
         # Tensor parallelism (gpu_worker.parallel): sums the row-parallel o/down partial
         # outputs over the ranks; the identity on one rank.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] = _same
@@ -163,11 +172,12 @@ class DecoderLayer(nn.Module):
         """The residual x and attention's output a [T, Hq * D] -> the layer's output."""
         o = self._linear("o_weight", a, self.o_bias)
         # Row-parallel under TP: each rank's delta is a partial sum, like its o itself.
-        a = self.reduce(o if lora is None else lora.add(self.layer_idx, "o", a, o))
+        a = self.reduce(o if lora is None or not self.adapts_o
+                        else lora.add(self.layer_idx, "o", a, o))
         if self.pre_ff_norm is not None:  # Gemma: norm the attention output, then the input
             h, x = add_rms_norm(x, a, self.pre_ff_norm, self.eps, True, self.post_norm)
         else:
-            h, x = add_rms_norm(x, a, self.post_norm, self.eps, self.args.gemma_norms)
+            h, x = add_rms_norm(x, a, self.post_norm, self.eps, self.args.one_plus_norms)
         m = self._experts(h) if self.moe else self._mlp(h, lora)
         if self.post_ff_norm is not None:
             m = self.norm(m, self.post_ff_norm, self.eps)
@@ -186,6 +196,12 @@ class DecoderLayer(nn.Module):
         experts, weights = route(h, self.router, self.args)
         out = experts_forward(h, experts, weights, self.experts_gate_up, self.experts_down,
                               self.act, self.grouped)
+        if self.shared_gate_up is not None:
+            assert self.shared_down is not None and self.shared_gate is not None
+            gu = linear(h, self.shared_gate_up, None, None)
+            act = act_mul(gu, self.args.hidden_act, self.args.shared_expert_intermediate_size)
+            shared = linear(act, self.shared_down, None, None)
+            out = out + torch.sigmoid(linear(h, self.shared_gate, None, None)) * shared
         return self.reduce(out)
 
 
@@ -205,7 +221,7 @@ class CausalLM(nn.Module):
         self.ropes, rope_of_layer = model_ropes(args)
         for layer, index in zip(self.layers, rope_of_layer, strict=True):
             cast(DecoderLayer, layer).rope_index = index
-        self.norm_fn: Norm = gemma_rms_norm if args.gemma_norms else rms_norm
+        self.norm_fn: Norm = gemma_rms_norm if args.one_plus_norms else rms_norm
         # Gemma: embeddings times sqrt(hidden), in the model dtype (set at load).
         self.embed_scale: torch.Tensor | None = None
         self._packed_lm_head: torch.Tensor | None = None

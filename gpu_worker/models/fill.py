@@ -19,6 +19,8 @@ from torch import nn
 from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
+from tandem_serve.gpu_worker.models.hybrid.fill import fill_linear_attention, split_gated_q
+from tandem_serve.gpu_worker.models.hybrid.layers import LinearAttentionLayer
 from tandem_serve.gpu_worker.models.moe import grouped_usable
 from tandem_serve.gpu_worker.models.quant.linear import QuantLinear
 
@@ -52,8 +54,9 @@ def load_weights(model: CausalLM, get: Get, linear: Linear | None = None) -> Non
 
 
 def _norm(a: ModelArgs, weight: torch.Tensor) -> nn.Parameter:
-    # Gemma scales by (1 + w) in float32 (HF: `1.0 + self.weight.float()`), folded here once.
-    return _frozen(1.0 + weight.float() if a.gemma_norms else weight)
+    # Gemma, Qwen3-Next and Qwen3.5 scale by (1 + w) in float32 (HF: `1.0 +
+    # self.weight.float()`), folded here once.
+    return _frozen(1.0 + weight.float() if a.one_plus_norms else weight)
 
 
 def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get,
@@ -79,8 +82,30 @@ def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get,
     if a.gemma_norms:
         layer.pre_ff_norm = _norm(a, get(p + "pre_feedforward_layernorm.weight"))
         layer.post_ff_norm = _norm(a, get(p + "post_feedforward_layernorm.weight"))
+    if isinstance(layer, LinearAttentionLayer):
+        fill_linear_attention(a, layer, p, get)
+    else:
+        _fill_attention(a, layer, p, get, weight, cat)
+    if layer.moe:
+        _fill_experts(a, layer, get, p)
+        return
+    weight("gate_up_weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])
+    weight("down_weight", ["mlp.down_proj.weight"])
+    if a.mlp_bias:
+        layer.gate_up_bias = cat(["mlp.gate_proj.bias", "mlp.up_proj.bias"])
+        layer.down_bias = cat(["mlp.down_proj.bias"])
+
+
+def _fill_attention(a: ModelArgs, layer: DecoderLayer, p: str, get: Get,
+                    weight: Callable[[str, list[str]], None],
+                    cat: Callable[[list[str]], nn.Parameter]) -> None:
     qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    weight("qkv_weight", [x + ".weight" for x in qkv])
+    if a.attn_output_gate:  # q | k | v | gate (hybrid models are never quantized)
+        q, gate = split_gated_q(get(p + qkv[0] + ".weight"), a.num_heads, a.head_dim)
+        layer.qkv_weight = _frozen(torch.cat(
+            [q, get(p + qkv[1] + ".weight"), get(p + qkv[2] + ".weight"), gate]))
+    else:
+        weight("qkv_weight", [x + ".weight" for x in qkv])
     if a.qkv_bias:
         layer.qkv_bias = cat([x + ".bias" for x in qkv])
     weight("o_weight", ["self_attn.o_proj.weight"])
@@ -91,17 +116,9 @@ def _fill_layer(a: ModelArgs, layer: DecoderLayer, p: str, get: Get,
         kn = get(p + "self_attn.k_norm.weight")
         both = torch.cat([qn.expand(a.num_heads, -1), kn.expand(a.num_kv_heads, -1)])
         layer.qk_norm_weight = _norm(a, both)
-    if layer.moe:
-        _fill_experts(a, layer, get)
-        return
-    weight("gate_up_weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"])
-    weight("down_weight", ["mlp.down_proj.weight"])
-    if a.mlp_bias:
-        layer.gate_up_bias = cat(["mlp.gate_proj.bias", "mlp.up_proj.bias"])
-        layer.down_bias = cat(["mlp.down_proj.bias"])
 
 
-def _fill_experts(a: ModelArgs, layer: DecoderLayer, get: Get) -> None:
+def _fill_experts(a: ModelArgs, layer: DecoderLayer, get: Get, p: str) -> None:
     """Stack the experts into [E, 2I, H] (gate rows, then up) and [E, H, I], one expert at a
     time into preallocated tensors, so loading holds one expert's copy beyond the model."""
     n = layer.layer_idx
@@ -118,3 +135,9 @@ def _fill_experts(a: ModelArgs, layer: DecoderLayer, get: Get) -> None:
     layer.experts_gate_up = _frozen(gate_up)
     layer.experts_down = _frozen(down)
     layer.grouped = grouped_usable(router.device, router.dtype, (h, i))
+    if a.shared_expert_intermediate_size:
+        se = p + "mlp.shared_expert."
+        layer.shared_gate_up = _frozen(torch.cat([get(se + "gate_proj.weight"),
+                                                  get(se + "up_proj.weight")]))
+        layer.shared_down = _frozen(get(se + "down_proj.weight"))
+        layer.shared_gate = _frozen(get(p + "mlp.shared_expert_gate.weight"))

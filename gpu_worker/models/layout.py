@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from tandem_serve.gpu_worker.models.config import ModelArgs
 from tandem_serve.gpu_worker.models.config_families import MIXTRAL, PHI3
+from tandem_serve.gpu_worker.models.hybrid.layout import (
+    linear_attention_views,
+    linear_attention_weights,
+    shared_expert_weights,
+)
 
 Shape = tuple[int, ...]
 
@@ -53,7 +58,7 @@ def expected_weights(a: ModelArgs) -> dict[str, Shape]:
     for n in range(a.num_layers):
         p = layer_prefix(n)
         out.update({p + name: (h,) for name in norm_names(a)})
-        out.update(_attention(a, p))
+        out.update(linear_attention_weights(a, p) if a.is_linear(n) else _attention(a, p))
         out.update(_moe(a, n) if a.is_moe(n) else _dense_mlp(a, p))
     return out
 
@@ -61,7 +66,9 @@ def expected_weights(a: ModelArgs) -> dict[str, Shape]:
 def _attention(a: ModelArgs, p: str) -> dict[str, Shape]:
     h, d = a.hidden_size, a.head_dim
     out: dict[str, Shape] = {}
-    for name, rows in (("q", a.num_heads), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
+    # A gated attention's q_proj also yields the output gate: per head, d query rows, d gate.
+    q_rows = a.num_heads * (2 if a.attn_output_gate else 1)
+    for name, rows in (("q", q_rows), ("k", a.num_kv_heads), ("v", a.num_kv_heads)):
         out[p + f"self_attn.{name}_proj.weight"] = (rows * d, h)
         if a.qkv_bias:
             out[p + f"self_attn.{name}_proj.bias"] = (rows * d,)
@@ -90,11 +97,14 @@ def _moe(a: ModelArgs, layer: int) -> dict[str, Shape]:
     for e in range(a.num_experts):
         gate, up, down = expert_names(a, layer, e)
         out.update({gate: (i, h), up: (i, h), down: (h, i)})
-    return out
+    return {**out, **shared_expert_weights(a, layer_prefix(layer))}
 
 
 def views(a: ModelArgs) -> dict[str, tuple[str, int]]:
     """Part name -> (the fused checkpoint tensor holding it, its first row there)."""
+    if a.is_hybrid:
+        return {k: v for n in range(a.num_layers) if a.is_linear(n)
+                for k, v in linear_attention_views(a, layer_prefix(n)).items()}
     if a.architecture != PHI3:
         return {}
     d, i = a.head_dim, a.intermediate_size
@@ -117,7 +127,7 @@ def checkpoint_shapes(a: ModelArgs) -> dict[str, Shape]:
     parts = views(a)
     out = {name: shape for name, shape in expected.items() if name not in parts}
     for name, (fused, _) in parts.items():
-        rows, cols = expected[name]
-        have = out.get(fused, (0, cols))
-        out[fused] = (have[0] + rows, cols)
+        rows, *rest = expected[name]
+        have = out.get(fused, (0, *rest))
+        out[fused] = (have[0] + rows, *rest)
     return out

@@ -13,6 +13,7 @@ from tandem_serve.gpu_worker.models import layout
 from tandem_serve.gpu_worker.models.config import SUPPORTED_ARCHITECTURES, ModelArgs
 from tandem_serve.gpu_worker.models.decoder import CausalLM, DecoderLayer
 from tandem_serve.gpu_worker.models.fill import load_weights
+from tandem_serve.gpu_worker.models.hybrid.model import HybridLM
 from tandem_serve.gpu_worker.models.quant import load as quant_load
 from tandem_serve.gpu_worker.models.quant.dummy import DummyQuantLinears
 from tandem_serve.gpu_worker.models.quant.split import problems as quant_problems
@@ -101,7 +102,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device,
         raise ValueError("; ".join(problems))
     keep = (device.type == "cuda" or CPU_KEEPS_QUANTIZED) if keep_quantized is None \
         else keep_quantized
-    model = CausalLM(local_args(args, shard))
+    model = (HybridLM if args.is_hybrid else CausalLM)(local_args(args, shard))
     if load_format == "dummy":
         def dummy(name: str) -> torch.Tensor:
             return _dummy_part(name, expected[name], args, shard, dtype, device)
@@ -158,6 +159,13 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
     stored = quant_load.checkpoint_shapes(args, layout.checkpoint_shapes(args))
     views = layout.views(args)
     with SafetensorsCheckpoint(model_dir, device) as ckpt:
+        if args.language_model:
+            left = ckpt.language_model_only()
+            if left:
+                log.info("serving the language model of %s: ignoring %d tensors of its "
+                         "vision tower and MTP head (%s)", model_dir, len(left),
+                         ", ".join(sorted({n.split(".")[0] + "." + n.split(".")[1]
+                                           if n.count(".") > 1 else n for n in left})[:4]))
         present = ckpt.names()
         missing = [n for n in stored if n not in present]
         if missing:

@@ -79,6 +79,10 @@ def split_problems(args: ModelArgs, size: int) -> list[str]:
              ("intermediate_size", args.intermediate_size), ("vocab_size", args.vocab_size)]
     if args.num_experts:
         sizes.append(("moe_intermediate_size", args.moe_intermediate_size))
+    if args.shared_expert_intermediate_size:
+        sizes.append(("shared_expert_intermediate_size", args.shared_expert_intermediate_size))
+    if args.linear_attn is not None:  # Gated DeltaNet: whole key heads (and their value heads)
+        sizes.append(("linear_num_key_heads", args.linear_attn.num_k_heads))
     for name, value in sizes:
         if value % size:
             out.append(f"{name} {value} is not divisible by {FLAG} {size}")
@@ -116,10 +120,16 @@ def local_args(args: ModelArgs, shard: Shard) -> ModelArgs:
     if shard.size == 1:
         return args
     check_split(args, shard.size)
-    return dataclasses.replace(args, num_heads=args.num_heads // shard.size,
-                               num_kv_heads=local_kv_heads(args, shard.size),
-                               intermediate_size=args.intermediate_size // shard.size,
-                               moe_intermediate_size=args.moe_intermediate_size // shard.size)
+    s, n = args.linear_attn, shard.size
+    return dataclasses.replace(args, num_heads=args.num_heads // n,
+                               num_kv_heads=local_kv_heads(args, n),
+                               intermediate_size=args.intermediate_size // n,
+                               moe_intermediate_size=args.moe_intermediate_size // n,
+                               shared_expert_intermediate_size=(
+                                   args.shared_expert_intermediate_size // n),
+                               linear_attn=None if s is None else dataclasses.replace(
+                                   s, num_k_heads=s.num_k_heads // n,
+                                   num_v_heads=s.num_v_heads // n))
 
 
 def vocab_range(args: ModelArgs, shard: Shard) -> tuple[int, int]:
@@ -146,20 +156,27 @@ def checkpoint_part(name: str, args: ModelArgs, shard: Shard) -> Part:
     """The part of checkpoint tensor `name` (HF naming, global shapes) that `shard` holds."""
     if shard.size == 1:
         return WHOLE
+    if ".linear_attn." in name:
+        return _linear_attention_part(name, args, shard)
     kind = style(name)
     if kind == "vocab":
         return Part(0, *vocab_range(args, shard))
     if kind == "replicated":
         return WHOLE
     d = args.head_dim
-    if "q_proj" in name or "o_proj" in name:
+    if "q_proj" in name and args.attn_output_gate:  # per head: d query rows, then d gate rows
+        n = args.num_heads // shard.size
+        rows = (shard.rank * n * 2 * d, (shard.rank + 1) * n * 2 * d)
+    elif "q_proj" in name or "o_proj" in name:
         n = args.num_heads // shard.size
         rows = (shard.rank * n * d, (shard.rank + 1) * n * d)
     elif "k_proj" in name or "v_proj" in name:
         first, last = kv_heads(args, shard)
         rows = (first * d, last * d)
     else:  # gate_proj, up_proj, down_proj; an expert's are its own width
-        width = args.moe_intermediate_size if ".experts." in name else args.intermediate_size
+        width = (args.moe_intermediate_size if ".experts." in name
+                 else args.shared_expert_intermediate_size if ".shared_expert." in name
+                 else args.intermediate_size)
         n = width // shard.size
         rows = (shard.rank * n, (shard.rank + 1) * n)
     if kind == "column":  # weight [out, in] and bias [out]: split the output rows
@@ -168,6 +185,35 @@ def checkpoint_part(name: str, args: ModelArgs, shard: Shard) -> Part:
         # Row-parallel: the bias must be added once to the all-reduced sum.
         return WHOLE if shard.rank == 0 else ZEROS
     return Part(1, *rows)  # weight [out, in]: split the input columns
+
+
+def _linear_attention_part(name: str, args: ModelArgs, shard: Shard) -> Part:
+    """A Gated DeltaNet tensor's part: each rank holds whole key heads and their value heads.
+    Qwen3-Next's in_proj_qkvz / in_proj_ba group their rows by key head (contiguous per rank);
+    the q | k | v parts of Qwen3.5's in_proj_qkv and of the convolution are asked for
+    separately (`layout.views`), each split by heads; norm.weight (per head dim) is whole."""
+    s = args.linear_attn
+    assert s is not None
+    kh, vh = s.num_k_heads // shard.size, s.num_v_heads // shard.size
+
+    def rows(per_head: int, heads: int) -> Part:
+        return Part(0, shard.rank * heads * per_head, (shard.rank + 1) * heads * per_head)
+
+    r = s.num_v_heads // s.num_k_heads
+    if "in_proj_qkvz" in name:
+        return rows(2 * s.head_k_dim + 2 * r * s.head_v_dim, kh)
+    if "in_proj_ba" in name:
+        return rows(2 * r, kh)
+    if name.endswith(("in_proj_q.weight", "in_proj_k.weight", "conv1d_q.weight",
+                      "conv1d_k.weight")):
+        return rows(s.head_k_dim, kh)
+    if name.endswith(("in_proj_v.weight", "in_proj_z.weight", "conv1d_v.weight")):
+        return rows(s.head_v_dim, vh)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log")):
+        return rows(1, vh)
+    if name.endswith("out_proj.weight"):
+        return Part(1, shard.rank * vh * s.head_v_dim, (shard.rank + 1) * vh * s.head_v_dim)
+    return WHOLE
 
 
 def lora_part(module_weight: str, matrix: Literal["A", "B"], args: ModelArgs,

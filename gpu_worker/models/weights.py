@@ -63,6 +63,24 @@ class SafetensorsCheckpoint:
             self._stored[name] = k
             self._file_of[name] = self._file_of.pop(k)
         self._handles: dict[str, Any] = {}
+        self._stored: dict[str, str] = {}  # a name as asked for -> as stored (default: same)
+
+    def language_model_only(self, prefix: str = "model.language_model.") -> list[str]:
+        """A multimodal folder: its language model's tensors (`prefix` + X) under the names a
+        causal LM's would have (model.X; the LM head keeps its name), everything else (a
+        vision tower, an MTP head) left out. Returns the names left out."""
+        kept: dict[str, str] = {}
+        left = []
+        for name, path in self._file_of.items():
+            if name.startswith(prefix):
+                alias = "model." + name[len(prefix):]
+                kept[alias], self._stored[alias] = path, name
+            elif name.startswith("lm_head."):
+                kept[name] = path
+            else:
+                left.append(name)
+        self._file_of = kept
+        return left
 
     def _handle(self, path: str) -> Any:
         h = self._handles.get(path)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from tandem_serve.gpu_worker.attention.base import StateRows
 from tandem_serve.gpu_worker.spec.proposer import DraftInputs, Proposer
 from tandem_serve.gpu_worker.state import RequestState
 from tandem_serve.proto.request_params import FinishReason, GuidedKind
@@ -105,6 +106,8 @@ class VerifyRows:
     block_tables: Tensor
     bound: int  # host bound of every row's context length in this step
     lens: list[int]  # host bound per verify row
+    # Hybrid models: the B rows' state slots and the speculating rows (None: no such model).
+    states: StateRows | None = None
 
     @property
     def size(self) -> int:
@@ -168,8 +171,8 @@ class SpecBatch:
         return torch.where(active[i], length, 0)
 
     def expand(self, input_ids: Tensor, drafts: Tensor, length: Tensor, positions: Tensor,
-               active: Tensor, block_tables: Tensor, bound: int, lens: list[int]
-               ) -> VerifyRows:
+               active: Tensor, block_tables: Tensor, bound: int, lens: list[int],
+               states: StateRows | None = None) -> VerifyRows:
         """The verify forward's rows: the batch's B rows, then k draft rows per speculating
         row (`lens`: each batch row's host bound)."""
         i, k = self.index, self.k
@@ -182,7 +185,8 @@ class SpecBatch:
                           torch.cat((positions, pos.reshape(-1))),
                           torch.cat((active, used.reshape(-1))),
                           torch.cat((block_tables, block_tables[i].repeat_interleave(k, dim=0))),
-                          bound, lens + [lens[r] for r in self.chosen for _ in range(k)])
+                          bound, lens + [lens[r] for r in self.chosen for _ in range(k)],
+                          None if states is None else StateRows(states.decode, [], [], (i, k)))
 
     def spread(self, rows: int, values: Tensor, fill: int) -> Tensor:
         """Per speculating row values [S, ...] as [rows, ...], `fill` elsewhere."""

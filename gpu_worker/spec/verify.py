@@ -39,7 +39,7 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, ex: StepEx
                           ex.max_model_len)
     with TRACER.span("verify", b.plan_id, step):
         verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
-                             b.block_tables, b.max_seq_len(step), b.row_lens(step))
+                             b.block_tables, b.max_seq_len(step), b.row_lens(step), b.states)
         logits, details = ex.logits(verify, step, pre, b.lora)
     # The first position exactly as a plain step samples it (every row: penalties, guided
     # masks, logprobs); the draft positions only for the rows that speculate.
@@ -53,6 +53,8 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, ex: StepEx
     accepted = accept_prefix(spec.spread(rows, drafts, -1), all_length, tokens)
     emitted, finish, count = finish_run(tokens, accepted, b.active, b.output_count,
                                         b.max_new, b.stop_ids, b.positions, ex.max_model_len)
+    if ex.states is not None:  # each row's state after its emitted run, no more
+        ex.states.commit(count)
     ex.record(b, emitted[:, 0], last)
     advance_(b, spec, ctx, emitted, count)
     spec.record(emitted[i], length, count[i], b.active[i])

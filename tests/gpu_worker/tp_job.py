@@ -249,6 +249,13 @@ def main() -> None:
             tp.close()
         return
     try:
+        if "hybrid" in spec:  # hybrid models' serving runs alone (their own test module)
+            runs = (("async_k8", 8, True), ("sync_k1", 1, False))
+            torch.save({name: {mode: runner_outputs(path, tp, k, per_step, dev)
+                               for mode, k, per_step in runs}
+                        for name, path in spec["hybrid"].items()},
+                       f"{args.out}/rank{args.rank}.pt")
+            return
         result: dict[str, Any] = {
             "models": {name: model_outputs(path, tp, dev)
                        for name, path in spec["models"].items()},
