@@ -55,30 +55,24 @@ class SafetensorsCheckpoint:
                     self._file_of[k] = single_path
         else:
             raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
-        # A VL checkpoint may nest its language model (`model.language_model.layers...`,
-        # Qwen3-VL as published): its tensors go by the text model's names, `model.layers...`.
-        self._stored: dict[str, str] = {}
+        self._handles: dict[str, Any] = {}
+        self._stored: dict[str, str] = {}  # a name as asked for -> as stored (default: same)
+        # A multimodal checkpoint may nest its language model (`model.language_model.layers...`,
+        # Qwen3-VL and Qwen3.5 as published): its tensors go by the text model's names,
+        # `model.layers...`.
         for k in [k for k in self._file_of if k.startswith(NESTED_LM)]:
             name = "model." + k[len(NESTED_LM):]
             self._stored[name] = k
             self._file_of[name] = self._file_of.pop(k)
-        self._handles: dict[str, Any] = {}
-        self._stored: dict[str, str] = {}  # a name as asked for -> as stored (default: same)
 
-    def language_model_only(self, prefix: str = "model.language_model.") -> list[str]:
-        """A multimodal folder: its language model's tensors (`prefix` + X) under the names a
-        causal LM's would have (model.X; the LM head keeps its name), everything else (a
-        vision tower, an MTP head) left out. Returns the names left out."""
-        kept: dict[str, str] = {}
-        left = []
-        for name, path in self._file_of.items():
-            if name.startswith(prefix):
-                alias = "model." + name[len(prefix):]
-                kept[alias], self._stored[alias] = path, name
-            elif name.startswith("lm_head."):
-                kept[name] = path
-            else:
-                left.append(name)
+    def language_model_only(self) -> list[str]:
+        """A multimodal folder served as its language model: only the nested language
+        model's tensors (already under the causal LM's names) and the LM head are kept;
+        everything else (a vision tower, an MTP head) is left out. Returns the names left
+        out."""
+        kept = {name: path for name, path in self._file_of.items()
+                if name in self._stored or name.startswith("lm_head.")}
+        left = [name for name in self._file_of if name not in kept]
         self._file_of = kept
         return left
 
