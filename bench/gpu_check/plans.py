@@ -70,7 +70,8 @@ class Plan:
     arrival_repeats: int = 1
     arrival_input_len: int = 1024
     arrival_output_len: int = 128
-    # The gpu tests stage's pytest arguments beyond `-m gpu` and the files that mark tests
+    # The gpu tests stage's pytest arguments beyond `-m 'gpu or triton'` and the files
+    # that mark tests
     gpu_test_args: tuple[str, ...] = ()
     # Seconds a stage may take at most (beside the run's budget); past it the stage is
     # stopped, its processes ended, and it is reported as timed out.

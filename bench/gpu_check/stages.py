@@ -61,8 +61,8 @@ def stage_environment(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, A
 
 
 def gpu_test_files() -> list[str]:
-    """The test files that mark tests `gpu` (collecting only them keeps the stage short on
-    a GPU host, and seconds on the CPU, where every one is skipped)."""
+    """The test files that mark tests `gpu` or `triton` (collecting only them keeps the stage
+    short on a GPU host; on the CPU `gpu` ones are skipped and `triton` ones interpreted)."""
     found = []
     for folder, dirs, files in os.walk(os.path.join(REPO_ROOT, "tests")):
         dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", "deploy"))
@@ -70,23 +70,25 @@ def gpu_test_files() -> list[str]:
             if name.startswith("test_") and name.endswith(".py"):
                 path = os.path.join(folder, name)
                 with open(path, encoding="utf-8", errors="replace") as f:
-                    if "mark.gpu" in f.read():
+                    text = f.read()
+                    if "mark.gpu" in text or "mark.triton" in text:
                         found.append(os.path.relpath(path, REPO_ROOT))
     return found
 
 
 def stage_gpu_tests(plan: Plan, out: str, budget: Budget) -> tuple[dict[str, Any], str]:
     files = gpu_test_files()
-    proc = run_tree([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+    proc = run_tree([sys.executable, "-m", "pytest", "-q", "-m", "gpu or triton", "-p",
                      "no:cacheprovider", *plan.gpu_test_args, *files],
                     timeout=max(budget.left - 5, 10))
     tail = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     with open(os.path.join(out, "gpu_tests.log"), "w") as f:
         f.write(proc.stdout + proc.stderr)
     if proc.returncode not in (0, 5):  # 5: nothing collected
-        raise RuntimeError(f"pytest -m gpu: {tail}")
+        raise RuntimeError(f"pytest -m 'gpu or triton': {tail}")
     return ({"summary": tail, "returncode": proc.returncode, "files": files},
-            f"`pytest -m gpu` over the {len(files)} files that mark tests `gpu`: {tail}")
+            f"`pytest -m 'gpu or triton'` over the {len(files)} files that mark tests so "
+            f"(the Triton kernels compiled): {tail}")
 
 
 def num_prompts(plan: Plan, budget: Budget, arms: int, startup_s: float) -> int:

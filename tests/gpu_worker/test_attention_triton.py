@@ -28,7 +28,8 @@ from tests.gpu_worker.model_utils import (
 from tests.gpu_worker.runner_driver import hf_greedy
 from tests.gpu_worker.test_speculative import SPEC, _chain_of, _run
 
-pytestmark = pytest.mark.usefixtures("triton_interpreter")
+# `triton`: gpu-check's gpu tests stage runs these compiled on a GPU host.
+pytestmark = [pytest.mark.usefixtures("triton_interpreter"), pytest.mark.triton]
 
 BS, HKV, G, D = 16, 2, 2, 16
 

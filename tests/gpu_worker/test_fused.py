@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 pytest.importorskip("triton")
+# `triton`: gpu-check's gpu tests stage runs these compiled on a GPU host.
+pytestmark = pytest.mark.triton
 
 from tandem_serve.gpu_worker.models import fused, layers  # noqa: E402
 from tandem_serve.gpu_worker.models.config import ModelArgs  # noqa: E402

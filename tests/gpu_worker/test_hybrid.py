@@ -20,6 +20,7 @@ from tandem_serve.proto.speculative import parse_speculative
 from tandem_serve.tandem.preflight import check_hybrid
 from tests.gpu_worker.hybrid_utils import HYBRIDS, checkpoint
 from tests.gpu_worker.runner_driver import make_runner
+from tests.gpu_worker.triton_utils import DEVICE
 
 CPU = torch.device("cpu")
 
@@ -140,6 +141,7 @@ def test_unsupported_combinations_are_refused(ckpt_root: Path) -> None:
         local_args(ModelArgs.from_hf_config(cfg), Shard(0, 2))
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("dims", [(2, 4, 16, 8), (1, 3, 24, 40)], ids=["grouped", "odd"])
 def test_recurrent_kernel_is_the_torch_step(triton_interpreter: None,
                                             dims: tuple[int, int, int, int]) -> None:
@@ -155,7 +157,9 @@ def test_recurrent_kernel_is_the_torch_step(triton_interpreter: None,
     v = torch.randn(rows, hv, dv, generator=g)
     decay, beta = -torch.rand(rows, hv, generator=g), torch.rand(rows, hv, generator=g)
     pool = torch.randn(num_slots, hv, dk, dv, generator=g)
-    slots = torch.tensor([4, 0, 2])
+    # On a GPU host (gpu-check's gpu tests stage) the kernel runs compiled, on CUDA tensors.
+    q, k, v, decay, beta, pool = (t.to(DEVICE) for t in (q, k, v, decay, beta, pool))
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
     want_pool = pool.clone()
     want = delta_rule.recurrent_update(q, k, v, decay, beta, want_pool, slots)
     with fused.forced():

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+# `triton`: gpu-check's gpu tests stage runs these compiled on a GPU host.
+pytestmark = pytest.mark.triton
 
 from tandem_serve.adapters.peft import ModelShapes  # noqa: E402
 from tandem_serve.gpu_worker.lora import FUSED, LoraContext, LoraWeights  # noqa: E402
