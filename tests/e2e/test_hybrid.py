@@ -47,9 +47,11 @@ def server(model: str) -> Iterator[Server]:
 
 def test_streams_under_kv_pressure_equal_hf(model: str, server: Server) -> None:
     rng = random.Random(5)
-    # 45 to 110 prompt tokens each: two or three fit in the cache at once.
+    # 45 to 110 prompt tokens each: two or three fit in the cache at once. Enough requests,
+    # living long enough, that some decode side by side however the threads' sends spread
+    # out on a loaded host (ten short ones once ran one after another, never preempting).
     jobs = [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 24))),
-             rng.randint(12, 32)) for _ in range(10)]
+             rng.randint(24, 40)) for _ in range(24)]
     want = hf_greedy(model, jobs)
     assert run_all(server, jobs) == want
     stats = server.wait_stats(lambda s: not s.num_running and not s.num_waiting)
