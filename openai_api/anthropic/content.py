@@ -35,9 +35,10 @@ def image_part(block: dict[str, Any], at: str) -> tuple[dict[str, Any], str]:
             raise ValidationError(f"{at}.source.data", "must be a non-empty base64 string")
         url, where = f"data:{media};base64,{data}", f"{at}.source.data"
     elif kind == "url":
-        url, where = source.get("url"), f"{at}.source.url"
-        if not isinstance(url, str) or not url:
+        value, where = source.get("url"), f"{at}.source.url"
+        if not isinstance(value, str) or not value:
             raise ValidationError(where, "must be a non-empty URL string")
+        url = value
     else:
         raise ValidationError(f"{at}.source.type", f"must be 'base64' or 'url', got {kind!r}")
     return {"type": "image_url", "image_url": {"url": url}}, where

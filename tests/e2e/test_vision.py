@@ -235,6 +235,15 @@ def test_anthropic_image_block_equals_chat(server: Server) -> None:
     counted = client.messages.count_tokens(model="m",
                                            messages=[{"role": "user", "content": content}])
     assert counted.input_tokens == made.usage.input_tokens
+    call: Any = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "look",
+                                                   "input": {}}]}
+    in_result = [{"role": "user", "content": "look"}, call, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": content}]}]
+    with_image = client.messages.count_tokens(model="m", messages=in_result).input_tokens
+    in_result[2]["content"][0]["content"] = content[1:]
+    without = client.messages.count_tokens(model="m", messages=in_result).input_tokens
+    assert with_image - without == made.usage.input_tokens - client.messages.count_tokens(
+        model="m", messages=[{"role": "user", "content": content[1:]}]).input_tokens
     bad: Any = {"type": "image", "source": {**block["source"], "data": "iVBOR%%%"}}
     with pytest.raises(anthropic.BadRequestError) as exc:
         client.messages.create(model="m", max_tokens=N, messages=[
