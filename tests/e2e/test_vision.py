@@ -232,6 +232,11 @@ def test_anthropic_image_block_equals_chat(server: Server) -> None:
     assert status == 200, answer
     assert made.content[0].text == answer["choices"][0]["message"]["content"]  # type: ignore
     assert made.usage.input_tokens == answer["usage"]["prompt_tokens"]
+    with client.messages.stream(model="m", max_tokens=N, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": content}]) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == made.content[0].text  # type: ignore[union-attr]
+    assert streamed.usage.input_tokens == made.usage.input_tokens
     counted = client.messages.count_tokens(model="m",
                                            messages=[{"role": "user", "content": content}])
     assert counted.input_tokens == made.usage.input_tokens
