@@ -2,8 +2,9 @@
 (fetched by the server) and `file://` under `--allowed-local-media-path`, as vLLM takes them.
 
 Every failure is a `ValidationError` naming the request's field (HTTP 400 in OpenAI's shape):
-corrupt base64, bytes that are not a PNG, JPEG or WebP image, a scheme we do not fetch, a
-local path outside the allowed folder (or without the flag), a fetch that fails, times out,
+corrupt base64, bytes that are not a PNG, JPEG, WebP or GIF image (a GIF reads as its
+first frame), a scheme we do not fetch, a local path outside the allowed folder (or without
+the flag), a fetch that fails, times out,
 redirects to another scheme or sends more than `max_bytes`, an image with more pixels than
 `max_pixels` (checked from its header, before decoding). Decoding runs on a worker thread:
 the event loop keeps streaming.
@@ -25,7 +26,7 @@ from typing import Any
 
 from tandem_serve.frontend.validation import ValidationError
 
-FORMATS = ("PNG", "JPEG", "WEBP")
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_REDIRECTS = 5
 
 
@@ -127,10 +128,11 @@ def decode_image(data: bytes, field: str, policy: MediaPolicy) -> Any:
     try:
         image = Image.open(io.BytesIO(data))
     except (UnidentifiedImageError, OSError, ValueError):
-        raise ValidationError(field, "the data is not an image (PNG, JPEG or WebP)") from None
+        raise ValidationError(field, "the data is not an image (PNG, JPEG, WebP or "
+                                     "GIF)") from None
     if image.format not in FORMATS:
         raise ValidationError(field, f"image format {image.format} is not supported; use "
-                                     "PNG, JPEG or WebP")
+                                     "PNG, JPEG, WebP or GIF")
     width, height = image.size
     if width * height > policy.max_pixels:
         raise ValidationError(field, f"image is {width}x{height} pixels, more than "

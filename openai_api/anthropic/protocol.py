@@ -8,8 +8,9 @@ and its text blocks one user message, in order; an assistant turn's `tool_use` b
 its tool calls (their `input` the arguments) and its text the content. A conversation that
 ends with an assistant turn is continued, as Anthropic continues a prefilled answer
 (`continue_final_message`). `thinking` blocks of earlier turns do not go back into the
-prompt, as the Responses API drops reasoning items. Image and document blocks are a 400
-naming the block: the engine takes text only.
+prompt, as the Responses API drops reasoning items. Image blocks (in a user turn or a
+tool_result) are chat's image_url parts (`anthropic/content.py`); document blocks are a 400
+naming the block.
 
 Tools are custom tools (`name`, `description`, `input_schema`); `tool_choice` `auto` needs
 the server's tool parser (--enable-auto-tool-choice), `any` is chat's `required`, `tool` a
@@ -32,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from tandem_serve.frontend.validation import ValidationError
+from tandem_serve.openai_api.anthropic.content import chat_content, is_content_block
 from tandem_serve.openai_api.errors import ApiError
 from tandem_serve.openai_api.protocol import ChatCompletionRequest
 
@@ -98,6 +100,8 @@ class Translation:
 
     chat: ChatCompletionRequest
     origins: list[str] = field(default_factory=list)
+    # An image part's chat field (`messages[2].content[0].image_url`) -> its Messages field.
+    images: dict[str, str] = field(default_factory=dict)
 
 
 def _texts(value: object, where: str) -> str:
@@ -116,8 +120,8 @@ def _texts(value: object, where: str) -> str:
 
 
 def _unsupported(kind: object, what: str) -> str:
-    if kind in ("image", "document"):
-        return f"{kind} blocks are not supported: this server takes text input only"
+    if kind == "document":
+        return "document blocks are not supported: this server takes text and images only"
     return f"only {what} are supported here, got type {kind!r}"
 
 
@@ -127,35 +131,59 @@ class _Turns:
     def __init__(self) -> None:
         self.messages: list[dict[str, Any]] = []
         self.origins: list[str] = []
+        self.images: dict[str, str] = {}
 
-    def add(self, message: dict[str, Any], origin: str) -> None:
+    def add(self, message: dict[str, Any], origin: str,
+            images: list[tuple[int, str]] | None = None) -> None:
+        for part, where in images or []:
+            self.images[f"messages[{len(self.messages)}].content[{part}].image_url"] = where
         self.messages.append(message)
         self.origins.append(origin)
+
+    def _content(self, role: str, blocks: list[tuple[str, dict[str, Any]]], origin: str,
+                 **extra: Any) -> None:
+        content, images = chat_content(blocks)
+        self.add({"role": role, **extra, "content": content}, origin, images)
+
+    def _result(self, block: dict[str, Any], at: str) -> None:
+        """A tool_result block as a tool message: its content a string, or text and image
+        blocks."""
+        if not isinstance(block.get("tool_use_id"), str):
+            raise ValidationError(f"{at}.tool_use_id", "must be a string")
+        value = block.get("content", "")
+        if isinstance(value, str):
+            value = [{"type": "text", "text": value}]
+        if not isinstance(value, list):
+            raise ValidationError(f"{at}.content", "must be a string or a list of text and "
+                                                   "image blocks")
+        for j, b in enumerate(value):
+            if not is_content_block(b):
+                kind = b.get("type") if isinstance(b, dict) else None
+                raise ValidationError(f"{at}.content[{j}]",
+                                      _unsupported(kind, "text and image blocks"))
+        self._content("tool", [(f"{at}.content[{j}]", b) for j, b in enumerate(value)], at,
+                      tool_call_id=block["tool_use_id"])
 
     def user(self, i: int, content: str | list[dict[str, Any]]) -> None:
         where = f"messages[{i}]"
         if isinstance(content, str):
             self.add({"role": "user", "content": content}, where)
             return
-        texts: list[str] = []
+        pending: list[tuple[str, dict[str, Any]]] = []  # text and images before a result
         for j, block in enumerate(content):
             at = f"{where}.content[{j}]"
-            kind = block.get("type")
-            if kind == "text" and isinstance(block.get("text"), str):
-                texts.append(block["text"])
-            elif kind == "tool_result":
-                if texts:  # text before a result stays before it
-                    self.add({"role": "user", "content": "\n".join(texts)}, where)
-                    texts = []
-                if not isinstance(block.get("tool_use_id"), str):
-                    raise ValidationError(f"{at}.tool_use_id", "must be a string")
-                self.add({"role": "tool", "tool_call_id": block["tool_use_id"],
-                          "content": _texts(block.get("content", ""), f"{at}.content")}, at)
+            if is_content_block(block):
+                pending.append((at, block))
+            elif block.get("type") == "tool_result":
+                if pending:  # what comes before a result stays before it
+                    self._content("user", pending, where)
+                    pending = []
+                self._result(block, at)
             else:
-                raise ValidationError(at, _unsupported(kind, "text and tool_result blocks "
-                                                             "in a user turn"))
-        if texts or not content:
-            self.add({"role": "user", "content": "\n".join(texts)}, where)
+                raise ValidationError(at, _unsupported(block.get("type"), "text, image and "
+                                                       "tool_result blocks in a user turn"))
+        if pending or not content:
+            self._content("user", pending, where)
 
     def assistant(self, i: int, content: str | list[dict[str, Any]]) -> None:
         where = f"messages[{i}]"
@@ -273,7 +301,8 @@ def chat_request(body: CountTokensRequest) -> Translation:
         fields.update(max_tokens=body.max_tokens, stop=body.stop_sequences,
                       stream=body.stream, temperature=body.temperature, top_p=body.top_p,
                       top_k=body.top_k, user=user if isinstance(user, str) else None)
-    return Translation(ChatCompletionRequest.model_validate(fields), turns.origins)
+    return Translation(ChatCompletionRequest.model_validate(fields), turns.origins,
+                       turns.images)
 
 
 _RENAMES = [(re.compile(r"^stop(?=\[|$)"), "stop_sequences"),
@@ -284,15 +313,19 @@ _RENAMES = [(re.compile(r"^stop(?=\[|$)"), "stop_sequences"),
             (re.compile(r"^response_format"), "output_config.format")]
 
 
-def renamed(exc: ApiError, origins: list[str]) -> ApiError:
+def renamed(exc: ApiError, origins: list[str], images: dict[str, str] | None = None
+            ) -> ApiError:
     """A chat request's error with the Messages API's field names."""
     if not exc.param:
         return exc
     param = exc.param
     for pattern, name in _RENAMES:
         param = pattern.sub(name, param)
+    image = re.match(r"^messages\[\d+\]\.content\[\d+\]\.image_url", param)
     at = re.match(r"^messages\[(\d+)\]", param)
-    if at and int(at.group(1)) < len(origins):
+    if image and image.group() in (images or {}):
+        param = (images or {})[image.group()] + param[image.end():]
+    elif at and int(at.group(1)) < len(origins):
         param = origins[int(at.group(1))] + param[at.end():]
     message = exc.message
     if message.startswith(exc.param):

@@ -145,6 +145,12 @@ def _message(msg_id: str, model: str, content: list[dict[str, Any]],
             "usage": use}
 
 
+def _renamed(error: ApiError, translation: Translation | None) -> ApiError:
+    if translation is None:  # the translation itself failed: its names are the Messages API's
+        return renamed(error, [])
+    return renamed(error, translation.origins, translation.images)
+
+
 async def _begin(serving: Serving, request: HTTPRequest, body: MessagesRequest
                  ) -> Job | Response:
     translation: Translation | None = None
@@ -155,7 +161,7 @@ async def _begin(serving: Serving, request: HTTPRequest, body: MessagesRequest
         error = ApiError.bad_parameter(exc)
     except ApiError as exc:
         error = exc
-    raise renamed(error, translation.origins if translation else []) from None
+    raise _renamed(error, translation) from None
 
 
 async def create_message(serving: Serving, request: HTTPRequest, body: MessagesRequest
@@ -215,8 +221,7 @@ async def count_tokens(serving: Serving, body: CountTokensRequest) -> dict[str, 
         serving.models.resolve(body.model)
         prompt = await rendered(serving, translation.chat)
     except ValidationError as exc:
-        raise renamed(ApiError.bad_parameter(exc),
-                      translation.origins if translation else []) from None
+        raise _renamed(ApiError.bad_parameter(exc), translation) from None
     except EngineError as exc:
         raise ApiError.from_engine(exc) from None
     return {"input_tokens": len(prompt.ids)}

@@ -1,8 +1,8 @@
 """A vision-language checkpoint (tiny Qwen2.5-VL written by transformers) served through the
 OpenAI chat API: image_url parts by data:, http:// and file:// URLs, greedy output and
 prompt_tokens equal to transformers' with the checkpoint's own processor, the prefix cache
-keyed by image content, the Responses API's input_image, and every bad image a 400 naming
-its part while other requests run on."""
+keyed by image content, the Responses API's input_image, Anthropic's image blocks through the
+official client, and every bad image a 400 naming its part while other requests run on."""
 from __future__ import annotations
 
 import base64
@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import pytest
 
 from tandem_serve.harness.metrics_scrape import Scrape
@@ -214,3 +215,47 @@ def test_guided_choice_with_an_image(server: Server) -> None:
         "messages": [{"role": "user", "content": parts("cat or dog?", data_url(IMAGES[0]))}]})
     assert status == 200, answer
     assert answer["choices"][0]["message"]["content"] in ("cat", "dog")
+
+
+def test_anthropic_image_block_equals_chat(server: Server) -> None:
+    """The official client's base64 image block: chat's text and prompt tokens, which
+    count_tokens also counts; a bad block is Anthropic's 400 naming its source field."""
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{server.http_port}",
+                                 api_key="none", max_retries=0, timeout=120)
+    block: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": base64.b64encode(IMAGES[1]).decode()}}
+    content: Any = [block, {"type": "text", "text": "what is this"}]
+    # Greedy as chat: this client's create() has no temperature argument any more.
+    made = client.messages.create(model="m", max_tokens=N, extra_body={"temperature": 0},
+                                  messages=[{"role": "user", "content": content}])
+    status, answer = chat(server, parts("what is this", data_url(IMAGES[1])))
+    assert status == 200, answer
+    assert made.content[0].text == answer["choices"][0]["message"]["content"]  # type: ignore
+    assert made.usage.input_tokens == answer["usage"]["prompt_tokens"]
+    with client.messages.stream(model="m", max_tokens=N, extra_body={"temperature": 0},
+                                messages=[{"role": "user", "content": content}]) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.content[0].text == made.content[0].text  # type: ignore[union-attr]
+    assert streamed.usage.input_tokens == made.usage.input_tokens
+    counted = client.messages.count_tokens(model="m",
+                                           messages=[{"role": "user", "content": content}])
+    assert counted.input_tokens == made.usage.input_tokens
+    call: Any = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "look",
+                                                   "input": {}}]}
+    in_result = [{"role": "user", "content": "look"}, call, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": content}]}]
+    with_image = client.messages.count_tokens(model="m", messages=in_result).input_tokens
+    in_result[2]["content"][0]["content"] = content[1:]
+    without = client.messages.count_tokens(model="m", messages=in_result).input_tokens
+    assert with_image - without == made.usage.input_tokens - client.messages.count_tokens(
+        model="m", messages=[{"role": "user", "content": content[1:]}]).input_tokens
+    bad: Any = {"type": "image", "source": {**block["source"], "data": "iVBOR%%%"}}
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.create(model="m", max_tokens=N, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "x"}, bad]}])
+    assert exc.value.body["error"]["message"].startswith(  # type: ignore[index]
+        "messages[0].content[1].source.data: data: URL is not valid base64")
+    with pytest.raises(anthropic.BadRequestError) as exc:
+        client.messages.count_tokens(model="m", messages=[
+            {"role": "user", "content": [block, block, block]}])
+    assert "messages[0].content[2].source.data" in str(exc.value)

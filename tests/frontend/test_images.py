@@ -92,6 +92,11 @@ def test_decoding_checks_the_format_and_the_pixels_before_decoding() -> None:
         decode_image(encoded((101, 100), "PNG"), "f", policy)
     with pytest.raises(ValidationError, match="format BMP is not supported"):
         decode_image(encoded((10, 10), "BMP"), "f", policy)
+    frames = [Image.new("RGB", (8, 8), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    gif = io.BytesIO()
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:])
+    first = decode_image(gif.getvalue(), "f", policy)  # an animated GIF: its first frame
+    assert first.mode == "RGB" and first.getpixel((3, 3)) == (255, 0, 0)
     with pytest.raises(ValidationError, match="not an image"):
         decode_image(b"\x89PNG but not really", "f", policy)
     truncated = encoded((100, 100), "PNG")[:60]  # the header, not the pixels

@@ -179,9 +179,15 @@ def test_tool_choice_any_and_tool_are_guided(app: AgentApp,
 
 
 BAD: list[tuple[str, dict[str, Any]]] = [
-    ("messages[0].content[0]: image blocks are not supported", {"messages": [
+    ("messages[0].content[1].source.data: this model does not take images", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "SCRIPT:hello"}, {
+            "type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}),
+    ("messages[0].content[0].source.media_type", {"messages": [
         {"role": "user", "content": [{"type": "image", "source": {
-            "type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}),
+            "type": "base64", "media_type": "image/tiff", "data": "AAAA"}}]}]}),
+    ("messages[0].content[0]: document blocks are not supported", {"messages": [
+        {"role": "user", "content": [{"type": "document", "source": {}}]}]}),
     ("max_tokens: Field required", {"max_tokens": None}),
     ("max_tokens: must be in [1, 512]", {"max_tokens": 100000}),
     ("temperature: must be >= 0", {"temperature": -1}),
