@@ -175,15 +175,10 @@ async def create_message(serving: Serving, request: HTTPRequest, body: MessagesR
     if body.stream:
         return StreamingResponse(_events(job, msg_id, output), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    parts: list[str] = []
-
-    def add(i: int, d: Any) -> None:
-        c.update(d)
-        parts.append(d.text)
-
-    if not await serving.collect(request, job, add):
+    text = await serving.collect_text(request, job)
+    if text is None:
         return Response(status_code=499)
-    message = output.message("".join(parts))
+    message = output.message(text)
     return JSONResponse(_message(msg_id, job.target.name, content_blocks(message),
                                  stop_reason(c, bool(message.calls)), usage(job, c)))
 

@@ -333,6 +333,18 @@ class Serving:
         self._log_done(job.rlog, job.choices, job.arrived)
         return True
 
+    async def collect_text(self, request: HTTPRequest, job: Job) -> str | None:
+        """A one-choice job's whole text (its choice updated as the deltas come), as the
+        Responses and Messages APIs answer without streaming; None if the client went away."""
+        c = job.choices[0]
+        parts: list[str] = []
+
+        def add(i: int, d: OutputDelta) -> None:
+            c.update(d)
+            parts.append(d.text)
+
+        return "".join(parts) if await self.collect(request, job, add) else None
+
     def _choices(self, params: P.Params, prompts: list[Prompt], limits: Limits,
                  arrived: float, adapter_id: str, echo: bool, output: Output | None = None
                  ) -> list[Choice]:

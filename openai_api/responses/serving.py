@@ -173,19 +173,14 @@ async def respond(serving: Serving, request: HTTPRequest, body: ResponsesRequest
     if body.stream:
         return StreamingResponse(_events(job, envelope, output), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    c = job.choices[0]
-    parts: list[str] = []
-
-    def add(i: int, d: Any) -> None:
-        c.update(d)
-        parts.append(d.text)
-
-    if not await serving.collect(request, job, add):
+    text = await serving.collect_text(request, job)
+    if text is None:
         return Response(status_code=499)
+    c = job.choices[0]
     incomplete = c.finish_reason == "length"
     return JSONResponse(envelope.response(
         "incomplete" if incomplete else "completed",
-        output_items(output.message("".join(parts)), incomplete),
+        output_items(output.message(text), incomplete),
         usage(job.prompt_tokens, c.generated), incomplete))
 
 
