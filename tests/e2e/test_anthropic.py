@@ -1,6 +1,6 @@
 """Anthropic's Messages API and /tokenize, /detokenize end to end: the official `anthropic`
 client against one real server (the tiny model, --enable-auto-tool-choice --tool-call-parser
-hermes, the ChatML template with tools of tests/e2e/test_openai_agents.py).
+hermes, the ChatML template with tools: tests/e2e/tools_server.py).
 
 A Messages request is a chat completion inside, so greedy, it writes what chat completions
 writes for the same conversation, with the same token counts; forced tool calls are guided, so
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -18,12 +17,11 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.server import Server, running
-from tests.e2e.test_openai_agents import TEMPLATE
+from tests.e2e.server import Server
+from tests.e2e.tools_server import MODEL
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-messages"
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8},
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -40,13 +38,8 @@ QUESTION = "Name three colours and say why you like them."
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Server]:
-    template = tmp_path_factory.mktemp("template") / "chatml_tools.jinja"
-    template.write_text(TEMPLATE)
-    yield from running(str(tiny_model_dir), "--served-model-name", MODEL,
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--chat-template", str(template), http=True)
+def server(shared_tools_server: Server) -> Server:
+    return shared_tools_server
 
 
 @pytest.fixture(scope="module")

@@ -10,54 +10,17 @@ forced output in tests/openai_api/test_agents_app.py."""
 from __future__ import annotations
 
 import json
-import pathlib
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
 import openai
 import pytest
 
-from tests.e2e.server import Server, running
+from tests.e2e.server import Server
+from tests.e2e.tools_server import MODEL
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tiny-agents"
-# Qwen 2.5's way of showing tools and calls, in short: the calls' arguments must reach it
-# as objects (tojson), and tool results come back as <tool_response> turns.
-TEMPLATE = """\
-{%- if tools %}<|im_start|>system
-{% if messages[0].role == 'system' %}{{ messages[0].content }}
-
-{% endif %}# Tools
-
-<tools>
-{% for tool in tools %}{{ tool.function | tojson }}
-{% endfor %}</tools>
-
-For each call, return <tool_call>{"name": <function-name>, "arguments": <args>}</tool_call>
-<|im_end|>
-{% elif messages[0].role == 'system' %}<|im_start|>system
-{{ messages[0].content }}<|im_end|>
-{% endif %}
-{%- for m in messages %}
-{%- if m.role == 'user' %}<|im_start|>user
-{{ m.content }}<|im_end|>
-{% elif m.role == 'assistant' %}<|im_start|>assistant
-{% if m.content %}{{ m.content }}{% endif %}
-{%- for c in m.tool_calls or [] %}
-<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 WEATHER = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8},
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
@@ -74,13 +37,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris? Then book me a
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: pathlib.Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Server]:
-    template = tmp_path_factory.mktemp("template") / "chatml_tools.jinja"
-    template.write_text(TEMPLATE)
-    yield from running(str(tiny_model_dir), "--served-model-name", MODEL,
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--chat-template", str(template), http=True)
+def server(shared_tools_server: Server) -> Server:
+    return shared_tools_server
 
 
 @pytest.fixture(scope="module")
