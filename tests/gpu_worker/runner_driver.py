@@ -275,6 +275,16 @@ def run_busy_batch(d: Driver, k: int, per_step: bool) -> list[list[int]]:
     resume (it re-prefills its prompt and what it had produced), and a prompt sharing request
     2's first four blocks (64 cached tokens).  The prompts, in request order."""
     p = random_prompts(BUSY_LENGTHS, 512, seed=7)
+    busy_batch_head(d, p, k, per_step)
+    shared = p[2][:64] + p[5][:36]
+    d.add(5, shared, shared=d.reqs[2].blocks[:4], cached=64)
+    run_to_finish(d, k, per_step)
+    return [*p[:5], shared]
+
+
+def busy_batch_head(d: Driver, p: list[list[int]], k: int, per_step: bool) -> None:
+    """Requests 0-4 of the busy batch (prompts `p`): a prompt chunked over two plans, one
+    joining a running batch, a preemption while a newcomer takes the blocks, the resume."""
     d.add(0, p[0])
     d.add(1, p[1])
     d.add(2, p[2], chunk=40)  # the rest of its prompt in the next plan
@@ -282,17 +292,18 @@ def run_busy_batch(d: Driver, k: int, per_step: bool) -> list[list[int]]:
     d.prefill(2, len(p[2]) - 1 - 40)
     d.add(3, p[3])  # joins a running batch
     d.run(k, per_step)
-    d.preempt(1)  # its blocks go to request 4 first
+    d.preempt(1)  # its blocks (a hybrid model's: its state slot too) go to request 4 first
     d.add(4, p[4])
     d.run(k, per_step)
     d.resume(1)
-    shared = p[2][:64] + p[5][:36]
-    d.add(5, shared, shared=d.reqs[2].blocks[:4], cached=64)
+
+
+def run_to_finish(d: Driver, k: int, per_step: bool) -> None:
+    """Plans of `k` steps until every request finished (at most 100)."""
     for _ in range(100):
         if all(t.finish for t in d.reqs.values()):
             break
         d.run(k, per_step)
-    return [*p[:5], shared]
 
 
 def checkpoint(root: Path, name: str) -> str:

@@ -19,32 +19,27 @@ import torch
 from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker.hybrid_utils import HYBRIDS, as_multimodal, checkpoint
 from tests.gpu_worker.model_utils import random_prompts
-from tests.gpu_worker.runner_driver import Driver, hf_greedy, make_runner
+from tests.gpu_worker.runner_driver import (
+    BUSY_LENGTHS,
+    Driver,
+    busy_batch_head,
+    hf_greedy,
+    make_runner,
+    run_to_finish,
+)
 from tests.gpu_worker.sync_guard import forbid_host_sync
-
-LENGTHS = [1, 33, 70, 9, 40, 100]
 
 
 def busy_batch(d: Driver, k: int, per_step: bool, vocab: int = 512) -> list[list[int]]:
-    p = random_prompts(LENGTHS, vocab, seed=7)
-    d.add(0, p[0])
-    d.add(1, p[1])
-    d.add(2, p[2], chunk=40)  # the rest of its prompt in the next plan
-    d.run(k, per_step)
-    d.prefill(2, len(p[2]) - 1 - 40)
-    d.add(3, p[3])  # joins a running batch
-    d.run(k, per_step)
-    d.preempt(1)  # its blocks and state slot go to request 4 first
-    d.add(4, p[4])
-    d.run(k, per_step)
-    d.resume(1)
+    """runner_driver's busy batch, whose request 5 prefills over three steps instead of
+    sharing cached blocks (a hybrid hit needs a checkpointed state: see
+    test_prefix_hits_restore_checkpointed_states)."""
+    p = random_prompts(BUSY_LENGTHS, vocab, seed=7)
+    busy_batch_head(d, p, k, per_step)
     d.add(5, p[5])
     if k >= 3:  # its prompt over three steps; it decodes from the third on
         d.prefill(5, len(p[5]) - 1, [30, 30, len(p[5]) - 61])
-    for _ in range(100):
-        if all(t.finish for t in d.reqs.values()):
-            break
-        d.run(k, per_step)
+    run_to_finish(d, k, per_step)
     return p
 
 
