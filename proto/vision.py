@@ -14,16 +14,21 @@ from typing import Any
 
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 # VL architecture -> the text architecture of its language model.
-VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM"}
-_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM",
+                    QWEN3_VL_MOE: "Qwen3MoeForCausalLM"}
+_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}
+# Qwen3-VL-MoE's text config class defaults (transformers' `Qwen3VLMoeTextConfig`), which
+# differ from Qwen3-MoE's: a config.json that leaves a key out means these.
+_VL_MOE_DEFAULTS = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                    "decoder_sparse_step": 1}
+_VL_MOE_EXPERTS = 60
 # Known VL checkpoints this build cannot serve yet, and why (a clear refusal, never wrong
 # tokens).
 NOT_YET = {
     "Gemma3ForConditionalGeneration": "Gemma 3's bidirectional attention among an image's "
                                       "tokens is not implemented in the attention backends",
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's mixture-of-experts language model is "
-                                          "not implemented",
 }
 
 
@@ -57,14 +62,28 @@ def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None
     text.update(cfg.get("text_config") or {})
     text["architectures"] = [VL_ARCHITECTURES[vl]]
     text.pop("model_type", None)
+    if vl == QWEN3_VL_MOE:
+        _vl_moe_text(text)
     section, interleaved = _mrope(text)
     vision = cfg.get("vision_config") or {}
     image_token = cfg.get("image_token_id", text.get("image_token_id"))
     if image_token is None:
         raise ValueError(f"{vl} config.json has no image_token_id")
-    deepstack = len(vision.get("deepstack_visual_indexes") or ()) if vl == QWEN3_VL else 0
+    deepstack = len(vision.get("deepstack_visual_indexes") or ()) \
+        if vl in (QWEN3_VL, QWEN3_VL_MOE) else 0
     return text, VisionSpec(vl, int(image_token), int(vision.get("spatial_merge_size", 2)),
                             section, interleaved, deepstack)
+
+
+def _vl_moe_text(text: dict[str, Any]) -> None:
+    """Qwen3-VL-MoE's language model as Qwen3-MoE's keys: its own class defaults where the
+    config is silent, and the router's top-k weights always renormalised (transformers'
+    `Qwen3VLMoeTextTopKRouter` has no `norm_topk_prob` switch)."""
+    for key, value in _VL_MOE_DEFAULTS.items():
+        text.setdefault(key, value)
+    if not (text.get("num_experts") or text.get("num_local_experts")):
+        text["num_experts"] = _VL_MOE_EXPERTS
+    text["norm_topk_prob"] = True
 
 
 def _mrope(text: dict[str, Any]) -> tuple[tuple[int, ...], bool]:

@@ -88,7 +88,7 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
         model: Any = transformers.Qwen2_5_VLForConditionalGeneration
         patch = 14
     else:
-        assert family == "qwen3_vl", family
+        assert family in ("qwen3_vl", "qwen3_vl_moe"), family
         # Qwen3: q/k norms, a head_dim of its own; interleaved M-RoPE; DeepStack from both
         # tower blocks into the first two decoder layers (of three).
         text.update(num_hidden_layers=3, head_dim=16, rope_parameters={
@@ -96,8 +96,16 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
             "mrope_interleaved": True})
         vision.update(patch_size=16, num_position_embeddings=64,
                       deepstack_visual_indexes=[0, 1])
-        config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **tokens)
-        model = transformers.Qwen3VLForConditionalGeneration
+        config_class, model = (transformers.Qwen3VLConfig,
+                               transformers.Qwen3VLForConditionalGeneration)
+        if family == "qwen3_vl_moe":
+            # 8 experts top-2 of width 48 (2I != H and I != H: the stacked tensors' layout
+            # shows in their shapes), a dense middle layer (`mlp_only_layers`).
+            text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                        mlp_only_layers=[1])
+            config_class, model = (transformers.Qwen3VLMoeConfig,
+                                   transformers.Qwen3VLMoeForConditionalGeneration)
+        config = config_class(text_config=text, vision_config=vision, **tokens)
         patch = 16
     torch.manual_seed(seed)
     model = model(config)
@@ -112,6 +120,34 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
         f.write(QWEN_TEMPLATE)
     return path
+
+
+def published_vl_moe(path: str, root: str | os.PathLike[str]) -> str:
+    """A copy of a Qwen3-VL-MoE folder written by transformers 5 as the published
+    checkpoints spell it: stacked experts in the matmul layout (gate|up [E, H, 2I], down
+    [E, I, H]) and the text config's `num_experts` and `rope_scaling` + `rope_theta`."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tempfile.mkdtemp(prefix="published-", dir=os.fspath(root))
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name] = t.transpose(1, 2).contiguous()
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg["text_config"]
+    text["num_experts"] = text.pop("num_local_experts")
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
+    text["rope_scaling"] = {**rope, "rope_type": "default"}
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return out
 
 
 def png_bytes(seed: int, size: tuple[int, int] = (40, 30), fmt: str = "PNG") -> bytes:

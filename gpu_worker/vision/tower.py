@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from tandem_serve.proto.request_params import ImageInput
-from tandem_serve.proto.vision import QWEN2_5_VL, QWEN3_VL, VisionSpec
+from tandem_serve.proto.vision import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, VisionSpec
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,10 @@ class VisionTower:
             from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
             tower = qwen3.Qwen3VLVisionModel
+        elif spec.architecture == QWEN3_VL_MOE:
+            from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as qwen3_moe
+
+            tower = qwen3_moe.Qwen3VLMoeVisionModel
         else:
             raise ValueError(f"no vision tower for {spec.architecture}")
         model = tower._from_config(config, dtype=dtype)

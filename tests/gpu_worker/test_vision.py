@@ -1,7 +1,8 @@
-"""VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack) in
-the gpu worker: greedy equal to transformers' generate in float32, token for token, with
-images encoded during prefill and M-RoPE positions, Qwen3-VL also at tensor parallel size 2
-(its language model nested as published, `model.language_model.*`); the embedding cache;
+"""VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack;
+Qwen3-VL-MoE, the same over experts stacked in 3-D tensors) in the gpu worker: greedy equal
+to transformers' generate in float32, token for token, with images encoded during prefill
+and M-RoPE positions, Qwen3-VL also at tensor parallel size 2 (its language model nested as
+published, `model.language_model.*`); the embedding cache;
 chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
 model (PEFT's names nest it too) beside base rows."""
 from __future__ import annotations
@@ -29,7 +30,7 @@ N = 12
 EOS = 2
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def vl(ckpt_root: Path, request: pytest.FixtureRequest) -> str:
     return vl_checkpoint(ckpt_root, request.param)
 
@@ -110,7 +111,7 @@ def test_prefix_hit_that_ends_inside_an_image_matches_hf(
 
 def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
                                       tmp_path_factory: pytest.TempPathFactory) -> None:
-    if "qwen3_vl" not in vl:
+    if not Path(vl).name.startswith("tiny-qwen3_vl-"):
         pytest.skip("one family at TP=2 (the test costs two processes): Qwen3-VL, the one "
                     "with DeepStack and a nested language model")
     out = tmp_path_factory.mktemp("tp-vision")
