@@ -147,8 +147,7 @@ class StepExecutor:
                          ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """A mixed forward's rotary positions (decode rows first) and image rows (shifted
         past the decode rows)."""
-        delta = b.rope_delta if isinstance(b, DecodeBatch) else None
-        rows = b.positions if delta is None else b.positions + delta
+        rows = b.positions if b.rope_delta is None else b.positions + b.rope_delta
         mm = None if pre.mm is None else (pre.mm[0] + b.size, pre.mm[1])
         if pre.positions.dim() == 2:  # M-RoPE: a decode row's axes are all equal
             return torch.cat((rows.expand(3, -1), pre.positions), dim=1), mm
@@ -166,8 +165,7 @@ class StepExecutor:
             return graph(b), None
         return self.forward_decode(b.input_ids, b.positions, b.active, b.block_tables,
                                    b.max_seq_len(step), lora, b.row_lens(step),
-                                   b.rope_delta if isinstance(b, DecodeBatch) else None,
-                                   b.states), None
+                                   b.rope_delta, b.states), None
 
     # ------------------------------------------------------------------ after the forward
 

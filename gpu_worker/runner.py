@@ -379,9 +379,6 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
 
 def _vision(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device) -> VisionInputs:
     """A VL checkpoint's vision tower and M-RoPE inputs (`gpu_worker.vision`)."""
-    if cfg.speculative is not None:
-        raise ValueError("--speculative-config is not supported with a vision-language model "
-                         "(its drafts would not see the images)")
     spec = read_spec(cfg.model)
     assert spec is not None, "a model with an image token has a vision spec"
     tower = VisionTower(cfg.model, spec, dtype, device)

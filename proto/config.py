@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,7 @@ from tandem_serve.proto.speculative import (
     parse_speculative,
     speculative_problems,
 )
-from tandem_serve.proto.vision import image_limit, read_spec
+from tandem_serve.proto.vision import image_limit
 
 
 @dataclass(frozen=True)
@@ -378,14 +377,6 @@ def _vision_problems(cfg: ServerConfig) -> list[str]:
         image_limit(cfg.limit_mm_per_prompt)
     except ValueError as exc:
         out.append(str(exc))
-    if cfg.speculative_config and os.path.isfile(os.path.join(cfg.model, "config.json")):
-        try:
-            spec = read_spec(cfg.model)
-        except (ValueError, OSError):
-            spec = None  # an unreadable or unsupported config is preflight's to report
-        if spec is not None:
-            out.append(f"--speculative-config is not supported with a vision-language model "
-                       f"({spec.architecture}): its drafts would not see the images")
     return out
 
 

@@ -108,6 +108,8 @@ class VerifyRows:
     lens: list[int]  # host bound per verify row
     # Hybrid models: the B rows' state slots and the speculating rows (None: no such model).
     states: StateRows | None = None
+    # M-RoPE models: each row's rotary offset, a draft row's its request's (None: none).
+    rope_delta: Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -187,6 +189,11 @@ class SpecBatch:
                           torch.cat((block_tables, block_tables[i].repeat_interleave(k, dim=0))),
                           bound, lens + [lens[r] for r in self.chosen for _ in range(k)],
                           None if states is None else StateRows(states.decode, [], [], (i, k)))
+
+    def per_verify_row(self, values: Tensor) -> Tensor:
+        """Per batch row values [B, ...] for the verify forward's rows (`expand`'s order):
+        the batch's, then each speculating row's k times."""
+        return torch.cat((values, values[self.index].repeat_interleave(self.k, dim=0)))
 
     def spread(self, rows: int, values: Tensor, fill: int) -> Tensor:
         """Per speculating row values [S, ...] as [rows, ...], `fill` elsewhere."""

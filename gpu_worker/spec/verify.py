@@ -40,6 +40,8 @@ def verify_step(b: DecodeBatch, step: int, pre: PrefillInputs | None, ex: StepEx
     with TRACER.span("verify", b.plan_id, step):
         verify = spec.expand(b.input_ids, drafts, length, b.positions, b.active,
                              b.block_tables, b.max_seq_len(step), b.row_lens(step), b.states)
+        if b.rope_delta is not None:  # M-RoPE: drafts rotate at index + their row's delta
+            verify.rope_delta = spec.per_verify_row(b.rope_delta)
         logits, details = ex.logits(verify, step, pre, b.lora)
     # The first position exactly as a plain step samples it (every row: penalties, guided
     # masks, logprobs); the draft positions only for the rows that speculate.

@@ -1,6 +1,7 @@
 """Image input without a server: VL configs as published and as transformers 5 writes them,
-the refusals (architectures not served yet, a text-only model, --limit-mm-per-prompt), image
-decoding limits, placeholder expansion, and prefix-cache hashes keyed by image content."""
+the refusals (architectures not served yet, a text-only model, --limit-mm-per-prompt),
+speculation accepted on a VL model, image decoding limits, placeholder expansion, and
+prefix-cache hashes keyed by image content."""
 from __future__ import annotations
 
 import asyncio
@@ -138,13 +139,11 @@ def test_block_hashes_follow_the_images_they_hold() -> None:
     assert prompt_block_hashes(prompt, 16, None, [image(20, b"a" * 16)]) == a
 
 
-def test_speculation_on_a_vl_model_is_a_flag_error(tmp_path: Any) -> None:
+def test_speculation_on_a_vl_model_is_accepted(tmp_path: Any) -> None:
     from tandem_serve.proto.config import ServerConfig
 
     nested, _ = _configs()
     (tmp_path / "config.json").write_text(json.dumps(nested))
-    with pytest.raises(ValueError, match="--speculative-config is not supported with a "
-                                         "vision-language model"):
-        ServerConfig(model=str(tmp_path), speculative_config='{"method": "ngram", '
-                                                             '"num_speculative_tokens": 2}')
+    spec = '{"method": "ngram", "num_speculative_tokens": 2}'
+    assert ServerConfig(model=str(tmp_path), speculative_config=spec).speculative_config == spec
     assert ServerConfig(model=str(tmp_path)).limit_mm_per_prompt == ""
