@@ -4,23 +4,29 @@ to transformers' generate in float32, token for token, with images encoded durin
 and M-RoPE positions, Qwen3-VL also at tensor parallel size 2 (its language model nested as
 published, `model.language_model.*`); the embedding cache;
 chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
-model (PEFT's names nest it too) beside base rows."""
+model (PEFT's names nest it too) beside base rows; speculative decoding (n-gram and a
+draft model) on image requests; Qwen3-VL-MoE as published (experts in the matmul layout)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tandem_serve.gpu_worker.models.loader import load_model_args
+from tandem_serve.gpu_worker.models.weights import SafetensorsCheckpoint
 from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.proto.request_params import SamplingParams
+from tandem_serve.proto.speculative import parse_speculative
 from tests.gpu_worker import tp_job
 from tests.gpu_worker.runner_driver import Driver, make_runner
 from tests.vl_utils import (
     VLReference,
     image_message,
     png_bytes,
+    published_vl_moe,
     vl_adapter,
     vl_checkpoint,
     worker_case,
@@ -139,3 +145,55 @@ def test_lora_on_the_language_model_with_images_matches_peft(
     d.run_until_done([8])
     assert d.outputs()[0] == want
     assert d.outputs()[1] == base[2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_with_images_matches_hf(vl: str, cases: list[Any], method: str) -> None:
+    """Every row speculates (adaptive off), K=8 async: the verify rows rotate at their
+    index plus the request's M-RoPE delta. The draft model is the checkpoint's own language
+    model read as text (placeholder ids, no image embeddings): drafts it gets wrong near an
+    image are rejected, never emitted."""
+    spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": vl})
+    d = Driver(make_runner(vl, speculative=parse_speculative(json.dumps(spec))))
+    for i, (ids, images, _) in enumerate(cases):
+        d.add(i, ids, _params(), images=images)
+    while any(not (t.finish or t.gone) for t in d.reqs.values()):
+        d.run(8, True)
+    for i, (_, _, want) in enumerate(cases):
+        assert d.outputs()[i] == want, f"request {i}"
+    drafted = sum(done.num_draft_tokens for done in d.done)
+    accepted = sum(done.num_accepted_tokens for done in d.done)
+    assert 0 <= accepted <= drafted and drafted > 0, (accepted, drafted)
+    # The draft model reads the text request as the target does; n-gram lookup pays where
+    # an output repeats itself (the tiny MoE's image rows end in one token over and over).
+    repeats = any(len(set(want[-4:])) == 1 for _, _, want in cases)
+    if method == "draft_model" or repeats:
+        assert accepted > 0
+
+
+def test_published_qwen3_vl_moe_folder_matches_hf(vl: str, cases: list[Any],
+                                                  tmp_path: Path) -> None:
+    """The published spelling of the same model (stacked experts [E, H, 2I] and [E, I, H],
+    `num_experts`, `rope_scaling`) reads to the same ModelArgs and per-expert weights, a
+    tensor-parallel part included, and serves HF's tokens."""
+    if not Path(vl).name.startswith("tiny-qwen3_vl_moe-"):
+        pytest.skip("Qwen3-VL-MoE only")
+    published = published_vl_moe(vl, tmp_path)
+    assert load_model_args(published) == load_model_args(vl)
+    with SafetensorsCheckpoint(vl, torch.device("cpu")) as a, \
+            SafetensorsCheckpoint(published, torch.device("cpu")) as b:
+        for name, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
+            key = f"model.layers.2.mlp.experts.5.{name}.weight"
+            whole = a.get(key, None)
+            assert a.shape(key) == b.shape(key) == tuple(whole.shape)
+            assert torch.equal(b.get(key, None), whole)
+            part = whole.narrow(dim, 16, 16)
+            assert torch.equal(a.get_part(key, None, dim, 16, 32), part)
+            assert torch.equal(b.get_part(key, None, dim, 16, 32), part)
+    d = Driver(make_runner(published))
+    for i, (ids, images, _) in enumerate(cases):
+        d.add(i, ids, _params(), images=images)
+    d.run_until_done([8])
+    for i, (_, _, want) in enumerate(cases):
+        assert d.outputs()[i] == want, f"request {i}"
