@@ -4,10 +4,11 @@ The tower is transformers' own module for the family (Qwen2.5-VL's
 `Qwen2_5_VisionTransformerPretrainedModel`: patch embedding, windowed and full-attention
 blocks with 2D RoPE, the 2x2 patch merger that projects into the language model's width;
 Qwen3-VL's `Qwen3VLVisionModel`, which also returns DeepStack features from intermediate
-blocks), built from the checkpoint's `vision_config` and filled from its `visual.*` tensors:
-the vision side runs once per image, during prefill, so its speed matters far less than
-being the reference's arithmetic; writing it again would buy nothing but a second place for
-bugs. The language model underneath stays Tandem's decoder.
+blocks, and Qwen3-VL-MoE's `Qwen3VLMoeVisionModel`, the same), built from the checkpoint's
+`vision_config` and filled from its `visual.*` tensors: the vision side runs once per
+image, during prefill, so its speed matters far less than being the reference's
+arithmetic; writing it again would buy nothing but a second place for bugs. The language
+model underneath stays Tandem's decoder.
 
 One call encodes every image a forward needs and has not cached (Qwen's tower takes many
 images as one packed sequence with per-image attention), and the results are kept by content
