@@ -49,6 +49,26 @@ def test_published_and_transformers_configs_read_to_the_same_model() -> None:
         ModelArgs.from_hf_config(bad)
 
 
+def test_qwen3_vl_moe_reads_as_qwen3_moe_with_its_own_defaults() -> None:
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True}
+    cfg = {"architectures": ["Qwen3VLMoeForConditionalGeneration"], "image_token_id": 504,
+           "vision_config": {"spatial_merge_size": 2, "deepstack_visual_indexes": [0, 1]},
+           "text_config": {**TEXT, "rope_parameters": rope}}
+    a = ModelArgs.from_hf_config(json.loads(json.dumps(cfg)))
+    # Keys left out mean Qwen3VLMoeTextConfig's defaults, not Qwen3-MoE's (128 / 8 / 768).
+    assert (a.architecture, a.num_experts, a.num_experts_per_tok,
+            a.moe_intermediate_size) == ("Qwen3MoeForCausalLM", 60, 4, 1408)
+    assert a.norm_topk_prob and a.moe_layers == (True, True) and a.qk_norm
+    assert a.deepstack_layers == 2 and a.mrope_interleaved and a.image_token_id == 504
+    # The published spelling; its router renormalises whatever norm_topk_prob says.
+    cfg["text_config"].update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              decoder_sparse_step=2, norm_topk_prob=False)
+    a = ModelArgs.from_hf_config(cfg)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size) == (8, 2, 32)
+    assert a.norm_topk_prob and a.moe_layers == (False, True)
+
+
 @pytest.mark.parametrize("arch,why", [("Gemma3ForConditionalGeneration", "bidirectional")])
 def test_vl_families_not_served_yet_are_refused_with_the_reason(arch: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
