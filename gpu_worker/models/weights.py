@@ -1,4 +1,5 @@
-"""Reading HF safetensors checkpoints (single file or sharded with an index)."""
+"""Reading HF safetensors checkpoints (single file or sharded with an index), stacked experts
+as per-expert views."""
 
 from __future__ import annotations
 
