@@ -149,22 +149,27 @@ def test_lora_on_the_language_model_with_images_matches_peft(
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_speculation_with_images_matches_hf(vl: str, cases: list[Any], method: str) -> None:
-    """Every row speculates (adaptive off), K=8 async: the verify rows rotate at their
-    index plus the request's M-RoPE delta. The draft model is the checkpoint's own language
-    model read as text (placeholder ids, no image embeddings): drafts it gets wrong near an
-    image are rejected, never emitted."""
+    """Every row speculates (adaptive off), K=8 async, with a preemption: the verify rows
+    rotate at their index plus the request's M-RoPE delta. The draft model is the
+    checkpoint's own language model read as text (placeholder ids, no image embeddings):
+    drafts it gets wrong near an image are rejected, never emitted."""
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
     spec.update({"prompt_lookup_min": 1} if method == "ngram" else {"model": vl})
     d = Driver(make_runner(vl, speculative=parse_speculative(json.dumps(spec))))
     for i, (ids, images, _) in enumerate(cases[:3]):
         d.add(i, ids, _params(), images=images)
-    d.run(8, True)
+    d.run(2, True)  # a short plan: nobody has finished
+    assert not any(t.finish for t in d.reqs.values())
     # The last image request prefills in two pieces inside the steps, beside the others'
-    # verify rows (mixed forwards).
+    # verify rows (mixed forwards); the first is preempted and resumes after it (its
+    # images from the tower's cache, the draft model's cache from 0).
     ids, images, _ = cases[3]
     d.add(3, ids, _params(), images=images)
     n = len(ids) - 1
     d.prefill(3, n, [n // 2, n - n // 2])
+    d.preempt(0)
+    d.run(8, True)
+    d.resume(0)
     while any(not (t.finish or t.gone) for t in d.reqs.values()):
         d.run(8, True)
     for i, (_, _, want) in enumerate(cases):
