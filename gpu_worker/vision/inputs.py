@@ -21,6 +21,22 @@ from tandem_serve.gpu_worker.vision.tower import VisionTower
 from tandem_serve.ipc.tracing import TRACER
 
 
+def whole_images(p: Piece) -> list[tuple[int, int]]:
+    """The [start, end) positions of the images a piece holds; each must be whole, since its
+    tokens attend to each other both ways (the scheduler never cuts one: a cut image's first
+    part would have been computed without seeing the rest)."""
+    end, out = p.start + p.count, []
+    for im in p.req.images:
+        lo, hi = im.offset, im.offset + im.length
+        if lo < end and p.start < hi:
+            if lo < p.start or hi > end:
+                raise ValueError(f"request {p.req.request_id}: prefill piece [{p.start}, "
+                                 f"{end}) cuts the image at [{lo}, {hi}), whose tokens "
+                                 "attend to each other both ways")
+            out.append((lo, hi))
+    return out
+
+
 class VisionInputs:
     """Image embeddings and M-RoPE positions of a VL model's forwards."""
 
@@ -42,6 +58,8 @@ class VisionInputs:
             cols = [history_positions(*self.positions_of(p.req), p.start, p.start + p.count)
                     for p in pieces]
             inp.positions = torch.as_tensor(np.concatenate(cols, axis=1)).to(self.device)
+        if self.tower.spec.bidirectional:
+            inp.bidirectional = [whole_images(p) for p in pieces]
         needed, rows, at = [], [], 0
         for p in pieces:
             end = p.start + p.count

@@ -18,6 +18,7 @@ from tests.gpu_worker import tp_job
 from tests.gpu_worker.runner_driver import Driver, make_runner
 from tests.vl_utils import (
     VLReference,
+    gemma3_checkpoint,
     image_message,
     png_bytes,
     vl_adapter,
@@ -29,8 +30,10 @@ N = 12
 EOS = 2
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def vl(ckpt_root: Path, request: pytest.FixtureRequest) -> str:
+    if request.param == "gemma3":
+        return gemma3_checkpoint(ckpt_root)
     return vl_checkpoint(ckpt_root, request.param)
 
 
