@@ -109,11 +109,20 @@ def gemma3_checkpoint(root: str | os.PathLike[str], seed: int = 0, published: bo
     model = transformers.Gemma3ForConditionalGeneration(config)
     _randomize(model, seed, gemma=True)
     model.eval().save_pretrained(path)
-    if published:
+    if published:  # SigLIP's `vision_model.` level; a text_config of few keys
         weights = os.path.join(path, "model.safetensors")
         tensors = load_file(weights)
         save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v
                    for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        text_cfg = cfg["text_config"]
+        for key in ("layer_types", "_sliding_window_pattern", "rms_norm_eps",
+                    "hidden_activation", "use_bidirectional_attention"):
+            text_cfg.pop(key, None)
+        text_cfg["sliding_window_pattern"] = 2
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
     tok.save_pretrained(path)
     config_file = os.path.join(path, "tokenizer_config.json")
     with open(config_file) as f:

@@ -43,11 +43,12 @@ class Processed:
 class ImagePreprocessor:
     """The checkpoint's image processor and its placeholder token."""
 
+    # Gemma 3: the text's `<start_of_image>` becomes the processor's whole image sequence
+    # before tokenizing (`expand_text`), as Gemma3Processor does ("": other families).
+    placeholder = sequence = ""
+
     def __init__(self, model_dir: str, spec: VisionSpec) -> None:
         self.spec = spec
-        # Gemma 3: the text's `<start_of_image>` becomes the processor's whole image
-        # sequence before tokenizing (`expand_text`), as Gemma3Processor does.
-        self.placeholder = self.sequence = ""
         if spec.bidirectional:
             self.processor: Any = _gemma3_processor(self, model_dir)
             return

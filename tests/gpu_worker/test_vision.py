@@ -78,11 +78,13 @@ def test_chunks_that_cut_an_image_and_a_preemption_match_hf(
         runner: ModelRunner, cases: list[Any]) -> None:
     ids, images, want = cases[1]  # two images
     d = Driver(runner)
-    first = images[0].offset + 3  # the first chunk ends inside the first image
+    whole = images[0].bidirectional  # Gemma 3: chunks end next to an image, never inside
+    first = images[0].offset + (0 if whole else 3)  # else inside the first image
     d.add(0, ids, _params(), images=images, chunk=first)
     d.run(4)
     rest = len(ids) - 1 - first
-    d.prefill(0, rest, [rest // 2, rest - rest // 2])  # two steps, the second image split
+    half = images[1].offset - first if whole else rest // 2  # else the second image split
+    d.prefill(0, rest, [half, rest - half])  # two steps
     d.run(4)
     assert d.reqs[0].out, "decoding after its last piece"
     d.preempt(0)
@@ -98,17 +100,74 @@ def test_chunks_that_cut_an_image_and_a_preemption_match_hf(
 def test_prefix_hit_that_ends_inside_an_image_matches_hf(
         runner: ModelRunner, cases: list[Any]) -> None:
     ids, images, want = cases[3]  # an image of 35 tokens: it crosses a block boundary
+    bs = runner.block_size
+    shared = images[0].offset // bs + 1  # the last shared block ends inside the image
+    if images[0].bidirectional:  # Gemma 3: a hit never ends inside an image (the
+        # scheduler's rule): this one covers both images of the second case, text follows
+        ids, images, want = cases[1]
+        shared = -(-(images[1].offset + images[1].length) // bs)
+        assert shared * bs < len(ids) - 1
+    else:
+        assert shared * bs < images[0].offset + images[0].length, images[0]
     d = Driver(runner)
     d.add(0, ids, _params(), images=images)
     d.run(2)
-    bs = runner.block_size
-    shared = images[0].offset // bs + 1  # the last shared block ends inside the image
-    assert shared * bs < images[0].offset + images[0].length, images[0]
     d.add(1, ids, _params(), images=images, shared=d.reqs[0].blocks[:shared],
           cached=shared * bs)
     d.run_until_done([4])
     assert d.outputs()[0] == want
     assert d.outputs()[1] == want
+
+
+def test_gemma3_published_names_serve_the_same(vl: str, cases: list[Any],
+                                               ckpt_root: Path) -> None:
+    """The published layout (SigLIP under `vision_tower.vision_model.*`, a text_config
+    relying on Gemma3TextConfig's defaults) holds the same weights: the same tokens."""
+    if "gemma3" not in vl:
+        pytest.skip("Gemma 3's published layout")
+    d = Driver(make_runner(gemma3_checkpoint(ckpt_root, published=True)))
+    for i, (ids, images, _) in enumerate(cases[:2]):
+        d.add(i, ids, _params(), images=images)
+    d.run_until_done([8])
+    assert [d.outputs()[0], d.outputs()[1]] == [cases[0][2], cases[1][2]]
+
+
+def test_gemma3_pan_and_scan_is_refused_at_start_up(vl: str, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from tandem_serve.frontend.media.images import ImagePreprocessor
+    from tandem_serve.proto.vision import read_spec
+
+    if "gemma3" not in vl:
+        pytest.skip("Gemma 3's processor")
+    path = shutil.copytree(vl, tmp_path / "pan")
+    with open(path / "processor_config.json") as f:
+        cfg = json.load(f)
+    cfg["image_processor"]["do_pan_and_scan"] = True
+    with open(path / "processor_config.json", "w") as f:
+        json.dump(cfg, f)
+    spec = read_spec(str(path))
+    assert spec is not None
+    with pytest.raises(ValueError, match="pan-and-scan .* not supported"):
+        ImagePreprocessor(str(path), spec)
+
+
+def test_a_piece_that_cuts_a_bidirectional_image_is_refused() -> None:
+    import numpy as np
+
+    from tandem_serve.gpu_worker.steps import Piece
+    from tandem_serve.gpu_worker.vision.inputs import whole_images
+    from tandem_serve.proto.request_params import ImageInput
+
+    class Req:
+        request_id = 7
+        images = [ImageInput(4, 16, b"d" * 16, np.zeros((1, 1), np.float32), [1, 4, 4], True)]
+
+    assert whole_images(Piece(Req(), 0, 4)) == []  # type: ignore[arg-type]
+    assert whole_images(Piece(Req(), 2, 30)) == [(4, 20)]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cuts the image at \\[4, 20\\)"):
+        whole_images(Piece(Req(), 0, 10))  # type: ignore[arg-type]
 
 
 def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
@@ -128,6 +187,8 @@ def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
 
 def test_lora_on_the_language_model_with_images_matches_peft(
         vl: str, cases: list[Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    if "gemma3" in vl:
+        pytest.skip("the adapter path is the text model's, which the Qwen families cover")
     cache = tmp_path_factory.mktemp("vl-adapters")
     ref = VLReference(vl)  # its own: PEFT adds the adapter to the model in place
     ref.model = vl_adapter(ref, str(cache / "attn"))
