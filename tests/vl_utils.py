@@ -314,8 +314,10 @@ def vl_adapter(ref: VLReference, out_dir: str, seed: int = 7) -> Any:
     tensors `model.language_model.layers...`), lora_B randomised; and the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
+    # The language model's layers only (Gemma 3's SigLIP layers have q/k/v projections too).
     config = LoraConfig(r=4, lora_alpha=8,
-                        target_modules=r".*layers\.\d+\.self_attn\.(q|k|v|o)_proj")
+                        target_modules=r".*language_model\.(model\.)?layers\.\d+\.self_attn"
+                                       r"\.(q|k|v|o)_proj")
     model = get_peft_model(ref.model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

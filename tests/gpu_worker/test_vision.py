@@ -187,8 +187,6 @@ def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
 
 def test_lora_on_the_language_model_with_images_matches_peft(
         vl: str, cases: list[Any], tmp_path_factory: pytest.TempPathFactory) -> None:
-    if "gemma3" in vl:
-        pytest.skip("the adapter path is the text model's, which the Qwen families cover")
     cache = tmp_path_factory.mktemp("vl-adapters")
     ref = VLReference(vl)  # its own: PEFT adds the adapter to the model in place
     ref.model = vl_adapter(ref, str(cache / "attn"))
