@@ -1,7 +1,7 @@
 """Gemma 3's images attend both ways among their tokens, so the scheduler never ends a prefill
 piece or a prefix hit inside one: a piece is cut back to the image's start, or, starting at
-it, stretched over the whole image even past the step's budget (as vLLM schedules a
-multimodal item); a hit is rounded down to the image's start."""
+it, stretched over the whole image even past the step's budget; a hit is rounded down to
+the image's start."""
 from __future__ import annotations
 
 import numpy as np
