@@ -3,9 +3,11 @@ placeholder tokens, and M-RoPE positions.
 
 A prefill piece covering placeholders takes those rows of its images' embeddings (the tower
 runs once per forward for the images not cached, `tower`), whatever part of an image the
-piece holds: a chunked prompt or a prefix-cache hit may cut an image anywhere. A piece's
+piece holds: a chunked prompt or a prefix-cache hit may cut a Qwen image anywhere. A piece's
 positions are the prompt's M-RoPE ids ([3, P]); a decode row's are its position plus its
 request's delta, the same on every axis, which the rope computes from a [B] tensor as it is.
+Gemma 3 has plain positions, and its images' tokens attend to each other both ways: each
+piece says where its images are (`PrefillInputs.bidirectional`), and holds them whole.
 """
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ class VisionInputs:
                     for p in pieces]
             inp.positions = torch.as_tensor(np.concatenate(cols, axis=1)).to(self.device)
         if self.tower.spec.bidirectional:
-            inp.bidirectional = [whole_images(p) for p in pieces]
+            spans = [whole_images(p) for p in pieces]
+            inp.bidirectional = spans if any(spans) else None  # None: causal, fast paths
         needed, rows, at = [], [], 0
         for p in pieces:
             end = p.start + p.count
