@@ -81,9 +81,9 @@ def whole_piece(context: int, n: int, most: int, whole: Sequence[tuple[int, int]
     """A piece of about `n` tokens after `context` that ends outside every span of `whole`:
     cut back to the start of the span it would end inside, or, when the piece starts right
     at that span, stretched over all of it (at most `most` tokens; else 0).  An image longer
-    than a step's budget is scheduled whole rather than refused (vLLM, too, never splits a
-    multimodal item whose tokens attend both ways): the step runs over its budget once, and
-    a prompt with such an image still runs under any --max-num-batched-tokens."""
+    than a step's budget is scheduled whole rather than refused: the step runs over its
+    budget once, and a prompt with such an image still runs under any
+    --max-num-batched-tokens."""
     if n <= 0:
         return 0
     end = context + n
