@@ -1,9 +1,11 @@
-"""VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack) in
-the gpu worker: greedy equal to transformers' generate in float32, token for token, with
-images encoded during prefill and M-RoPE positions, Qwen3-VL also at tensor parallel size 2
-(its language model nested as published, `model.language_model.*`); the embedding cache;
-chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
-model (PEFT's names nest it too) beside base rows."""
+"""VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack;
+Gemma 3 with bidirectional attention among an image's tokens) in the gpu worker: greedy
+equal to transformers' generate in float32, token for token, with images encoded during
+prefill (and M-RoPE positions), Qwen3-VL and Gemma 3 also at tensor parallel size 2 (Qwen3-VL's
+language model nested as published, `model.language_model.*`); the embedding cache; chunks
+and prefix-cache hits that cut a Qwen image, or end next to a Gemma image (never inside);
+preemption; a LoRA adapter on the language model (PEFT's names nest it too) beside base rows;
+Gemma 3's published layout, its pan-and-scan refused."""
 from __future__ import annotations
 
 from pathlib import Path
