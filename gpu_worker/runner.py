@@ -128,9 +128,12 @@ class ModelRunner:
                                            mc.num_kv_heads, mc.head_dim, self.kv_dtype,
                                            self.device)
         # One attention backend (the draft's too); any fallback is decided and logged here.
+        # Gemma 3's images attend both ways: only backends that can do that serve it.
+        spec = read_spec(cfg.model) if mc.image_token_id >= 0 else None
         self.attention = self.model.attention = select_backend(
             cfg.attention_backend, self.device, self.dtype, self.kv_dtype, cfg.block_size,
-            flash_attn=cfg.flash_attn, warm_up=self.model.attention_warm_up(self.kv_caches[0]))
+            flash_attn=cfg.flash_attn, warm_up=self.model.attention_warm_up(self.kv_caches[0]),
+            bidirectional=spec is not None and spec.bidirectional)
         if self.proposer is not None:
             self.proposer.allocate(self.num_blocks, cfg.block_size, self.kv_dtype,
                                    self.attention)

@@ -128,6 +128,9 @@ class PrefillInputs:
     # A VL model's image embeddings: (rows among these P tokens, their values [1 + DeepStack
     # levels, rows, hidden]); set, with M-RoPE positions [3, P], by `gpu_worker.vision`.
     mm: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Gemma 3: per piece, the [start, end) positions of the images it holds (whole), whose
+    # tokens attend to each other both ways; set by `gpu_worker.vision` (None: causal).
+    bidirectional: list[list[tuple[int, int]]] | None = None
     # Hybrid models: each row's recurrent-state slot, and whether it starts its sequence.
     state_slots: list[int] = field(default_factory=list)
     state_fresh: list[bool] = field(default_factory=list)
@@ -210,7 +213,8 @@ def prefill_metadata(inp: PrefillInputs) -> AttentionMetadata:
         slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
         query_start_loc=inp.query_start_loc, query_lens=inp.query_lens,
         max_seq_len=max(inp.seq_lens_host), is_decode=False,
-        prefill_seq_lens=inp.seq_lens_host, states=inp.states())
+        prefill_seq_lens=inp.seq_lens_host, states=inp.states(),
+        bidirectional=inp.bidirectional)
 
 
 def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
@@ -232,7 +236,7 @@ def mixed_metadata(decode_slots: torch.Tensor, decode_positions: torch.Tensor,
         query_start_loc=inp.query_start_loc, query_lens=[1] * n + inp.query_lens,
         max_seq_len=max(max_decode_len, *inp.seq_lens_host), is_decode=False,
         num_decode=n, decode_max_seq_len=max_decode_len, prefill_seq_lens=inp.seq_lens_host,
-        states=inp.states(decode_states))
+        states=inp.states(decode_states), bidirectional=inp.bidirectional)
 
 
 @dataclass

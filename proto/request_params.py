@@ -101,4 +101,7 @@ class ImageInput:
     digest: bytes  # 16 bytes
     pixel_values: np.ndarray  # float32 [patches, channels * patch volume]
     grid_thw: list[int]  # the tower's grid (temporal, height, width) in patches
+    # Its tokens attend to each other both ways during prefill (Gemma 3): the scheduler
+    # never ends a chunk or a prefix-cache hit inside it.
+    bidirectional: bool = False
 

@@ -15,22 +15,16 @@ from typing import Any
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
+GEMMA3_VL = "Gemma3ForConditionalGeneration"
 # VL architecture -> the text architecture of its language model.
 VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM",
-                    QWEN3_VL_MOE: "Qwen3MoeForCausalLM"}
+                    QWEN3_VL_MOE: "Qwen3MoeForCausalLM", GEMMA3_VL: "Gemma3ForCausalLM"}
 _MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}
 # Qwen3-VL-MoE's text config class defaults (transformers' `Qwen3VLMoeTextConfig`), which
 # differ from Qwen3-MoE's: a config.json that leaves a key out means these.
 _VL_MOE_DEFAULTS = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                     "decoder_sparse_step": 1}
 _VL_MOE_EXPERTS = 60
-# Known VL checkpoints this build cannot serve yet, and why (a clear refusal, never wrong
-# tokens).
-NOT_YET = {
-    "Gemma3ForConditionalGeneration": "Gemma 3's bidirectional attention among an image's "
-                                      "tokens is not implemented in the attention backends",
-}
-
 
 @dataclass(frozen=True)
 class VisionSpec:
@@ -44,15 +38,16 @@ class VisionSpec:
     # Qwen3-VL's DeepStack: the tower's intermediate features added to the residual stream of
     # the first `deepstack` decoder layers at the image's tokens (0: none).
     deepstack: int = 0
+    # Gemma 3: an image's tokens attend to each other both ways during prefill (so no chunk
+    # or prefix hit may end inside an image), and every image takes this many tokens.
+    bidirectional: bool = False
+    tokens_per_image: int = 0
 
 
 def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None]:
     """(the language model's config, as its text family spells it; the vision spec, None for
     a text-only checkpoint). ValueError for a VL checkpoint this build cannot serve."""
     archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in NOT_YET:
-            raise ValueError(f"unsupported architecture {arch}: {NOT_YET[arch]}")
     vl = next((a for a in archs if a in VL_ARCHITECTURES), None)
     if vl is None:
         vl = _MODEL_TYPES.get(str(cfg.get("model_type")))
@@ -64,6 +59,8 @@ def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None
     text.pop("model_type", None)
     if vl == QWEN3_VL_MOE:
         _vl_moe_text(text)
+    if vl == GEMMA3_VL:
+        return _gemma3(cfg, text)
     section, interleaved = _mrope(text)
     vision = cfg.get("vision_config") or {}
     image_token = cfg.get("image_token_id", text.get("image_token_id"))
@@ -84,6 +81,35 @@ def _vl_moe_text(text: dict[str, Any]) -> None:
     if not (text.get("num_experts") or text.get("num_local_experts")):
         text["num_experts"] = _VL_MOE_EXPERTS
     text["norm_topk_prob"] = True
+
+
+# Gemma3TextConfig's defaults for the keys a published Gemma 3 VL text_config leaves out
+# (google/gemma-3-4b-it names only its sizes and rope scaling); the text family reads the
+# rest with defaults of its own. A test keeps these equal to transformers'.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "max_position_embeddings": 131072, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+}
+
+
+def _gemma3(cfg: dict[str, Any], text: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec]:
+    """Gemma 3's language model (published text_configs rely on the class defaults) and
+    its spec: SigLIP's patches pooled to `mm_tokens_per_image` tokens per image, plain 1D
+    positions, bidirectional attention among an image's tokens."""
+    for key, value in GEMMA3_TEXT_DEFAULTS.items():
+        text.setdefault(key, value)
+    image_token = cfg.get("image_token_index", cfg.get("image_token_id"))
+    if image_token is None:
+        raise ValueError(f"{GEMMA3_VL} config.json has no image_token_index")
+    tokens = int(cfg.get("mm_tokens_per_image", 256))
+    side = int(tokens ** 0.5)
+    if side * side != tokens:
+        raise ValueError(f"mm_tokens_per_image {tokens} is not a square (the projector pools "
+                         "the patch grid to side x side tokens)")
+    return text, VisionSpec(GEMMA3_VL, int(image_token), 1, (), bidirectional=True,
+                            tokens_per_image=tokens)
 
 
 def _mrope(text: dict[str, Any]) -> tuple[tuple[int, ...], bool]:

@@ -23,7 +23,7 @@ Two plans are shaped differently:
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # Decode steps a request runs when it starts decoding at a given step (its limits apply).
@@ -77,6 +77,23 @@ def largest_piece(room: int, context: int, attention_tokens: int) -> int:
     return n
 
 
+def whole_piece(context: int, n: int, most: int, whole: Sequence[tuple[int, int]]) -> int:
+    """A piece of about `n` tokens after `context` that ends outside every span of `whole`:
+    cut back to the start of the span it would end inside, or, when the piece starts right
+    at that span, stretched over all of it (at most `most` tokens; else 0).  An image longer
+    than a step's budget is scheduled whole rather than refused: the step runs over its
+    budget once, and a prompt with such an image still runs under any
+    --max-num-batched-tokens."""
+    if n <= 0:
+        return 0
+    end = context + n
+    for start, stop in whole:
+        if start < end < stop:
+            end = start if start > context else stop
+            break
+    return end - context if end - context <= most else 0
+
+
 @dataclass
 class Split:
     """Where one request's chunk of this plan goes."""
@@ -115,10 +132,11 @@ class StepBudget:
         return any(n > 0 for n in self.left[: self.prefill_steps])
 
     def split(self, prefill_left: int, decode_steps: DecodeSteps, limit: int | None = None,
-              context: int = 0) -> Split | None:
+              context: int = 0, whole: Sequence[tuple[int, int]] = ()) -> Split | None:
         """Place `prefill_left` tokens that follow `context` computed ones (at most `limit`,
         which then never completes the prompt), earliest step first; None when no step has
-        room for any of it."""
+        room for any of it.  `whole`: [start, end) position spans no piece may end inside
+        (Gemma 3's images, `whole_piece`)."""
         todo = prefill_left if limit is None else min(prefill_left, limit)
         may_complete = todo == prefill_left
         split = Split()
@@ -135,6 +153,13 @@ class StepBudget:
             # Else hold the last token back: a prompt completes only with its decode row.
             n = max(0, min(todo - int(may_complete),
                            largest_piece(room, context, self.attention_tokens)))
+            if whole:
+                n = whole_piece(context, n, todo, whole)
+                if may_complete and n == todo:  # the image runs up to the last token
+                    split.pieces.append(n)
+                    split.costs.append(piece_cost(n, context, self.attention_tokens))
+                    split.join, split.decode_steps = s, steps
+                    return split
             split.pieces.append(n)
             split.costs.append(piece_cost(n, context, self.attention_tokens))
             todo -= n

@@ -299,7 +299,7 @@ class Scheduler:
 
     def _continue_prefill(self, req: Request, draft: _Draft) -> None:
         split = draft.budget.split(req.prefill_left, self._decode_steps(req),
-                                   context=req.num_computed)
+                                   context=req.num_computed, whole=req.whole_spans)
         while split is not None:
             new_blocks = self._grow(req, self._positions_after(req, req.num_computed, split),
                                     draft)
@@ -310,7 +310,8 @@ class Scheduler:
                 return
             smaller = self._chunk_that_fits(req, split.total)
             split = None if smaller is None else draft.budget.split(
-                req.prefill_left, self._decode_steps(req), smaller, req.num_computed)
+                req.prefill_left, self._decode_steps(req), smaller, req.num_computed,
+                req.whole_spans)
 
     def _admit_waiting(self, draft: _Draft) -> None:
         while (self.state.waiting and draft.budget.has_room()
@@ -335,9 +336,11 @@ class Scheduler:
         # tier is refused for those models, so its run follows whole device hits only).
         hits = hits[:len(hits) - len(hits) % self.params.prefix_granularity]
         host = self.state.tier.lookup(hashes[len(hits):])  # then the host tier's run
+        cut = req.cached_blocks(len(hits) + len(host), self.params.block_size)
+        hits, host = hits[:cut], host[:max(0, cut - len(hits))]  # never inside an image
         num_cached = (len(hits) + len(host)) * self.params.block_size
         split = draft.budget.split(req.num_tokens - 1 - num_cached, self._decode_steps(req),
-                                   context=num_cached)
+                                   context=num_cached, whole=req.whole_spans)
         if split is None:
             return False
         positions = self._positions_after(req, num_cached, split)

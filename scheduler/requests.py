@@ -42,9 +42,25 @@ class Request:
     adapter_id: str = ""  # its LoRA adapter ("": the base model)
     lora_slot: int = 0  # the adapter slot it holds from admission to finish (0: none)
     images: list[ImageInput] = field(default_factory=list)  # until sent to the worker
+    # [start, end) of the images whose tokens attend to each other both ways (Gemma 3): no
+    # chunk and no prefix hit ends inside one (`budget.Split`, `cached_blocks`).
+    whole_spans: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.num_tokens = self.prompt_len
+        self.whole_spans = sorted((im.offset, im.offset + im.length) for im in self.images
+                                  if im.bidirectional)
+
+    def cached_blocks(self, blocks: int, block_size: int) -> int:
+        """How many of `blocks` leading cached blocks a prefix hit may use: the hit ends
+        at an image's start rather than inside it, since the image's tokens must be
+        computed in one forward (a hit covering the whole image is fine: its KV was
+        computed that way)."""
+        end = blocks * block_size
+        for start, stop in reversed(self.whole_spans):  # a cut may land in an earlier one
+            if start < end < stop:
+                end = start // block_size * block_size
+        return end // block_size
 
     @property
     def prompt_len(self) -> int:

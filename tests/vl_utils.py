@@ -37,28 +37,108 @@ QWEN_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+GEMMA_SPECIAL = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                 "<image_soft_token>"]
+# Gemma 3's published chat template, images and text only (no system turn folding).
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{% if message['content'] is string %}"
+    "{{ message['content'] | trim }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image_url' in item %}<start_of_image>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}"
+    "{% endif %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+GEMMA_IMAGE = 64  # pixels a side: 8x8 SigLIP patches of 8, pooled 2x2 to 16 tokens
+
+
+def _randomize(model: torch.nn.Module, seed: int, gemma: bool = False) -> None:
     gen = torch.Generator().manual_seed(seed)
+    # Gemma scales embeddings by sqrt(hidden): kept at the scale of what the layers add, or
+    # the tied head predicts the input token again (as tests/gpu_worker/family_utils.py).
+    embed_std = 64 ** -0.5 if gemma else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if "norm" in name
                                                                      else 0.0))
             elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen) * embed_std)
             else:
                 fan_in = math.prod(p.shape[1:])
                 p.copy_(torch.randn(p.shape, generator=gen) * 2.0 / math.sqrt(fan_in))
 
 
-def _tokenizer(path: str) -> Any:
+def _tokenizer(path: str, special: list[str] = QWEN_SPECIAL, template: str = QWEN_TEMPLATE
+               ) -> Any:
     from transformers import AutoTokenizer
 
     save_tiny_tokenizer(path, TEXT_VOCAB)
     tok = AutoTokenizer.from_pretrained(path)
-    tok.add_special_tokens({"additional_special_tokens": QWEN_SPECIAL})
-    tok.chat_template = QWEN_TEMPLATE
+    tok.add_special_tokens({"additional_special_tokens": special})
+    tok.chat_template = template
     return tok
+
+
+def gemma3_checkpoint(root: str | os.PathLike[str], seed: int = 0, published: bool = False
+                      ) -> str:
+    """A tiny Gemma 3 VL folder as transformers writes it (`language_model.model.*`,
+    `vision_tower.*`), or with the published tensor names (`published`: SigLIP under
+    `vision_tower.vision_model.*`), with Gemma3Processor's files: one sliding layer of a
+    window shorter than an image, one global layer."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    path = tempfile.mkdtemp(prefix="tiny-gemma3-", dir=os.fspath(root))
+    tok = _tokenizer(path, GEMMA_SPECIAL, GEMMA_TEMPLATE)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL}
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=1024, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention"], bos_token_id=1,
+                eos_token_id=2, pad_token_id=0, query_pre_attn_scalar=16)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=GEMMA_IMAGE, patch_size=8)
+    config = transformers.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=16,
+        image_token_index=ids["<image_soft_token>"], boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    _randomize(model, seed, gemma=True)
+    model.eval().save_pretrained(path)
+    if published:  # SigLIP's `vision_model.` level; a text_config of few keys
+        weights = os.path.join(path, "model.safetensors")
+        tensors = load_file(weights)
+        save_file({k.replace("vision_tower.", "vision_tower.vision_model.", 1): v
+                   for k, v in tensors.items()}, weights, metadata={"format": "pt"})
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        text_cfg = cfg["text_config"]
+        for key in ("layer_types", "_sliding_window_pattern", "rms_norm_eps",
+                    "hidden_activation", "use_bidirectional_attention"):
+            text_cfg.pop(key, None)
+        text_cfg["sliding_window_pattern"] = 2
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    tok.save_pretrained(path)
+    config_file = os.path.join(path, "tokenizer_config.json")
+    with open(config_file) as f:
+        tok_config = json.load(f)
+    tok_config.update(boi_token="<start_of_image>", eoi_token="<end_of_image>",
+                      image_token="<image_soft_token>")
+    with open(config_file, "w") as f:
+        json.dump(tok_config, f)
+    image = transformers.Gemma3ImageProcessor(size={"height": GEMMA_IMAGE,
+                                                    "width": GEMMA_IMAGE})
+    processor = transformers.Gemma3Processor(
+        image, transformers.AutoTokenizer.from_pretrained(path), image_seq_length=16)
+    processor.save_pretrained(path)
+    with open(os.path.join(path, "chat_template.jinja"), "w") as f:
+        f.write(GEMMA_TEMPLATE)
+    return path
 
 
 def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
@@ -175,7 +255,11 @@ class VLReference:
         self.images = transformers.AutoImageProcessor.from_pretrained(path)
         self.model = transformers.AutoModelForImageTextToText.from_pretrained(
             path, dtype=torch.float32).eval()
-        self.image_token = "<|image_pad|>"
+        # Gemma 3's processor needs no video processor: it is used as it is.
+        self.gemma = self.model.config.model_type == "gemma3"
+        self.processor = transformers.AutoProcessor.from_pretrained(path) if self.gemma \
+            else None
+        self.image_token = "<image_soft_token>" if self.gemma else "<|image_pad|>"
         self.image_token_id = self.tok.convert_tokens_to_ids(self.image_token)
 
     def inputs(self, messages: list[dict[str, Any]], images: list[bytes]) -> dict[str, Any]:
@@ -185,6 +269,10 @@ class VLReference:
             template = f.read()
         text = self.tok.apply_chat_template(messages, chat_template=template, tokenize=False,
                                             add_generation_prompt=True)
+        if self.processor is not None:  # the template writes BOS
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images] or None
+            return dict(self.processor(text=text, images=pil, return_tensors="pt",
+                                       add_special_tokens=False))
         out: dict[str, Any] = {}
         if images:
             pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
@@ -239,7 +327,15 @@ def worker_case(ref: VLReference, messages: list[dict[str, Any]], images: list[b
         runs.append((i, j - i))
         i = j
     out: list[ImageInput] = []
-    if images:
+    if images and ref.gemma:  # one [1, 3, H, W] image per run of its tokens
+        pixels = inp["pixel_values"].numpy()
+        for i, (offset, length) in enumerate(runs):
+            part = pixels[i:i + 1]
+            side = int(length ** 0.5)
+            digest = hashlib.blake2b(part.tobytes(), digest_size=16).digest()
+            out.append(ImageInput(offset, length, digest, part, [1, side, side],
+                                  bidirectional=True))
+    elif images:
         pixels, at = inp["pixel_values"].numpy(), 0
         for (offset, length), grid in zip(runs, inp["image_grid_thw"].numpy(), strict=True):
             part = pixels[at:at + int(grid.prod())]
@@ -254,8 +350,10 @@ def vl_adapter(ref: VLReference, out_dir: str, seed: int = 7) -> Any:
     tensors `model.language_model.layers...`), lora_B randomised; and the PeftModel."""
     from peft import LoraConfig, get_peft_model
 
+    # The language model's layers only (Gemma 3's SigLIP layers have q/k/v projections too).
     config = LoraConfig(r=4, lora_alpha=8,
-                        target_modules=r".*layers\.\d+\.self_attn\.(q|k|v|o)_proj")
+                        target_modules=r".*language_model\.(model\.)?layers\.\d+\.self_attn"
+                                       r"\.(q|k|v|o)_proj")
     model = get_peft_model(ref.model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -43,16 +43,25 @@ class Processed:
 class ImagePreprocessor:
     """The checkpoint's image processor and its placeholder token."""
 
+    # Gemma 3: the text's `<start_of_image>` becomes the processor's whole image sequence
+    # before tokenizing (`expand_text`), as Gemma3Processor does ("": other families).
+    placeholder = sequence = ""
+
     def __init__(self, model_dir: str, spec: VisionSpec) -> None:
+        self.spec = spec
+        if spec.bidirectional:
+            self.processor: Any = _gemma3_processor(self, model_dir)
+            return
         from transformers import AutoImageProcessor
 
-        self.processor: Any = AutoImageProcessor.from_pretrained(model_dir)
-        self.spec = spec
+        self.processor = AutoImageProcessor.from_pretrained(model_dir)
 
     def process(self, images: list[Any]) -> list[Processed]:
         """PIL images -> what the tower reads, one entry per image (blocking: a thread's)."""
         if not images:
             return []
+        if self.sequence:
+            return self._process_whole(images)
         out = self.processor(images=images, return_tensors="np")
         pixels = np.asarray(out["pixel_values"], dtype=np.float32)
         grids = np.asarray(out["image_grid_thw"], dtype=np.int64)
@@ -66,10 +75,40 @@ class ImagePreprocessor:
             result.append(Processed(part, [int(x) for x in grid], n // merge, digest))
         return result
 
+    def _process_whole(self, images: list[Any]) -> list[Processed]:
+        """Gemma 3: each image resized whole to the tower's square, `tokens_per_image`
+        tokens."""
+        out = self.processor(images=images, return_tensors="np")
+        if any(int(n) for n in np.asarray(out.get("num_crops", [0])).ravel()):
+            raise ImageError("pan-and-scan crops are not supported")
+        pixels = np.asarray(out["pixel_values"], dtype=np.float32)
+        tokens = self.spec.tokens_per_image
+        side = int(tokens ** 0.5)
+        result = []
+        for i in range(pixels.shape[0]):
+            part = np.ascontiguousarray(pixels[i:i + 1])
+            digest = hashlib.blake2b(part.tobytes(), digest_size=16).digest()
+            result.append(Processed(part, [1, side, side], tokens, digest))
+        return result
+
+    def expand_text(self, text: str, count: int) -> str:
+        """The rendered prompt before tokenizing: Gemma 3's `<start_of_image>` replaced by
+        the processor's image sequence ("\n\n<start_of_image>", the image tokens,
+        "<end_of_image>\n\n"), so the text around it tokenizes as in transformers; other
+        families expand after tokenizing (`expand`)."""
+        if not self.sequence:
+            return text
+        found = text.count(self.placeholder)
+        if found != count:
+            raise ImageError(f"the prompt has {found} {self.placeholder} for {count} images")
+        return text.replace(self.placeholder, self.sequence)
+
     def expand(self, ids: list[int], images: list[Processed]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's one placeholder (as the chat template writes it)
         repeated once per embedding, and the images' places in it."""
         token = self.spec.image_token_id
+        if self.sequence:
+            return ids, self._places(ids, images)
         at = [i for i, t in enumerate(ids) if t == token]
         if len(at) != len(images):
             raise ImageError(f"the prompt has {len(at)} image placeholders for {len(images)} "
@@ -87,6 +126,46 @@ class ImagePreprocessor:
         if out and out[-1] == token:
             raise ImageError("the prompt ends with an image; a text token must follow it")
         return out, inputs
+
+
+    def _places(self, ids: list[int], images: list[Processed]) -> list[ImageInput]:
+        """Gemma 3: the images' places in a prompt already expanded (`expand_text`): one run
+        of `tokens_per_image` image tokens each."""
+        token = self.spec.image_token_id
+        runs: list[list[int]] = []
+        for i, t in enumerate(ids):
+            if t != token:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
+        lengths = [n for _, n in runs]
+        if len(runs) != len(images) or any(n != self.spec.tokens_per_image for n in lengths):
+            raise ImageError(f"the prompt's image tokens come in runs of {lengths}, not "
+                             f"{len(images)} of {self.spec.tokens_per_image}")
+        if runs and runs[-1][0] + runs[-1][1] == len(ids):
+            raise ImageError("the prompt ends with an image; a text token must follow it")
+        return [ImageInput(at, n, im.digest, im.pixel_values, im.grid_thw, bidirectional=True)
+                for (at, n), im in zip(runs, images, strict=True)]
+
+
+def _gemma3_processor(pre: ImagePreprocessor, model_dir: str) -> Any:
+    """Gemma 3's image processor, and its placeholder and image sequence (set on `pre`),
+    from the checkpoint's own Gemma3Processor; pan-and-scan is refused."""
+    from transformers import AutoProcessor
+
+    full = AutoProcessor.from_pretrained(model_dir)
+    if getattr(full.image_processor, "do_pan_and_scan", False):
+        raise ValueError(f"{model_dir}: the image processor enables pan-and-scan "
+                         "(do_pan_and_scan), which is not supported: set it to false in "
+                         "preprocessor_config.json (transformers' default)")
+    if int(full.image_seq_length) != pre.spec.tokens_per_image:
+        raise ValueError(f"{model_dir}: the processor's image_seq_length "
+                         f"{full.image_seq_length} differs from config.json's "
+                         f"mm_tokens_per_image {pre.spec.tokens_per_image}")
+    pre.placeholder, pre.sequence = full.boi_token, full.full_image_sequence
+    return full.image_processor
 
 
 @dataclass

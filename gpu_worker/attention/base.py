@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache
@@ -63,6 +64,10 @@ class AttentionMetadata:
     decode_lens: list[int] | None = None
     # Hybrid models: the rows' recurrent-state slots (None: a model without linear layers).
     states: StateRows | None = None
+    # Gemma 3's images: per prefill row (after any decode rows), the [start, end) sequence
+    # positions of the images it holds whole; a query inside one also sees that image's
+    # later tokens (None: causal everywhere). `bidirectional_spans` reads it.
+    bidirectional: list[list[tuple[int, int]]] | None = None
 
     @property
     def is_mixed(self) -> bool:
@@ -88,7 +93,17 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping[n:], self.block_tables[n:],
                                  self.seq_lens[n:], None, self.query_lens[n:],
                                  max(self.prefill_seq_lens), False,
-                                 prefill_seq_lens=self.prefill_seq_lens)
+                                 prefill_seq_lens=self.prefill_seq_lens,
+                                 bidirectional=self.bidirectional)
+
+
+def last_visible(q_pos: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Per query position, the last key position it sees before any window: itself, or the
+    last token of the image it is in (transformers' Gemma 3 mask: causal OR same image)."""
+    hi = q_pos.copy()
+    for start, end in spans:
+        hi[(q_pos >= start) & (q_pos < end)] = end - 1
+    return hi
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,9 @@ class AttentionBackend(ABC):
     # steps' attention always runs eagerly between the captured pieces
     # (`gpu_worker.graphs.piecewise`), so it needs no flag.
     decode_graphs: ClassVar[bool] = True
+    # Whether its prefill honours `AttentionMetadata.bidirectional` (Gemma 3's images); a
+    # model that needs it refuses a backend that does not, at start-up.
+    bidirectional: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
@@ -150,7 +168,8 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 plan: Any, scale: float, sliding_window: int | None = None) -> torch.Tensor:
         """Write k/v [T, Hkv, D] into the layer's cache, then attend causally: q [T, Hq, D]
-        -> [T, Hq, D]; a query sees keys at positions p with q - p < `sliding_window`."""
+        -> [T, Hq, D]; a query sees keys at positions p with q - p < `sliding_window`
+        (and, where the backend is `bidirectional`, its image's later tokens)."""
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

@@ -33,7 +33,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata, WarmUp
+from tandem_serve.gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    WarmUp,
+    last_visible,
+)
 from tandem_serve.gpu_worker.attention.kv_cache import KVCache, read_blocks, write_kv, write_slots
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend, SdpaPlan
 
@@ -53,6 +58,7 @@ class FlexPlan:
 
 class FlexBackend(AttentionBackend):
     name = "flex"
+    bidirectional = True
 
     def __init__(self) -> None:
         self.split = SdpaBackend()  # decode and prefill forwards
@@ -145,18 +151,24 @@ def prepare_flex(meta: AttentionMetadata, kv_cache: KVCache, windows: list[int |
     kv_pos[:c] = np.arange(c) - np.repeat(kv_start, kv_lens)
     prefill_pos = [np.arange(s - q, s) for s, q in zip(meta.prefill_seq_lens, q_lens[n:],
                                                        strict=True)]
+    # The last key each prefill query sees: itself, or the end of its image (Gemma 3).
+    spans = meta.bidirectional or [[] for _ in prefill_pos]
+    prefill_hi = [last_visible(p, s) for p, s in zip(prefill_pos, spans, strict=True)]
 
     def dev(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(a).to(device, non_blocking=True)
 
     decode_pos = meta.seq_lens[:n].to(device=device, dtype=torch.int64) - 1
+    pad = torch.zeros(t_pad - t, dtype=torch.int64, device=device)
     q_pos = torch.cat((decode_pos, dev(np.concatenate([np.zeros(0, np.int64), *prefill_pos])),
-                       torch.zeros(t_pad - t, dtype=torch.int64, device=device)))
+                       pad))
+    q_hi = q_pos if not meta.bidirectional else torch.cat(
+        (decode_pos, dev(np.concatenate([np.zeros(0, np.int64), *prefill_hi])), pad))
     num_kv, indices = _kv_blocks(q_row[:t], kv_start, kv_end, t_pad, c_pad)
     q_row_t, kv_row_t, kv_pos_t = dev(q_row), dev(kv_row), dev(kv_pos)
     plan = FlexPlan(write_slots(meta.slot_mapping, kv_cache), gather_idx, t)
     for w in windows:
-        mask_mod = _mask_mod(q_row_t, q_pos, kv_row_t, kv_pos_t, w)
+        mask_mod = _mask_mod(q_row_t, q_pos, q_hi, kv_row_t, kv_pos_t, w)
         plan.masks[w] = BlockMask.from_kv_blocks(
             dev(num_kv), dev(indices), BLOCK_SIZE=(Q_BLOCK, KV_BLOCK), mask_mod=mask_mod,
             seq_lengths=(t_pad, c_pad), compute_q_blocks=False)
@@ -181,10 +193,14 @@ def _kv_blocks(q_row: np.ndarray, kv_start: np.ndarray, kv_end: np.ndarray, t_pa
     return counts, indices
 
 
-def _mask_mod(q_row: torch.Tensor, q_pos: torch.Tensor, kv_row: torch.Tensor,
-              kv_pos: torch.Tensor, window: int | None) -> Callable[..., torch.Tensor]:
+def _mask_mod(q_row: torch.Tensor, q_pos: torch.Tensor, q_hi: torch.Tensor,
+              kv_row: torch.Tensor, kv_pos: torch.Tensor, window: int | None
+              ) -> Callable[..., torch.Tensor]:
+    """Same row, up to the query's last visible key (`q_hi`: its position, or its image's
+    end), and inside the window behind its position."""
+
     def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        seen = (q_row[q_idx] == kv_row[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+        seen = (q_row[q_idx] == kv_row[kv_idx]) & (kv_pos[kv_idx] <= q_hi[q_idx])
         if window is not None:  # HF's convention: a query sees keys with q - k < window
             seen = seen & (kv_pos[kv_idx] > q_pos[q_idx] - window)
         return seen

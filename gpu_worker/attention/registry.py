@@ -7,6 +7,7 @@ so a wrong name is refused before any process starts; a test keeps the two equal
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -29,24 +30,41 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
+# Why a backend without `bidirectional` cannot serve a model whose images need it.
+NO_BIDIRECTIONAL = ("cannot attend both ways among an image's tokens, which Gemma 3's "
+                    "vision prefill needs (sdpa and flex can)")
+
+
 def check_backend(name: str, device: torch.device, dtype: torch.dtype,
-                  kv_dtype: torch.dtype, block_size: int) -> None:
+                  kv_dtype: torch.dtype, block_size: int, bidirectional: bool = False
+                  ) -> None:
     """A StartupError naming the flag, the backend and why, where a named backend cannot
-    serve `device`, `dtype`, a `kv_dtype` cache or `block_size` (nothing for "auto"): cheap,
-    so the runner asks before it loads any weight."""
+    serve `device`, `dtype`, a `kv_dtype` cache or `block_size`, or a model whose images
+    attend both ways (`bidirectional`; nothing for "auto"): cheap, so the runner asks
+    before it loads any weight."""
     if name == "auto":
         return
     if name not in BACKENDS:
         raise StartupError(f"--attention-backend {name!r} is not one of auto, "
                            f"{', '.join(BACKENDS)}")
-    reason = BACKENDS[name].supports(device, dtype, kv_dtype, block_size)
+    reason = _refusal(BACKENDS[name], device, dtype, kv_dtype, block_size, bidirectional,
+                      BACKENDS[name].supports)
     if reason is not None:
         raise StartupError(f"--attention-backend {name}: {reason}")
 
 
+def _refusal(cls: type[AttentionBackend], device: torch.device, dtype: torch.dtype,
+             kv_dtype: torch.dtype, block_size: int, bidirectional: bool,
+             check: Callable[..., str | None]) -> str | None:
+    if bidirectional and not cls.bidirectional:
+        return NO_BIDIRECTIONAL
+    return check(device, dtype, kv_dtype, block_size)
+
+
 def select_backend(name: str, device: torch.device, dtype: torch.dtype,
                    kv_dtype: torch.dtype, block_size: int, *, flash_attn: bool = True,
-                   warm_up: WarmUp | None = None) -> AttentionBackend:
+                   warm_up: WarmUp | None = None, bidirectional: bool = False
+                   ) -> AttentionBackend:
     """The backend this process attends with, for the whole of its life.
 
     `name`: a key of `BACKENDS`, or "auto": the first of them that serves `device`,
@@ -54,8 +72,10 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
     over there (`auto_skips`; `flash_attn` False: never flash, `--no-flash-attn`) and whose
     start-up check (`warm_up`, when given: e.g. FlexAttention's compile) succeeds.  Every
     fallback is logged here, once.  A named backend that cannot serve (`check_backend`), or
-    whose start-up check fails, is a StartupError naming the flag, the backend and why."""
-    check_backend(name, device, dtype, kv_dtype, block_size)
+    whose start-up check fails, is a StartupError naming the flag, the backend and why.
+    `bidirectional`: the model's images attend both ways (Gemma 3): only backends that
+    honour it serve."""
+    check_backend(name, device, dtype, kv_dtype, block_size, bidirectional)
     if name != "auto":
         backend = BACKENDS[name]()
         reason = _warm_up(backend, warm_up)
@@ -65,7 +85,8 @@ def select_backend(name: str, device: torch.device, dtype: torch.dtype,
         return backend
     passed: list[str] = []
     for cls in BACKENDS.values():
-        reason = cls.auto_skips(device, dtype, kv_dtype, block_size)
+        reason = _refusal(cls, device, dtype, kv_dtype, block_size, bidirectional,
+                          cls.auto_skips)
         if reason is None and cls is FlashBackend and not flash_attn:
             reason = "--no-flash-attn"
         if reason is None:

@@ -23,10 +23,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tandem_serve.gpu_worker.attention.base import AttentionBackend, AttentionMetadata
+from tandem_serve.gpu_worker.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    last_visible,
+)
 from tandem_serve.gpu_worker.attention.kv_cache import (
     KVCache,
     as_stored,
@@ -76,6 +81,7 @@ class SdpaPlan:
 
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
+    bidirectional = True
 
     @classmethod
     def supports(cls, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
@@ -261,8 +267,12 @@ def prefill_seqs(meta: AttentionMetadata, block_size: int, windows: list[int | N
             block_ids = meta.block_tables[i, :nb].to(device=device, dtype=torch.int64)
         seq = PrefillSeq(q_start=q_start, q_len=q_len, ctx_len=ctx_len, block_ids=block_ids)
         q_pos = torch.arange(prefix, ctx_len, device=device)[:, None]
+        spans = meta.bidirectional[i] if meta.bidirectional else []
+        # The last key each query sees: itself, or the end of its image (Gemma 3).
+        hi = torch.from_numpy(last_visible(np.arange(prefix, ctx_len), spans)).to(
+            device)[:, None] if spans else q_pos
         for w in windows:
-            if prefix == 0 and (w is None or q_len <= w):
+            if prefix == 0 and not spans and (w is None or q_len <= w):
                 seq.masks[w] = None  # plain causal: SDPA's is_causal is exact here
                 continue
             # Read back from the block of the first key the first query sees (fresh k/v:
@@ -270,7 +280,7 @@ def prefill_seqs(meta: AttentionMetadata, block_size: int, windows: list[int | N
             first = 0 if w is None or prefix == 0 else max(0, prefix - w + 1) // bs * bs
             seq.first_key[w] = first
             k_pos = torch.arange(first, ctx_len, device=device)[None, :]
-            causal = k_pos <= q_pos
+            causal = k_pos <= hi
             # HF convention: a query sees keys with q - k < window.
             seq.masks[w] = causal if w is None else causal & (k_pos > q_pos - w)
         out.append(seq)

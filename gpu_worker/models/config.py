@@ -191,7 +191,7 @@ class ModelArgs:
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         quant = _quant(cfg, arch, family)
         if vision is not None:
-            if sum(vision.mrope_section) * 2 != head_dim:
+            if vision.mrope_section and sum(vision.mrope_section) * 2 != head_dim:
                 raise ValueError(f"mrope_section {list(vision.mrope_section)} must sum to "
                                  f"head_dim / 2 = {head_dim // 2}")
             family.update(mrope_section=vision.mrope_section,

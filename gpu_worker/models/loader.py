@@ -27,7 +27,10 @@ log = logging.getLogger(__name__)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 # Checkpoint entries that carry no weights of ours (recomputed buffers).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-_VISION_PREFIXES = ("visual.", "model.visual.")
+# A VL checkpoint's vision tower and projector (Qwen: `visual.*`; Gemma 3: SigLIP and its
+# projector), which `gpu_worker.vision.tower` loads.
+_VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.",
+                    "multi_modal_projector.", "model.multi_modal_projector.")
 
 
 def load_model_args(model_dir: str) -> ModelArgs:

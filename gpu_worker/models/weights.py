@@ -32,6 +32,11 @@ def _device_str(device: torch.device) -> str:
 
 
 NESTED_LM = "model.language_model."
+# Where multimodal folders nest the language model -> the causal LM's own prefix: Qwen3-VL
+# and Qwen3.5 as published; Gemma 3 VL as published and as transformers 5 writes it
+# (`language_model.model.*`, an untied head `language_model.lm_head.*`).
+_NESTED = {NESTED_LM: "model.", "language_model.model.": "model.",
+           "language_model.lm_head.": "lm_head."}
 _STACKED_GATE_UP = "mlp.experts.gate_up_proj"
 
 
@@ -75,8 +80,11 @@ class SafetensorsCheckpoint:
         # A multimodal checkpoint may nest its language model (`model.language_model.layers...`,
         # Qwen3-VL and Qwen3.5 as published): its tensors go by the text model's names,
         # `model.layers...`.
-        for k in [k for k in self._file_of if k.startswith(NESTED_LM)]:
-            name = "model." + k[len(NESTED_LM):]
+        for k in list(self._file_of):
+            prefix = next((p for p in _NESTED if k.startswith(p)), None)
+            if prefix is None:
+                continue
+            name = _NESTED[prefix] + k[len(prefix):]
             self._stored[name] = k
             self._file_of[name] = self._file_of.pop(k)
         self._experts: dict[str, _ExpertView] = {}

@@ -3,9 +3,11 @@ placeholder tokens, and M-RoPE positions.
 
 A prefill piece covering placeholders takes those rows of its images' embeddings (the tower
 runs once per forward for the images not cached, `tower`), whatever part of an image the
-piece holds: a chunked prompt or a prefix-cache hit may cut an image anywhere. A piece's
+piece holds: a chunked prompt or a prefix-cache hit may cut a Qwen image anywhere. A piece's
 positions are the prompt's M-RoPE ids ([3, P]); a decode row's are its position plus its
 request's delta, the same on every axis, which the rope computes from a [B] tensor as it is.
+Gemma 3 has plain positions, and its images' tokens attend to each other both ways: each
+piece says where its images are (`PrefillInputs.bidirectional`), and holds them whole.
 """
 from __future__ import annotations
 
@@ -19,6 +21,22 @@ from tandem_serve.gpu_worker.steps import Piece, PrefillInputs
 from tandem_serve.gpu_worker.vision.positions import history_positions, mrope_positions
 from tandem_serve.gpu_worker.vision.tower import VisionTower
 from tandem_serve.ipc.tracing import TRACER
+
+
+def whole_images(p: Piece) -> list[tuple[int, int]]:
+    """The [start, end) positions of the images a piece holds; each must be whole, since its
+    tokens attend to each other both ways (the scheduler never cuts one: a cut image's first
+    part would have been computed without seeing the rest)."""
+    end, out = p.start + p.count, []
+    for im in p.req.images:
+        lo, hi = im.offset, im.offset + im.length
+        if lo < end and p.start < hi:
+            if lo < p.start or hi > end:
+                raise ValueError(f"request {p.req.request_id}: prefill piece [{p.start}, "
+                                 f"{end}) cuts the image at [{lo}, {hi}), whose tokens "
+                                 "attend to each other both ways")
+            out.append((lo, hi))
+    return out
 
 
 class VisionInputs:
@@ -42,6 +60,9 @@ class VisionInputs:
             cols = [history_positions(*self.positions_of(p.req), p.start, p.start + p.count)
                     for p in pieces]
             inp.positions = torch.as_tensor(np.concatenate(cols, axis=1)).to(self.device)
+        if self.tower.spec.bidirectional:
+            spans = [whole_images(p) for p in pieces]
+            inp.bidirectional = spans if any(spans) else None  # None: causal, fast paths
         needed, rows, at = [], [], 0
         for p in pieces:
             end = p.start + p.count

@@ -4,11 +4,13 @@ The tower is transformers' own module for the family (Qwen2.5-VL's
 `Qwen2_5_VisionTransformerPretrainedModel`: patch embedding, windowed and full-attention
 blocks with 2D RoPE, the 2x2 patch merger that projects into the language model's width;
 Qwen3-VL's `Qwen3VLVisionModel`, which also returns DeepStack features from intermediate
-blocks, and Qwen3-VL-MoE's `Qwen3VLMoeVisionModel`, the same), built from the checkpoint's
-`vision_config` and filled from its `visual.*` tensors: the vision side runs once per
-image, during prefill, so its speed matters far less than being the reference's
-arithmetic; writing it again would buy nothing but a second place for bugs. The language
-model underneath stays Tandem's decoder.
+blocks, and Qwen3-VL-MoE's `Qwen3VLMoeVisionModel`, the same; Gemma 3's
+`SiglipVisionModel` and `Gemma3MultiModalProjector`, which average-pools the patch grid
+to `mm_tokens_per_image` tokens), built from the checkpoint's `vision_config` and filled
+from its `visual.*` (Gemma 3: `vision_tower.*`, `multi_modal_projector.*`) tensors: the
+vision side runs once per image, during prefill, so its speed matters far less than
+being the reference's arithmetic; writing it again would buy nothing but a second place
+for bugs. The language model underneath stays Tandem's decoder.
 
 One call encodes every image a forward needs and has not cached (Qwen's tower takes many
 images as one packed sequence with per-image attention), and the results are kept by content
@@ -27,13 +29,47 @@ import torch
 from safetensors import safe_open
 
 from tandem_serve.proto.request_params import ImageInput
-from tandem_serve.proto.vision import QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, VisionSpec
+from tandem_serve.proto.vision import (
+    GEMMA3_VL,
+    QWEN2_5_VL,
+    QWEN3_VL,
+    QWEN3_VL_MOE,
+    VisionSpec,
+)
 
 log = logging.getLogger(__name__)
 
 # Embeddings kept for reuse: an image of the 7B model at 1,280 tokens is 9 MiB in bfloat16.
 CACHE_BYTES = 512 << 20
-_PREFIXES = ("visual.", "model.visual.")
+# Checkpoint prefix -> the tower module's own (Qwen: the tower is the module; Gemma 3: a
+# SigLIP tower and a projector side by side, published with SigLIP's `vision_model.` level,
+# which transformers 5 drops when it saves).
+_PREFIXES = {"visual.": "", "model.visual.": "",
+             "vision_tower.vision_model.": "vision_tower.", "vision_tower.": "vision_tower.",
+             "model.vision_tower.vision_model.": "vision_tower.",
+             "model.vision_tower.": "vision_tower.",
+             "multi_modal_projector.": "multi_modal_projector.",
+             "model.multi_modal_projector.": "multi_modal_projector."}
+
+
+class Gemma3Tower(torch.nn.Module):
+    """Gemma 3's image encoder as transformers runs it (`Gemma3Model.get_image_features`):
+    SigLIP's last hidden state through the pooling projector, [images * tokens, hidden]."""
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        from transformers import SiglipVisionModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+        self.vision_tower = SiglipVisionModel._from_config(config.vision_config, dtype=dtype)
+        self.multi_modal_projector = Gemma3MultiModalProjector(config).to(dtype)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> Any:
+        from types import SimpleNamespace
+
+        hidden = self.vision_tower(pixel_values=pixel_values).last_hidden_state
+        out = self.multi_modal_projector(hidden)
+        return SimpleNamespace(pooler_output=out.reshape(-1, out.shape[-1]))
 
 
 class VisionTower:
@@ -43,22 +79,25 @@ class VisionTower:
                  device: torch.device, cache_bytes: int = CACHE_BYTES) -> None:
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(model_dir).vision_config
-        if spec.architecture == QWEN2_5_VL:
+        full = transformers.AutoConfig.from_pretrained(model_dir)
+        config = full.vision_config
+        if spec.architecture == GEMMA3_VL:
+            model: Any = Gemma3Tower(full, dtype)
+        elif spec.architecture == QWEN2_5_VL:
             from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
 
-            tower: Any = qwen25.Qwen2_5_VisionTransformerPretrainedModel
+            model = qwen25.Qwen2_5_VisionTransformerPretrainedModel._from_config(config,
+                                                                               dtype=dtype)
         elif spec.architecture == QWEN3_VL:
             from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
-            tower = qwen3.Qwen3VLVisionModel
+            model = qwen3.Qwen3VLVisionModel._from_config(config, dtype=dtype)
         elif spec.architecture == QWEN3_VL_MOE:
-            from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as qwen3_moe
+            from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as vl_moe
 
-            tower = qwen3_moe.Qwen3VLMoeVisionModel
+            model = vl_moe.Qwen3VLMoeVisionModel._from_config(config, dtype=dtype)
         else:
             raise ValueError(f"no vision tower for {spec.architecture}")
-        model = tower._from_config(config, dtype=dtype)
         model.load_state_dict(_visual_weights(model_dir), strict=True)
         self.model = model.to(device).eval()
         self.spec, self.dtype, self.device = spec, dtype, device
@@ -109,7 +148,7 @@ def _visual_weights(model_dir: str) -> dict[str, torch.Tensor]:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
                 if prefix is not None:
-                    out[key[len(prefix):]] = f.get_tensor(key)
+                    out[_PREFIXES[prefix] + key[len(prefix):]] = f.get_tensor(key)
     if not out:
-        raise ValueError(f"no vision tower weights (visual.*) in {model_dir}")
+        raise ValueError(f"no vision tower weights (visual.*, vision_tower.*) in {model_dir}")
     return out

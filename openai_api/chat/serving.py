@@ -224,12 +224,15 @@ class Serving:
 
         size = sum(len(str(m.get("content", ""))) for m in messages)
         text = await asyncio.to_thread(render) if size > THREAD_ENCODE_CHARS else render()
-        ids = await self.frontend.encode(text, add_special_tokens=False)
         if not processed:
-            return Prompt(text, ids, "messages")
-        assert self.images.preprocessor is not None
+            return Prompt(text, await self.frontend.encode(text, add_special_tokens=False),
+                          "messages")
+        pre = self.images.preprocessor
+        assert pre is not None
         try:
-            ids, images = self.images.preprocessor.expand(ids, processed)
+            ids = await self.frontend.encode(pre.expand_text(text, len(processed)),
+                                             add_special_tokens=False)
+            ids, images = pre.expand(ids, processed)
         except ImageError as exc:
             raise ValidationError("messages", str(exc)) from None
         return Prompt(text, ids, "messages", images)

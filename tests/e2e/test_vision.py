@@ -2,7 +2,9 @@
 OpenAI chat API: image_url parts by data:, http:// and file:// URLs, greedy output and
 prompt_tokens equal to transformers' with the checkpoint's own processor, the prefix cache
 keyed by image content, the Responses API's input_image, Anthropic's image blocks through the
-official client, and every bad image a 400 naming its part while other requests run on."""
+official client, and every bad image a 400 naming its part while other requests run on.
+A tiny Gemma 3 (bidirectional attention among an image's tokens) under a step budget
+smaller than an image: HF's tokens, images scheduled whole, prefix hits kept off images."""
 from __future__ import annotations
 
 import base64
@@ -22,7 +24,13 @@ import pytest
 
 from tandem_serve.harness.metrics_scrape import Scrape
 from tests.e2e.server import Server, running
-from tests.vl_utils import VLReference, image_message, png_bytes, vl_checkpoint
+from tests.vl_utils import (
+    VLReference,
+    gemma3_checkpoint,
+    image_message,
+    png_bytes,
+    vl_checkpoint,
+)
 
 N = 10
 IMAGES = [png_bytes(0), png_bytes(1, (60, 40)), png_bytes(2, (200, 150), "JPEG"),
@@ -261,3 +269,40 @@ def test_anthropic_image_block_equals_chat(server: Server) -> None:
         client.messages.count_tokens(model="m", messages=[
             {"role": "user", "content": [block, block, block]}])
     assert "messages[0].content[2].source.data" in str(exc.value)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, VLReference]]:
+    path = gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"))
+    # 16-token images under a budget of 6 tokens a step: each is scheduled whole anyway.
+    for server in running(path, "--max-num-batched-tokens", "6", "--num-kv-blocks", "128",
+                          "--served-model-name", "m", http=True):
+        yield server, VLReference(path)
+
+
+def test_gemma3_chats_equal_hf_with_each_image_in_one_piece(
+        gemma: tuple[Server, VLReference]) -> None:
+    server, ref = gemma
+    jobs = [("what is this", [IMAGES[0]]), ("compare them", [IMAGES[0], IMAGES[1]]),
+            ("hello there", []), ("and this one", [IMAGES[2]])]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda j: chat(server, parts(j[0], *map(data_url, j[1]))
+                                               if j[1] else j[0]), jobs))
+    for (text, images), (status, answer) in zip(jobs, answers, strict=True):
+        assert status == 200, answer
+        check_hf(ref, answer, text, images)
+    url = f"http://127.0.0.1:{server.http_port}/metrics"
+    before = Scrape(url).total("vllm:prefix_cache_hits_total")
+    status, again = chat(server, parts("what is this", data_url(IMAGES[0])))
+    assert status == 200 and tokens(again) == tokens(answers[0][1])
+    deadline = time.monotonic() + 10  # the scheduler reports every 0.2 s
+    while Scrape(url).total("vllm:prefix_cache_hits_total") - before < 32 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert Scrape(url).total("vllm:prefix_cache_hits_total") - before >= 32  # past the image
+    # The same image, other text: the cached blocks end inside the image, so the hit ends
+    # before it; another image behind the same text shares nothing of it.
+    for text, image in (("tell me more", IMAGES[0]), ("what is this", IMAGES[3])):
+        status, answer = chat(server, parts(text, data_url(image)))
+        assert status == 200, answer
+        check_hf(ref, answer, text, [image])

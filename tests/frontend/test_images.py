@@ -69,12 +69,6 @@ def test_qwen3_vl_moe_reads_as_qwen3_moe_with_its_own_defaults() -> None:
     assert a.norm_topk_prob and a.moe_layers == (False, True)
 
 
-@pytest.mark.parametrize("arch,why", [("Gemma3ForConditionalGeneration", "bidirectional")])
-def test_vl_families_not_served_yet_are_refused_with_the_reason(arch: str, why: str) -> None:
-    with pytest.raises(ValueError, match=why):
-        split_config({"architectures": [arch]})
-
-
 def test_text_only_configs_pass_through() -> None:
     cfg = {"architectures": ["LlamaForCausalLM"], **TEXT}
     assert split_config(cfg) == (cfg, None)
@@ -167,3 +161,62 @@ def test_speculation_on_a_vl_model_is_accepted(tmp_path: Any) -> None:
     spec = '{"method": "ngram", "num_speculative_tokens": 2}'
     assert ServerConfig(model=str(tmp_path), speculative_config=spec).speculative_config == spec
     assert ServerConfig(model=str(tmp_path)).limit_mm_per_prompt == ""
+
+
+# google/gemma-3-4b-it's config.json: its text_config names only what differs from
+# Gemma3TextConfig's defaults.
+GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+    "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+    "mm_tokens_per_image": 256, "model_type": "gemma3",
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                    "model_type": "gemma3_text", "num_hidden_layers": 34,
+                    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                      "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+
+
+def test_gemma3_published_config_reads_with_transformers_defaults() -> None:
+    import transformers
+
+    from tandem_serve.proto.vision import GEMMA3_TEXT_DEFAULTS
+
+    hf = transformers.Gemma3TextConfig()
+    assert {k: getattr(hf, k) for k in GEMMA3_TEXT_DEFAULTS} == GEMMA3_TEXT_DEFAULTS
+    args = ModelArgs.from_hf_config(json.loads(json.dumps(GEMMA3_4B)))
+    assert (args.architecture, args.vocab_size, args.num_heads, args.num_kv_heads,
+            args.head_dim, args.image_token_id) == ("Gemma3ForCausalLM", 262208, 8, 4, 256,
+                                                    262144)
+    assert args.sliding_windows[:6] == (1024,) * 5 + (None,) and not args.mrope_section
+    assert args.eos_token_ids == (1, 106) and args.tie_word_embeddings
+    spec = split_config(GEMMA3_4B)[1]
+    assert spec is not None and spec.bidirectional and spec.tokens_per_image == 256
+    with pytest.raises(ValueError, match="not a square"):
+        split_config({**GEMMA3_4B, "mm_tokens_per_image": 200})
+
+
+def _gemma_expander() -> ImagePreprocessor:
+    pre = ImagePreprocessor.__new__(ImagePreprocessor)
+    pre.spec = VisionSpec("Gemma3ForConditionalGeneration", 9, 1, (), bidirectional=True,
+                          tokens_per_image=3)
+    pre.placeholder, pre.sequence = "<boi>", "\n\n<boi><img><img><img><eoi>\n\n"
+    return pre
+
+
+def test_gemma3_expands_the_text_then_finds_each_image_run() -> None:
+    pre = _gemma_expander()
+    assert pre.expand_text("a<boi>b<boi>c", 2) == ("a\n\n<boi><img><img><img><eoi>\n\nb"
+                                                   "\n\n<boi><img><img><img><eoi>\n\nc")
+    with pytest.raises(ValueError, match="1 <boi> for 2 images"):
+        pre.expand_text("a<boi>b", 2)
+    ids, images = pre.expand([1, 7, 9, 9, 9, 8, 5, 7, 9, 9, 9, 8, 6],
+                             [_processed(3, b"a"), _processed(3, b"b")])
+    assert ids == [1, 7, 9, 9, 9, 8, 5, 7, 9, 9, 9, 8, 6]
+    assert [(i.offset, i.length, i.digest, i.bidirectional) for i in images] == [
+        (2, 3, b"a", True), (8, 3, b"b", True)]
+    with pytest.raises(ValueError, match=r"runs of \[3, 4\], not 2 of 3"):
+        pre.expand([7, 9, 9, 9, 8, 9, 9, 9, 9, 6], [_processed(3, b"a"), _processed(3, b"b")])
+    with pytest.raises(ValueError, match="ends with an image"):
+        pre.expand([7, 9, 9, 9], [_processed(3, b"a")])

@@ -1,11 +1,14 @@
 """VL checkpoints (Qwen2.5-VL; Qwen3-VL with q/k norms, interleaved M-RoPE and DeepStack;
-Qwen3-VL-MoE, the same over experts stacked in 3-D tensors) in the gpu worker: greedy equal
-to transformers' generate in float32, token for token, with images encoded during prefill
-and M-RoPE positions, Qwen3-VL also at tensor parallel size 2 (its language model nested as
-published, `model.language_model.*`); the embedding cache;
-chunks and prefix-cache hits that cut an image; preemption; a LoRA adapter on the language
-model (PEFT's names nest it too) beside base rows; speculative decoding (n-gram and a
-draft model) on image requests; Qwen3-VL-MoE as published (experts in the matmul layout)."""
+Qwen3-VL-MoE, the same over experts stacked in 3-D tensors; Gemma 3 with bidirectional
+attention among an image's tokens) in the gpu worker: greedy equal to transformers'
+generate in float32, token for token, with images encoded during prefill (and M-RoPE
+positions), Qwen3-VL and Gemma 3 also at tensor parallel size 2 (Qwen3-VL's language model
+nested as published, `model.language_model.*`); the embedding cache; chunks and
+prefix-cache hits that cut a Qwen image, or end next to a Gemma image (never inside);
+preemption; a LoRA adapter on the language model (PEFT's names nest it too) beside base
+rows; speculative decoding (n-gram and a draft model) on image requests; Qwen3-VL-MoE as
+published (experts in the matmul layout); Gemma 3's published layout, its pan-and-scan
+refused."""
 from __future__ import annotations
 
 import json
@@ -24,6 +27,7 @@ from tests.gpu_worker import tp_job
 from tests.gpu_worker.runner_driver import Driver, make_runner
 from tests.vl_utils import (
     VLReference,
+    gemma3_checkpoint,
     image_message,
     png_bytes,
     published_vl_moe,
@@ -36,8 +40,10 @@ N = 12
 EOS = 2
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "gemma3"])
 def vl(ckpt_root: Path, request: pytest.FixtureRequest) -> str:
+    if request.param == "gemma3":
+        return gemma3_checkpoint(ckpt_root)
     return vl_checkpoint(ckpt_root, request.param)
 
 
@@ -82,11 +88,13 @@ def test_chunks_that_cut_an_image_and_a_preemption_match_hf(
         runner: ModelRunner, cases: list[Any]) -> None:
     ids, images, want = cases[1]  # two images
     d = Driver(runner)
-    first = images[0].offset + 3  # the first chunk ends inside the first image
+    whole = images[0].bidirectional  # Gemma 3: chunks end next to an image, never inside
+    first = images[0].offset + (0 if whole else 3)  # else inside the first image
     d.add(0, ids, _params(), images=images, chunk=first)
     d.run(4)
     rest = len(ids) - 1 - first
-    d.prefill(0, rest, [rest // 2, rest - rest // 2])  # two steps, the second image split
+    half = images[1].offset - first if whole else rest // 2  # else the second image split
+    d.prefill(0, rest, [half, rest - half])  # two steps
     d.run(4)
     assert d.reqs[0].out, "decoding after its last piece"
     d.preempt(0)
@@ -102,12 +110,18 @@ def test_chunks_that_cut_an_image_and_a_preemption_match_hf(
 def test_prefix_hit_that_ends_inside_an_image_matches_hf(
         runner: ModelRunner, cases: list[Any]) -> None:
     ids, images, want = cases[3]  # an image of 35 tokens: it crosses a block boundary
+    bs = runner.block_size
+    shared = images[0].offset // bs + 1  # the last shared block ends inside the image
+    if images[0].bidirectional:  # Gemma 3: a hit never ends inside an image (the
+        # scheduler's rule): this one covers both images of the second case, text follows
+        ids, images, want = cases[1]
+        shared = -(-(images[1].offset + images[1].length) // bs)
+        assert shared * bs < len(ids) - 1
+    else:
+        assert shared * bs < images[0].offset + images[0].length, images[0]
     d = Driver(runner)
     d.add(0, ids, _params(), images=images)
     d.run(2)
-    bs = runner.block_size
-    shared = images[0].offset // bs + 1  # the last shared block ends inside the image
-    assert shared * bs < images[0].offset + images[0].length, images[0]
     d.add(1, ids, _params(), images=images, shared=d.reqs[0].blocks[:shared],
           cached=shared * bs)
     d.run_until_done([4])
@@ -115,11 +129,63 @@ def test_prefix_hit_that_ends_inside_an_image_matches_hf(
     assert d.outputs()[1] == want
 
 
+def test_gemma3_published_names_serve_the_same(vl: str, cases: list[Any],
+                                               ckpt_root: Path) -> None:
+    """The published layout (SigLIP under `vision_tower.vision_model.*`, a text_config
+    relying on Gemma3TextConfig's defaults) holds the same weights: the same tokens."""
+    if "gemma3" not in vl:
+        pytest.skip("Gemma 3's published layout")
+    d = Driver(make_runner(gemma3_checkpoint(ckpt_root, published=True)))
+    for i, (ids, images, _) in enumerate(cases[:2]):
+        d.add(i, ids, _params(), images=images)
+    d.run_until_done([8])
+    assert [d.outputs()[0], d.outputs()[1]] == [cases[0][2], cases[1][2]]
+
+
+def test_gemma3_pan_and_scan_is_refused_at_start_up(vl: str, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from tandem_serve.frontend.media.images import ImagePreprocessor
+    from tandem_serve.proto.vision import read_spec
+
+    if "gemma3" not in vl:
+        pytest.skip("Gemma 3's processor")
+    path = shutil.copytree(vl, tmp_path / "pan")
+    with open(path / "processor_config.json") as f:
+        cfg = json.load(f)
+    cfg["image_processor"]["do_pan_and_scan"] = True
+    with open(path / "processor_config.json", "w") as f:
+        json.dump(cfg, f)
+    spec = read_spec(str(path))
+    assert spec is not None
+    with pytest.raises(ValueError, match="pan-and-scan .* not supported"):
+        ImagePreprocessor(str(path), spec)
+
+
+def test_a_piece_that_cuts_a_bidirectional_image_is_refused() -> None:
+    import numpy as np
+
+    from tandem_serve.gpu_worker.steps import Piece
+    from tandem_serve.gpu_worker.vision.inputs import whole_images
+    from tandem_serve.proto.request_params import ImageInput
+
+    class Req:
+        request_id = 7
+        images = [ImageInput(4, 16, b"d" * 16, np.zeros((1, 1), np.float32), [1, 4, 4], True)]
+
+    assert whole_images(Piece(Req(), 0, 4)) == []  # type: ignore[arg-type]
+    assert whole_images(Piece(Req(), 2, 30)) == [(4, 20)]  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cuts the image at \\[4, 20\\)"):
+        whole_images(Piece(Req(), 0, 10))  # type: ignore[arg-type]
+
+
 def test_tensor_parallel_2_matches_hf(vl: str, cases: list[Any],
                                       tmp_path_factory: pytest.TempPathFactory) -> None:
-    if not Path(vl).name.startswith("tiny-qwen3_vl-"):
-        pytest.skip("one family at TP=2 (the test costs two processes): Qwen3-VL, the one "
-                    "with DeepStack and a nested language model")
+    if not Path(vl).name.startswith(("tiny-qwen3_vl-", "tiny-gemma3-")):
+        pytest.skip("the families with something more at TP=2 (the test costs two "
+                    "processes): Qwen3-VL's DeepStack and nested language model, Gemma 3's "
+                    "bidirectional images")
     out = tmp_path_factory.mktemp("tp-vision")
     torch.save([(ids, images) for ids, images, _ in cases], out / "cases.pt")
     ranks = tp_job.launch({"vision": {"path": vl, "cases": str(out / "cases.pt")}}, out)
