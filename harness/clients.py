@@ -109,9 +109,11 @@ def overload_jobs(n: int, tokens: int, prompts: list[str]) -> list[tuple[str, An
 
 # ---------------------------------------------------------------------- stalled clients
 
-# Flow control as a plain client without BDP probing has it (a 64 KiB stream window): the
-# server's writes block after that much, and the rest waits in the frontend.
-STALLED_CHANNEL = [("grpc.http2.bdp_probe", 0)]
+# A stalled client's flow control pinned to an 8 KiB stream window with no BDP probing: the
+# server's writes block after that much, and the rest waits in the frontend. (With the
+# default 64 KiB window a stalled stream took in about 350 detailed tokens, and now and then
+# a whole 1,900-token stream, which then never overflowed.)
+STALLED_CHANNEL = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192)]
 
 
 def detailed(tokens: int) -> Any:
