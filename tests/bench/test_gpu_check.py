@@ -317,3 +317,16 @@ def test_the_window_flow_fits_nine_minutes() -> None:
     assert plan.experiment_arms == ("async-k8", "sync-k1") and not plan.profile
     assert plan.experiment_prompts == 200 and plan.experiment_max_num_seqs == 256
     assert plan.stall_args[:2] == ("--budgets", "256,512")
+
+
+def test_only_the_quick_plan_leaves_an_experiment_arm_out() -> None:
+    """The tests' --quick flow runs three arms for CI time; the --cpu and GPU flows run all."""
+    from tandem_serve.bench.gpu_check.plans import (
+        CPU_PLAN,
+        EXPERIMENT_ARMS,
+        GPU_PLAN,
+        QUICK_PLAN,
+    )
+
+    assert CPU_PLAN.experiment_arms == GPU_PLAN.experiment_arms == tuple(EXPERIMENT_ARMS)
+    assert set(EXPERIMENT_ARMS) - set(QUICK_PLAN.experiment_arms) == {"sync-k8"}
