@@ -38,7 +38,11 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert all(r["ms"] > 0 and r["ideal_ms"] > 0 for r in probe["rows"])
     assert stages["parity"]["figures"]["float32"]["exact"] == 1
     arms = stages["experiment"]["figures"]
-    for arm in ("sync K=1", "sync K=8", "async K=8", "async K=8 prefill-phase"):
+    # The quick plan's arms: the sync loop, K=8 plans and the prefill phase (the --cpu and
+    # GPU flows add sync K=8).
+    quick_arms = ("sync K=1", "async K=8", "async K=8 prefill-phase")
+    assert [a for a in arms if isinstance(arms[a], dict)] == list(quick_arms)
+    for arm in quick_arms:
         assert arms[arm]["completed"] == arms["num_prompts"]
         assert arms[arm]["mean_tpot_ms"] > 0 and arms[arm]["forward_ms_per_plan"] > 0
     assert stages["profile"]["figures"]["plans"] >= 3
@@ -54,6 +58,7 @@ def test_quick_cpu_flow_runs_every_stage(tmp_path: pathlib.Path) -> None:
     assert all(rows[0]["ours_ms"] > 0 for rows in families.values())
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| async K=8 |" in report and "TPOT vs sync K=1" in report
+    assert "| sync K=1 |" in report and "| 1.00× |" in report  # the ratios' base row
     assert "async K=8 (mixed steps) / async K=8 prefill-phase: ITL p99" in report
 
 
@@ -312,3 +317,16 @@ def test_the_window_flow_fits_nine_minutes() -> None:
     assert plan.experiment_arms == ("async-k8", "sync-k1") and not plan.profile
     assert plan.experiment_prompts == 200 and plan.experiment_max_num_seqs == 256
     assert plan.stall_args[:2] == ("--budgets", "256,512")
+
+
+def test_only_the_quick_plan_leaves_an_experiment_arm_out() -> None:
+    """The tests' --quick flow runs three arms for CI time; the --cpu and GPU flows run all."""
+    from tandem_serve.bench.gpu_check.plans import (
+        CPU_PLAN,
+        EXPERIMENT_ARMS,
+        GPU_PLAN,
+        QUICK_PLAN,
+    )
+
+    assert CPU_PLAN.experiment_arms == GPU_PLAN.experiment_arms == tuple(EXPERIMENT_ARMS)
+    assert set(EXPERIMENT_ARMS) - set(QUICK_PLAN.experiment_arms) == {"sync-k8"}

@@ -29,7 +29,8 @@ def paths(ckpt_root: Any) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def ranks(paths: dict[str, str], tmp_path_factory: pytest.TempPathFactory
           ) -> list[dict[str, Any]]:
-    return tp_job.launch({"models": paths, "runner": paths[RUNNER_FAMILY]},
+    return tp_job.launch({"models": paths, "runner": paths[RUNNER_FAMILY],
+                          "served": False},
                          tmp_path_factory.mktemp("tp-families-out"))
 
 

@@ -51,7 +51,8 @@ def ranks(ckpts: dict[str, tuple[str, str]], lora_specs: dict[str, dict[str, str
           tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     models = {fmt: quant for fmt, (quant, _) in ckpts.items()}
     return tp_job.launch({"models": models, "runner": models[RUNNER_FORMAT],
-                          "lora": lora_specs["quant"]}, tmp_path_factory.mktemp("tp-q-out"))
+                          "lora": lora_specs["quant"], "served": False},
+                         tmp_path_factory.mktemp("tp-q-out"))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
