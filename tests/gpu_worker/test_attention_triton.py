@@ -111,8 +111,8 @@ def test_verify_rows_keep_greedy_parity(ckpt_root: Path,
     monkeypatch.setitem(policy.MEASURED_ROWS, "cpu", 2)
     copier = make_copier_checkpoint(ckpt_root, tokenizer=False)
     chain = _chain_of(copier)
-    greedy = SamplingParams(max_new_tokens=24, stop_token_ids=[EOS_ID])
-    requests = [(chain[:30] + chain[:3], greedy), (chain[5:25] + chain[5:8], greedy)]
+    greedy = SamplingParams(max_new_tokens=12, stop_token_ids=[EOS_ID])
+    requests = [(chain[:14] + chain[:3], greedy), (chain[5:15] + chain[5:8], greedy)]
     want, _, _ = _run(copier, "", 8, True, requests)
     got, _, d = _run(copier, SPEC, 8, True, requests, guard=True, attention_backend="triton")
     assert got == want
