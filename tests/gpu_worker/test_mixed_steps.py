@@ -102,16 +102,16 @@ def _workload(served: Served, new: tuple[int, int] = (40, NEW_TOKENS)) -> dict[i
     return served.run()
 
 
-def _mixed_forwards(runner: ModelRunner) -> list[list[int]]:
-    """Each mixed forward's prefill rows' context lengths, from then on (every forward's
-    attention plan passes through the backend's `prepare`)."""
-    seen: list[list[int]] = []
+def _mixed_forwards(runner: ModelRunner) -> list[tuple[int, list[int]]]:
+    """Each mixed forward's decode row count and prefill rows' context lengths, from then on
+    (every forward's attention plan passes through the backend's `prepare`)."""
+    seen: list[tuple[int, list[int]]] = []
     attention = runner.model.attention
     prepare = attention.prepare
 
     def spy(meta: AttentionMetadata, *args: Any) -> Any:
         if meta.is_mixed:
-            seen.append(list(meta.prefill_seq_lens or []))
+            seen.append((meta.num_decode, list(meta.prefill_seq_lens or [])))
         return prepare(meta, *args)
 
     attention.prepare = spy  # type: ignore[method-assign]
@@ -142,10 +142,10 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
     prompts = served.prompts  # type: ignore[attr-defined]
     for rid in range(5):
         assert out[rid] == hf_greedy(llama, prompts[rid], new[rid >= 3]), rid
-    # Both long prompts' last pieces (a prompt's last token is its first decode row's)
-    # ran in a forward with decode rows.
-    completed = {n for lens in mixed for n in lens}
-    assert {len(prompts[3]) - 1, len(prompts[4]) - 1} <= completed, mixed
+    # Both long prompts' last pieces (a prompt's last token is its first decode row's) ran
+    # in a forward with other requests' decode rows (a completing piece brings one row).
+    shared = {n for rows, lens in mixed if rows > len(lens) for n in lens}
+    assert {len(prompts[3]) - 1, len(prompts[4]) - 1} <= shared, mixed
     if k > 1:  # the long prompts were cut into pieces over several steps
         spread = served.spread()
         assert spread and max(len(s) for s in spread) >= 4
