@@ -93,14 +93,15 @@ def test_plans_attend_as_sdpa_does(kind: str, window: int | None,
 @pytest.mark.parametrize("family", ["gemma3", "qwen3-moe", "phi3"])
 def test_families_generate_as_hf(ckpt_root: Path, family: str) -> None:
     """Sliding windows and Gemma's layers (gemma3), experts (qwen3-moe), LongRoPE past its
-    original length (phi3): one batched prefill, then decode with masked rows."""
+    original length (phi3): one batched prefill, then decode with masked rows.  (The
+    70-token prompt is past Phi-3's 64 and keeps Gemma's window off the first key tile.)"""
     path = checkpoint(ckpt_root, family)
     model = load_model(path, torch.float32, torch.device("cpu"))
     model.attention = _backend()
     prompts = random_prompts([70, 9, 33], 512, seed=3)
     driver = PagedDriver(model, num_blocks=60, block_size=16, seed=1)
-    ours = driver.generate([driver.new_seq(p) for p in prompts], 12, extra_masked_rows=1)
-    assert ours == [hf_greedy(path, p, 12) for p in prompts]
+    ours = driver.generate([driver.new_seq(p) for p in prompts], 6, extra_masked_rows=1)
+    assert ours == [hf_greedy(path, p, 6) for p in prompts]
 
 
 def test_verify_rows_keep_greedy_parity(ckpt_root: Path,
@@ -111,8 +112,8 @@ def test_verify_rows_keep_greedy_parity(ckpt_root: Path,
     monkeypatch.setitem(policy.MEASURED_ROWS, "cpu", 2)
     copier = make_copier_checkpoint(ckpt_root, tokenizer=False)
     chain = _chain_of(copier)
-    greedy = SamplingParams(max_new_tokens=24, stop_token_ids=[EOS_ID])
-    requests = [(chain[:30] + chain[:3], greedy), (chain[5:25] + chain[5:8], greedy)]
+    greedy = SamplingParams(max_new_tokens=12, stop_token_ids=[EOS_ID])
+    requests = [(chain[:14] + chain[:3], greedy), (chain[5:15] + chain[5:8], greedy)]
     want, _, _ = _run(copier, "", 8, True, requests)
     got, _, d = _run(copier, SPEC, 8, True, requests, guard=True, attention_backend="triton")
     assert got == want

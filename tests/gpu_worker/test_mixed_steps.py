@@ -6,14 +6,17 @@ logprobs, seeds, and the host-sync guard on every step.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from tandem_serve.gpu_worker.attention.base import AttentionMetadata
 from tandem_serve.gpu_worker.attention.sdpa import SdpaBackend
 from tandem_serve.gpu_worker.batch import build_decode_batch
 from tandem_serve.gpu_worker.graphs.piecewise import MixedGraphs
+from tandem_serve.gpu_worker.runner import ModelRunner
 from tandem_serve.gpu_worker.steps import lay_out, prefill_inputs, prefill_metadata
 from tandem_serve.proto.plan_messages import NewRequest, StepPlan
 from tandem_serve.proto.request_params import SamplingParams
@@ -87,15 +90,32 @@ def test_mixed_step_logits_equal_the_requests_run_separately(
 # ---------------------------------------------------------------------------- served
 
 
-def _workload(served: Served) -> dict[int, list[int]]:
-    """Three streams decoding while two long prompts arrive, one after the other."""
+def _workload(served: Served, new: tuple[int, int] = (40, NEW_TOKENS)) -> dict[int, list[int]]:
+    """Three streams decoding while two long prompts arrive, one after the other; `new`:
+    the streams' and the long prompts' token counts."""
     p = random_prompts([9, 23, 15, 170, 130], 512, seed=17)
     for rid in range(3):
-        served.add(rid, p[rid], greedy(40))
-    served.add(3, p[3], greedy(), after_plans=2)
-    served.add(4, p[4], greedy(), after_plans=4)
+        served.add(rid, p[rid], greedy(new[0]))
+    served.add(3, p[3], greedy(new[1]), after_plans=2)
+    served.add(4, p[4], greedy(new[1]), after_plans=4)
     served.prompts = p  # type: ignore[attr-defined]
     return served.run()
+
+
+def _mixed_forwards(runner: ModelRunner) -> list[tuple[int, list[int]]]:
+    """Each mixed forward's decode row count and prefill rows' context lengths, from then on
+    (every forward's attention plan passes through the backend's `prepare`)."""
+    seen: list[tuple[int, list[int]]] = []
+    attention = runner.model.attention
+    prepare = attention.prepare
+
+    def spy(meta: AttentionMetadata, *args: Any) -> Any:
+        if meta.is_mixed:
+            seen.append((meta.num_decode, list(meta.prefill_seq_lens or [])))
+        return prepare(meta, *args)
+
+    attention.prepare = spy  # type: ignore[method-assign]
+    return seen
 
 
 @pytest.mark.parametrize("k, async_mode, backend, pieces", [
@@ -108,16 +128,24 @@ def test_prompts_prefill_inside_the_steps_and_equal_hf(
     """`pieces`: mixed steps through the piecewise-graph cut (`gpu_worker.graphs.piecewise`),
     run as plain calls here, as CUDA runs them from graphs.  `triton`: the Triton kernels
     under the interpreter, the very kernels a GPU runs (K=8 async with preemption and
-    prefix hits: test_kv_fp8)."""
+    prefix hits: test_kv_fp8).  The interpreter runs each decode row's program in Python:
+    there the streams stop at 20 tokens, still decoding while both long prompts prefill, and
+    those decode 6."""
+    new = (20, 6) if backend == "triton" else (40, NEW_TOKENS)
     runner = make_runner(llama, attention_backend=use_backend(request, backend))
     if pieces:
         runner.executor.mixed_graphs = MixedGraphs(runner.model, 64, capture=False)
     runner.step_guard = forbid_host_sync
+    mixed = _mixed_forwards(runner)
     served = Served(runner, k, async_mode, budget=24)
-    out = _workload(served)
+    out = _workload(served, new)
     prompts = served.prompts  # type: ignore[attr-defined]
     for rid in range(5):
-        assert out[rid] == hf_greedy(llama, prompts[rid], 40 if rid < 3 else NEW_TOKENS), rid
+        assert out[rid] == hf_greedy(llama, prompts[rid], new[rid >= 3]), rid
+    # Both long prompts' last pieces (a prompt's last token is its first decode row's) ran
+    # in a forward with other requests' decode rows (a completing piece brings one row).
+    shared = {n for rows, lens in mixed if rows > len(lens) for n in lens}
+    assert {len(prompts[3]) - 1, len(prompts[4]) - 1} <= shared, mixed
     if k > 1:  # the long prompts were cut into pieces over several steps
         spread = served.spread()
         assert spread and max(len(s) for s in spread) >= 4
