@@ -245,6 +245,7 @@ def main() -> None:
         try:
             torch.save({"vision": {f"k{k}": vision_outputs(spec["vision"], tp, k, k > 1)
                                    for k in (1, 8)}}, f"{args.out}/rank{args.rank}.pt")
+            _all_done()
         finally:
             tp.close()
         return
@@ -255,6 +256,7 @@ def main() -> None:
                                for mode, k, per_step in runs}
                         for name, path in spec["hybrid"].items()},
                        f"{args.out}/rank{args.rank}.pt")
+            _all_done()
             return
         result: dict[str, Any] = {
             "models": {name: model_outputs(path, tp, dev)
@@ -268,8 +270,19 @@ def main() -> None:
         if "lora" in spec:
             result["lora"] = lora_outputs(spec["lora"], tp, dev)
         torch.save(result, f"{args.out}/rank{args.rank}.pt")
+        _all_done()
     finally:
         tp.close()
+
+
+def _all_done() -> None:
+    """Both ranks finished (only on success: a dead peer would hold it to the timeout).
+    Without it the rank done first may leave the group while the other's last collective
+    still reads from it, and gloo's reader then aborts that process ("terminate called
+    without an active exception")."""
+    import torch.distributed as dist
+
+    dist.barrier()
 
 
 def served_runs(path: str, tp: TensorParallel, dev: str) -> dict[str, Any]:
