@@ -23,12 +23,12 @@ import uuid
 from collections import Counter
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any
-
-from fastapi import FastAPI
+from typing import TYPE_CHECKING, Any
 
 from tandem_serve.proto.config import ServerConfig
-from tandem_serve.tandem.offline.engine import BackgroundEngine
+
+if TYPE_CHECKING:  # every role process builds the CLI's parser: fastapi and the engine
+    from fastapi import FastAPI  # load only when a batch runs (about a second of CPU each)
 
 log = logging.getLogger("tandem.run_batch")
 
@@ -160,6 +160,8 @@ def summary(results: list[dict[str, Any]], seconds: float) -> str:
 
 def run(cfg: ServerConfig, args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    from tandem_serve.tandem.offline.engine import BackgroundEngine
 
     with open(args.input_file, encoding="utf-8") as f:
         lines = [parse_line(n, text) for n, text in enumerate(f, 1) if text.strip()]
