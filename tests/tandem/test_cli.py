@@ -183,3 +183,18 @@ def test_the_frontend_stays_torch_free() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_building_the_parser_loads_no_heavy_library() -> None:
+    """Every role process builds the CLI's parser before it runs: a subcommand's heavy
+    imports (fastapi, the offline engine, torch, transformers) belong in its function, or
+    each process of a server pays them at start-up."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tandem_serve.tandem.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('fastapi', 'torch', 'transformers', "
+            "'tandem_serve.tandem.offline.engine') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
