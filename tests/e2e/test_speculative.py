@@ -36,10 +36,28 @@ def hf_outputs(tiny_model_dir: pathlib.Path) -> dict[str, str]:
     return dict(zip([t for t, _ in PROMPTS], hf_greedy(tiny_model_dir, PROMPTS), strict=True))
 
 
-def counters(port: int) -> dict[str, float]:
+def counters(port: int) -> tuple[dict[str, float], list[float]]:
+    """The speculation counters and the accepted tokens per position, from one scrape."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-    return {m[1]: float(m[2]) for m in re.finditer(r"^tandem_spec_decode_(\w+)_total (\S+)$",
-                                                    text, re.M)}
+    totals = {m[1]: float(m[2]) for m in re.finditer(r"^tandem_spec_decode_(\w+)_total (\S+)$",
+                                                      text, re.M)}
+    at = [float(v) for v in re.findall(
+        r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$',
+        text, re.M)]
+    return totals, at
+
+
+def settled_counters(port: int) -> tuple[dict[str, float], list[float]]:
+    """The counters once every plan's report is in: the scheduler reports every 0.2 s, so
+    wait for drafts and then for two scrapes 0.3 s apart to agree."""
+    last = counters(port)
+    for _ in range(50):
+        time.sleep(0.3)
+        now = counters(port)
+        if now == last and now[0].get("num_drafts", 0) > 0:
+            break
+        last = now
+    return last
 
 
 @pytest.mark.parametrize("steps, mode, method", [(8, "--async-postproc", "ngram"),
@@ -59,18 +77,9 @@ def test_greedy_streams_with_speculation_equal_hf(tiny_model_dir: pathlib.Path,
         for (text, n), (got, count) in zip(PROMPTS, results, strict=True):
             assert count == n
             assert got == hf_outputs[text], f"K={steps} {mode}: {text!r}"
-        seen: dict[str, float] = {}
-        for _ in range(50):  # the scheduler reports its counters every 0.2 s
-            seen = counters(port)
-            if seen.get("num_drafts", 0) > 0:
-                break
-            time.sleep(0.1)
+        seen, at = settled_counters(port)
         assert seen["num_drafts"] > 0 and seen["num_draft_tokens"] >= seen["num_drafts"]
         assert 0 <= seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        at = [float(v) for v in re.findall(
-            r'^tandem_spec_decode_num_accepted_tokens_per_pos_total\{position="\d+"\} (\S+)$',
-            text, re.M)]
         assert sum(at) == seen["num_accepted_tokens"], at
         if method == "draft_model":  # the target as its own draft: its drafts are kept
             assert seen["num_accepted_tokens"] >= 0.9 * seen["num_draft_tokens"]
@@ -116,12 +125,7 @@ def test_drafts_from_a_copy_heavy_prompt_are_accepted(copier: str) -> None:
         got = client.completions.create(model=name, prompt=prompt, max_tokens=24,
                                         temperature=0, extra_body={"min_tokens": 24})
         assert got.choices[0].text == want
-        seen: dict[str, float] = {}
-        for _ in range(50):
-            seen = counters(port)
-            if seen.get("num_accepted_tokens", 0) > 0:
-                break
-            time.sleep(0.1)
+        seen, _ = settled_counters(port)
         assert 0 < seen["num_accepted_tokens"] <= seen["num_draft_tokens"]
     finally:
         assert server.stop() == 0
