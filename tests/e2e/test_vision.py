@@ -128,15 +128,22 @@ def check_hf(ref: VLReference, answer: dict[str, Any], text: str, images: list[b
     assert answer["usage"]["prompt_tokens"] == length
 
 
-def test_images_and_text_chats_at_once_equal_hf(server: Server, ref: VLReference) -> None:
-    jobs = [("what is this", [IMAGES[0]]), ("compare them", [IMAGES[0], IMAGES[1]]),
-            ("hello there", []), ("and this one", [IMAGES[3]])]
+def chats_at_once_equal_hf(server: Server, ref: VLReference,
+                           jobs: list[tuple[str, list[bytes]]]) -> list[dict[str, Any]]:
+    """The chats (text, images) sent at once; each answer is HF's greedy tokens."""
     with ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda j: chat(server, parts(j[0], *map(data_url, j[1]))
                                                if j[1] else j[0]), jobs))
     for (text, images), (status, answer) in zip(jobs, answers, strict=True):
         assert status == 200, answer
         check_hf(ref, answer, text, images)
+    return [answer for _, answer in answers]
+
+
+def test_images_and_text_chats_at_once_equal_hf(server: Server, ref: VLReference) -> None:
+    jobs = [("what is this", [IMAGES[0]]), ("compare them", [IMAGES[0], IMAGES[1]]),
+            ("hello there", []), ("and this one", [IMAGES[3]])]
+    chats_at_once_equal_hf(server, ref, jobs)
 
 
 def test_same_image_hits_the_prefix_cache_and_another_image_does_not_share_it(
@@ -290,16 +297,11 @@ def test_gemma3_chats_equal_hf_with_each_image_in_one_piece(
     server, ref = gemma
     jobs = [("what is this", [IMAGES[0]]), ("compare them", [IMAGES[0], IMAGES[1]]),
             ("hello there", []), ("and this one", [IMAGES[2]])]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        answers = list(pool.map(lambda j: chat(server, parts(j[0], *map(data_url, j[1]))
-                                               if j[1] else j[0]), jobs))
-    for (text, images), (status, answer) in zip(jobs, answers, strict=True):
-        assert status == 200, answer
-        check_hf(ref, answer, text, images)
+    answers = chats_at_once_equal_hf(server, ref, jobs)
     url = f"http://127.0.0.1:{server.http_port}/metrics"
     before = Scrape(url).total("vllm:prefix_cache_hits_total")
     status, again = chat(server, parts("what is this", data_url(IMAGES[0])))
-    assert status == 200 and tokens(again) == tokens(answers[0][1])
+    assert status == 200 and tokens(again) == tokens(answers[0])
     deadline = time.monotonic() + 10  # the scheduler reports every 0.2 s
     while Scrape(url).total("vllm:prefix_cache_hits_total") - before < 32 \
             and time.monotonic() < deadline:
