@@ -58,7 +58,7 @@ from tandem_serve.proto.adapter_messages import AdapterFailed
 from tandem_serve.proto.config import WorkerConfig
 from tandem_serve.proto.plan_messages import StepDone, StepPlan
 from tandem_serve.proto.request_params import FinishReason
-from tandem_serve.proto.vision import read_spec
+from tandem_serve.proto.vision import VisionSpec, read_spec
 
 if TYPE_CHECKING:
     from tandem_serve.gpu_worker.graphs.decode import DecodeGraphs, GraphStep
@@ -130,6 +130,7 @@ class ModelRunner:
         # One attention backend (the draft's too); any fallback is decided and logged here.
         # Gemma 3's images attend both ways: only backends that can do that serve it.
         spec = read_spec(cfg.model) if mc.image_token_id >= 0 else None
+        assert mc.image_token_id < 0 or spec is not None, "an image token has a vision spec"
         self.attention = self.model.attention = select_backend(
             cfg.attention_backend, self.device, self.dtype, self.kv_dtype, cfg.block_size,
             flash_attn=cfg.flash_attn, warm_up=self.model.attention_warm_up(self.kv_caches[0]),
@@ -160,7 +161,7 @@ class ModelRunner:
             log.info("recurrent states: %d slots%s, %.1f MiB", cfg.max_num_seqs, per_block,
                      self.model.states.nbytes / 2**20)
         self.lora = _adapters(cfg, self.model, self.dtype, self.device, tp)
-        self.vision = _vision(cfg, self.dtype, self.device) if mc.image_token_id >= 0 else None
+        self.vision = None if spec is None else _vision(cfg, spec, self.dtype, self.device)
         # A VL model runs eager: its rotary positions carry a per-row offset and its prefill
         # image embeddings, which the captured graphs do not take. Hybrid models run eager
         # too (their state updates are not captured yet).
@@ -380,10 +381,9 @@ def _load(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device,
     return model
 
 
-def _vision(cfg: WorkerConfig, dtype: torch.dtype, device: torch.device) -> VisionInputs:
+def _vision(cfg: WorkerConfig, spec: VisionSpec, dtype: torch.dtype, device: torch.device
+            ) -> VisionInputs:
     """A VL checkpoint's vision tower and M-RoPE inputs (`gpu_worker.vision`)."""
-    spec = read_spec(cfg.model)
-    assert spec is not None, "a model with an image token has a vision spec"
     tower = VisionTower(cfg.model, spec, dtype, device)
     log.info("vision tower: %s, %.1f MiB", spec.architecture,
              sum(p.nbytes for p in tower.model.parameters()) / 2**20)

@@ -107,6 +107,14 @@ class Split:
     def total(self) -> int:
         return sum(self.pieces)
 
+    def complete(self, n: int, cost: int, join: int, steps: int) -> Split:
+        """The last piece, `n` tokens costing `cost`, completes the prompt in step `join`,
+        which its first decode row joins for `steps` steps."""
+        self.pieces.append(n)
+        self.costs.append(cost)
+        self.join, self.decode_steps = join, steps
+        return self
+
     def message_steps(self) -> list[int]:
         """`prefill_steps` for the plan message: empty when all of it is in step 0."""
         return [] if len(self.pieces) <= 1 else list(self.pieces)
@@ -146,20 +154,15 @@ class StepBudget:
             cost = piece_cost(todo, context, self.attention_tokens)
             # The whole rest plus its first decode token, and a token in each later step.
             if may_complete and cost + 1 <= room and self._decode_fits(s, steps):
-                split.pieces.append(todo)
-                split.costs.append(cost)
-                split.join, split.decode_steps = s, steps
-                return split
+                return split.complete(todo, cost, s, steps)
             # Else hold the last token back: a prompt completes only with its decode row.
             n = max(0, min(todo - int(may_complete),
                            largest_piece(room, context, self.attention_tokens)))
             if whole:
                 n = whole_piece(context, n, todo, whole)
                 if may_complete and n == todo:  # the image runs up to the last token
-                    split.pieces.append(n)
-                    split.costs.append(piece_cost(n, context, self.attention_tokens))
-                    split.join, split.decode_steps = s, steps
-                    return split
+                    return split.complete(n, piece_cost(n, context, self.attention_tokens),
+                                          s, steps)
             split.pieces.append(n)
             split.costs.append(piece_cost(n, context, self.attention_tokens))
             todo -= n
