@@ -25,6 +25,18 @@ _MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": 
 _VL_MOE_DEFAULTS = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                     "decoder_sparse_step": 1}
 _VL_MOE_EXPERTS = 60
+# A VL checkpoint's vision tensors: their prefix -> the tower module's own. Qwen: the tower
+# is the module. Gemma 3: a SigLIP tower and a projector side by side, published with
+# SigLIP's `vision_model.` level, which transformers 5 drops when it saves. The loader leaves
+# these out of the language model, and `gpu_worker.vision.tower` loads them.
+TOWER_PREFIXES = {"visual.": "", "model.visual.": "",
+                  "vision_tower.vision_model.": "vision_tower.",
+                  "vision_tower.": "vision_tower.",
+                  "model.vision_tower.vision_model.": "vision_tower.",
+                  "model.vision_tower.": "vision_tower.",
+                  "multi_modal_projector.": "multi_modal_projector.",
+                  "model.multi_modal_projector.": "multi_modal_projector."}
+
 
 @dataclass(frozen=True)
 class VisionSpec:

@@ -127,7 +127,6 @@ class ImagePreprocessor:
             raise ImageError("the prompt ends with an image; a text token must follow it")
         return out, inputs
 
-
     def _places(self, ids: list[int], images: list[Processed]) -> list[ImageInput]:
         """Gemma 3: the images' places in a prompt already expanded (`expand_text`): one run
         of `tokens_per_image` image tokens each."""

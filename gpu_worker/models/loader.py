@@ -19,6 +19,7 @@ from tandem_serve.gpu_worker.models.quant.dummy import DummyQuantLinears
 from tandem_serve.gpu_worker.models.quant.split import problems as quant_problems
 from tandem_serve.gpu_worker.models.sharding import Part, Shard, checkpoint_part, local_args
 from tandem_serve.gpu_worker.models.weights import SafetensorsCheckpoint, read_json
+from tandem_serve.proto.vision import TOWER_PREFIXES
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "CausalLM", "ModelArgs", "load_model", "load_model_args"]
 
@@ -27,10 +28,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 # Checkpoint entries that carry no weights of ours (recomputed buffers).
 _HARMLESS_SUFFIXES = ("rotary_emb.inv_freq",)
-# A VL checkpoint's vision tower and projector (Qwen: `visual.*`; Gemma 3: SigLIP and its
-# projector), which `gpu_worker.vision.tower` loads.
-_VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.",
-                    "multi_modal_projector.", "model.multi_modal_projector.")
+# A VL checkpoint's vision tower and projector, which `gpu_worker.vision.tower` loads.
+_VISION_PREFIXES = tuple(TOWER_PREFIXES)
 
 
 def load_model_args(model_dir: str) -> ModelArgs:

@@ -34,6 +34,7 @@ from tandem_serve.proto.vision import (
     QWEN2_5_VL,
     QWEN3_VL,
     QWEN3_VL_MOE,
+    TOWER_PREFIXES,
     VisionSpec,
 )
 
@@ -41,15 +42,6 @@ log = logging.getLogger(__name__)
 
 # Embeddings kept for reuse: an image of the 7B model at 1,280 tokens is 9 MiB in bfloat16.
 CACHE_BYTES = 512 << 20
-# Checkpoint prefix -> the tower module's own (Qwen: the tower is the module; Gemma 3: a
-# SigLIP tower and a projector side by side, published with SigLIP's `vision_model.` level,
-# which transformers 5 drops when it saves).
-_PREFIXES = {"visual.": "", "model.visual.": "",
-             "vision_tower.vision_model.": "vision_tower.", "vision_tower.": "vision_tower.",
-             "model.vision_tower.vision_model.": "vision_tower.",
-             "model.vision_tower.": "vision_tower.",
-             "multi_modal_projector.": "multi_modal_projector.",
-             "model.multi_modal_projector.": "multi_modal_projector."}
 
 
 class Gemma3Tower(torch.nn.Module):
@@ -146,9 +138,9 @@ def _visual_weights(model_dir: str) -> dict[str, torch.Tensor]:
     for name in files:
         with safe_open(os.path.join(model_dir, name), "pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                prefix = next((p for p in _PREFIXES if key.startswith(p)), None)
+                prefix = next((p for p in TOWER_PREFIXES if key.startswith(p)), None)
                 if prefix is not None:
-                    out[_PREFIXES[prefix] + key[len(prefix):]] = f.get_tensor(key)
+                    out[TOWER_PREFIXES[prefix] + key[len(prefix):]] = f.get_tensor(key)
     if not out:
         raise ValueError(f"no vision tower weights (visual.*, vision_tower.*) in {model_dir}")
     return out
