@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem_serve.harness.relay import HeldRelay
 from tandem_serve.harness.stats import percentile
 
 WORDS = "once upon a time the quick brown fox river stone cloud light seven".split()
@@ -109,9 +110,10 @@ def overload_jobs(n: int, tokens: int, prompts: list[str]) -> list[tuple[str, An
 
 # ---------------------------------------------------------------------- stalled clients
 
-# A stalled client's flow control pinned to an 8 KiB stream window with no BDP probing: the
-# server's writes block after that much, and the rest waits in the frontend. (With the
-# default 64 KiB window a stalled stream took in about 350 detailed tokens, and now and then
+# A stalled client's flow control pinned to an 8 KiB stream window with no BDP probing, and
+# its connection held in a relay (harness/relay.py) so that it takes in nothing more: the
+# server's writes block after that window and gRPC's write buffer, and the rest waits in the
+# frontend.  (Without the relay a stalled stream took in now about 350 detailed tokens, now
 # a whole 1,900-token stream, which then never overflowed.)
 STALLED_CHANNEL = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 8192)]
 
@@ -124,37 +126,48 @@ def detailed(tokens: int) -> Any:
                            token_logprobs=True, token_ranks=True, top_n_tokens=10)
 
 
+@dataclass
+class StalledStream:
+    call: Any  # the stream's iterator
+    relay: HeldRelay  # held while the client "reads nothing"
+
+
 @contextmanager
-def stalled_streams(target: str, n: int, tokens: int) -> Iterator[list[Any]]:
+def stalled_streams(target: str, n: int, tokens: int) -> Iterator[list[StalledStream]]:
     """`n` streams whose clients read the head and one token, then nothing more."""
     import grpc
 
     from tandem_serve.rpc.client import TandemClient
 
-    clients = [TandemClient(channel=grpc.insecure_channel(target, options=STALLED_CHANNEL))
-               for _ in range(n)]
-    calls = []
+    relays = [HeldRelay(target) for _ in range(n)]
+    clients = [TandemClient(channel=grpc.insecure_channel(r.address, options=STALLED_CHANNEL))
+               for r in relays]
+    streams = []
     try:
-        for i, c in enumerate(clients):
+        for i, (c, relay) in enumerate(zip(clients, relays, strict=True)):
             call = c.stream(f"Stalled client {i}: {' '.join(WORDS)}", detailed(tokens))
             next(call)
             next(call)
-            calls.append(call)
-        yield calls
+            relay.hold()
+            streams.append(StalledStream(call, relay))
+        yield streams
     finally:
         for c in clients:
             c.close()
+        for r in relays:
+            r.close()
 
 
-def finish_stalled(calls: list[Any]) -> list[Outcome]:
+def finish_stalled(streams: list[StalledStream]) -> list[Outcome]:
     """Read every stalled stream to its end (the clients resume)."""
     import grpc
 
     outs = []
-    for call in calls:
+    for s in streams:
+        s.relay.release()
         o = Outcome(messages=2)
         try:
-            for _ in call:
+            for _ in s.call:
                 o.messages += 1
         except grpc.RpcError as exc:
             o.code, o.details = exc.code().name, exc.details() or ""

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 LIMIT = 16384
 TOKENS = 1900  # with token detail: far more than the 8 KiB window, gRPC's 64 KiB write buffer
-# and LIMIT together (600 was about equal to them)
+# and LIMIT together (a held client takes in about 40-70 messages before the cut)
 
 
 @pytest.fixture(scope="module")
