@@ -16,10 +16,20 @@ QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"
 GEMMA3_VL = "Gemma3ForConditionalGeneration"
+# Qwen3.5: Qwen3-VL's tower without DeepStack over the hybrid linear-attention language model,
+# whose text config `gpu_worker.models.hybrid.config` reads (every Qwen3.5 is published so).
+QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
+QWEN3_5_MOE_VL = "Qwen3_5MoeForConditionalGeneration"
+_QWEN3_5 = (QWEN3_5_VL, QWEN3_5_MOE_VL)
+# transformers' Qwen3.5 rotary: interleaved, these sections unless the config names them.
+_QWEN3_5_SECTION = (11, 11, 10)
+_QWEN3_5_IMAGE_TOKEN = 248056
 # VL architecture -> the text architecture of its language model.
 VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM",
-                    QWEN3_VL_MOE: "Qwen3MoeForCausalLM", GEMMA3_VL: "Gemma3ForCausalLM"}
-_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}
+                    QWEN3_VL_MOE: "Qwen3MoeForCausalLM", GEMMA3_VL: "Gemma3ForCausalLM",
+                    QWEN3_5_VL: "Qwen3_5ForCausalLM", QWEN3_5_MOE_VL: "Qwen3_5MoeForCausalLM"}
+_MODEL_TYPES = {"qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE,
+                "qwen3_5": QWEN3_5_VL, "qwen3_5_moe": QWEN3_5_MOE_VL}
 # Qwen3-VL-MoE's text config class defaults (transformers' `Qwen3VLMoeTextConfig`), which
 # differ from Qwen3-MoE's: a config.json that leaves a key out means these.
 _VL_MOE_DEFAULTS = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408,
@@ -58,13 +68,16 @@ class VisionSpec:
 
 def split_config(cfg: dict[str, Any]) -> tuple[dict[str, Any], VisionSpec | None]:
     """(the language model's config, as its text family spells it; the vision spec, None for
-    a text-only checkpoint). ValueError for a VL checkpoint this build cannot serve."""
+    a text-only checkpoint). ValueError for a VL checkpoint this build cannot serve. Qwen3.5's
+    config keeps its nesting, M-RoPE's keys taken out: the hybrid family flattens it."""
     archs = cfg.get("architectures") or []
     vl = next((a for a in archs if a in VL_ARCHITECTURES), None)
     if vl is None:
         vl = _MODEL_TYPES.get(str(cfg.get("model_type")))
     if vl is None:
         return cfg, None
+    if vl in _QWEN3_5:
+        return _qwen3_5(cfg, vl)
     text = {k: v for k, v in cfg.items() if k not in ("text_config", "vision_config")}
     text.update(cfg.get("text_config") or {})
     text["architectures"] = [VL_ARCHITECTURES[vl]]
@@ -122,6 +135,19 @@ def _gemma3(cfg: dict[str, Any], text: dict[str, Any]) -> tuple[dict[str, Any], 
                          "the patch grid to side x side tokens)")
     return text, VisionSpec(GEMMA3_VL, int(image_token), 1, (), bidirectional=True,
                             tokens_per_image=tokens)
+
+
+def _qwen3_5(cfg: dict[str, Any], vl: str) -> tuple[dict[str, Any], VisionSpec]:
+    text = dict(cfg.get("text_config") or {})
+    rope = dict(text.get("rope_parameters") or {})
+    section = tuple(int(x) for x in rope.pop("mrope_section", _QWEN3_5_SECTION))
+    rope.pop("mrope_interleaved", None)  # transformers interleaves whatever it says
+    text["rope_parameters"] = rope
+    image_token = cfg.get("image_token_id", _QWEN3_5_IMAGE_TOKEN)  # the config class default
+    vision = cfg.get("vision_config") or {}
+    return ({**cfg, "text_config": text},
+            VisionSpec(vl, int(image_token), int(vision.get("spatial_merge_size", 2)),
+                       section, mrope_interleaved=True))
 
 
 def _mrope(text: dict[str, Any]) -> tuple[tuple[int, ...], bool]:

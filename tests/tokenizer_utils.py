@@ -108,9 +108,14 @@ def generated_text(n_lines: int = 3000, seed: int = 0) -> Iterator[str]:
 
 def build_sentencepiece_tokenizer(model_dir: str | Path) -> Path:
     """Llama-2/Mistral style SentencePiece tokenizer (BPE with byte fallback) in `model_dir`."""
+    import importlib
+
     import mistral_common
-    import transformers.convert_slow_tokenizer as convert_slow
     from transformers import LlamaTokenizerFast
+
+    # The module itself: once something has read `transformers.convert_slow_tokenizer`, the
+    # package's lazy attribute of that name is the function, which `import ... as` returns.
+    convert_slow = importlib.import_module("transformers.convert_slow_tokenizer")
 
     out = Path(model_dir)
     out.mkdir(parents=True, exist_ok=True)

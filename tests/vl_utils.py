@@ -167,6 +167,9 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
                                                     **tokens)
         model: Any = transformers.Qwen2_5_VLForConditionalGeneration
         patch = 14
+    elif family in ("qwen3_5", "qwen3_5_moe"):
+        config, model = _qwen3_5_config(text, vision, tokens, family == "qwen3_5_moe")
+        patch = 16
     else:
         assert family in ("qwen3_vl", "qwen3_vl_moe"), family
         # Qwen3: q/k norms, a head_dim of its own; interleaved M-RoPE; DeepStack from both
@@ -190,7 +193,11 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
     torch.manual_seed(seed)
     model = model(config)
     _randomize(model, seed)
+    if family.startswith("qwen3_5"):  # the linear layers' slow decays, as the hybrid tests
+        _slow_decays(model, seed)
     model.eval().save_pretrained(path)
+    if family.startswith("qwen3_5"):
+        _add_mtp_head(path)
     unit = patch * 2
     image = transformers.Qwen2VLImageProcessor(
         min_pixels=unit * unit * 4, max_pixels=unit * unit * 64, patch_size=patch,
@@ -200,6 +207,51 @@ def vl_checkpoint(root: str | os.PathLike[str], family: str = "qwen2_5_vl",
     with open(os.path.join(path, "chat_template.jinja"), "w") as f:
         f.write(QWEN_TEMPLATE)
     return path
+
+
+def _qwen3_5_config(text: dict[str, Any], vision: dict[str, Any], tokens: dict[str, Any],
+                    moe: bool) -> tuple[Any, Any]:
+    """Qwen3.5: three Gated DeltaNet layers then a gated attention layer, RoPE on half of
+    each head, interleaved M-RoPE spelled as published (`mrope_section` over the rotary
+    frequencies), a tower without DeepStack; MoE: 4 experts top-2 and a shared expert."""
+    import transformers
+
+    text = {**text, "num_hidden_layers": 4, "head_dim": 16, "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                "mrope_interleaved": True}}
+    vision = {**vision, "patch_size": 16, "num_position_embeddings": 64}
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48)
+        return (transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision,
+                                              **tokens),
+                transformers.Qwen3_5MoeForConditionalGeneration)
+    return (transformers.Qwen3_5Config(text_config=text, vision_config=vision, **tokens),
+            transformers.Qwen3_5ForConditionalGeneration)
+
+
+@torch.no_grad()
+def _slow_decays(model: torch.nn.Module, seed: int) -> None:
+    """Gated DeltaNet decays of 0.9-0.995 a token (as tests/gpu_worker/hybrid_utils.py): the
+    state remembers the image far back, so a state or position gone wrong changes tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.rand(p.shape, generator=gen) * 3.0 - 6.0)
+
+
+def _add_mtp_head(path: str) -> None:
+    """The published Qwen3.5 folders carry a multi-token-prediction head (`mtp.*`), which the
+    server leaves out."""
+    from safetensors.torch import load_file, save_file
+
+    weights = os.path.join(path, "model.safetensors")
+    tensors = load_file(weights)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, weights, metadata={"format": "pt"})
 
 
 def published_vl_moe(path: str, root: str | os.PathLike[str]) -> str:
@@ -351,9 +403,11 @@ def vl_adapter(ref: VLReference, out_dir: str, seed: int = 7) -> Any:
     from peft import LoraConfig, get_peft_model
 
     # The language model's layers only (Gemma 3's SigLIP layers have q/k/v projections too).
+    # Qwen3.5's MLPs too: one layer in four has attention.
+    modules = r"(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)" \
+        if ref.model.config.model_type == "qwen3_5" else r"self_attn\.(q|k|v|o)_proj"
     config = LoraConfig(r=4, lora_alpha=8,
-                        target_modules=r".*language_model\.(model\.)?layers\.\d+\.self_attn"
-                                       r"\.(q|k|v|o)_proj")
+                        target_modules=r".*language_model\.(model\.)?layers\.\d+\." + modules)
     model = get_peft_model(ref.model, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

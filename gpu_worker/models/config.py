@@ -32,7 +32,7 @@ from tandem_serve.gpu_worker.models.hybrid.config import (
 )
 from tandem_serve.gpu_worker.models.quant.config import QuantConfig
 from tandem_serve.gpu_worker.models.quant.config import parse as parse_quant
-from tandem_serve.proto.vision import split_config
+from tandem_serve.proto.vision import VisionSpec, split_config
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "ModelArgs"]
 
@@ -164,7 +164,8 @@ class ModelArgs:
         as they do for HF generate). Raises ValueError on anything unsupported."""
         # A multimodal folder: its language model's config (Qwen3.5's, `models.hybrid`), and
         # a VL checkpoint's vision spec (`proto.vision`).
-        cfg, vision = split_config(text_config(cfg))
+        cfg, vision = split_config(cfg)
+        cfg = text_config(cfg)
         arch = _architecture(cfg)
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
@@ -190,10 +191,9 @@ class ModelArgs:
         )
         bos = gen.get("bos_token_id", cfg.get("bos_token_id"))
         quant = _quant(cfg, arch, family)
+        rope = rope_fields(cfg, arch, head_dim, max_pos)
         if vision is not None:
-            if vision.mrope_section and sum(vision.mrope_section) * 2 != head_dim:
-                raise ValueError(f"mrope_section {list(vision.mrope_section)} must sum to "
-                                 f"head_dim / 2 = {head_dim // 2}")
+            _check_mrope(vision, rope["rotary_dim"])
             family.update(mrope_section=vision.mrope_section,
                           mrope_interleaved=vision.mrope_interleaved,
                           image_token_id=vision.image_token_id,
@@ -209,7 +209,7 @@ class ModelArgs:
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=max_pos,
-            **rope_fields(cfg, arch, head_dim, max_pos),
+            **rope,
             qk_norm=arch in ("Qwen3ForCausalLM", QWEN3_MOE, GEMMA3, *HYBRID_ARCHITECTURES),
             # Gemma 3 ties its head unless told otherwise (its config class default).
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", arch == GEMMA3)),
@@ -232,6 +232,16 @@ def _quant(cfg: dict[str, Any], arch: str, family: dict[str, Any]) -> QuantConfi
                          f"{quant.kind}): quantized mixture-of-experts, fused Phi-3 "
                          "projections and linear-attention layers are not implemented")
     return quant
+
+
+def _check_mrope(vision: VisionSpec, rotary_dim: int) -> None:
+    """M-RoPE's sections in order name an axis for each rotary frequency; interleaved (Qwen3-VL,
+    Qwen3.5), every frequency past the sections' reach is the temporal axis', as in
+    transformers, so any sizes do."""
+    section = vision.mrope_section
+    if section and not vision.mrope_interleaved and sum(section) * 2 != rotary_dim:
+        raise ValueError(f"mrope_section {list(section)} must sum to the rotary dimension / 2 "
+                         f"= {rotary_dim // 2}")
 
 
 def _architecture(cfg: dict[str, Any]) -> str:

@@ -164,8 +164,8 @@ def _load_checkpoint(model: CausalLM, model_dir: str, expected: dict[str, tuple[
         if args.language_model:
             left = ckpt.language_model_only()
             if left:
-                log.info("serving the language model of %s: ignoring %d tensors of its "
-                         "vision tower and MTP head (%s)", model_dir, len(left),
+                log.info("the language model of %s: leaving %d tensors of its vision tower "
+                         "(loaded on its own) and MTP head (%s)", model_dir, len(left),
                          ", ".join(sorted({n.split(".")[0] + "." + n.split(".")[1]
                                            if n.count(".") > 1 else n for n in left})[:4]))
         present = ckpt.names()

@@ -92,12 +92,12 @@ def _mrope_axis(args: ModelArgs) -> torch.Tensor:
     """Per rotary frequency, the position axis (0 t, 1 h, 2 w) that rotates it, as
     transformers' `recomposition_frequencies` picks them: the sections in order (Qwen2.5-VL),
     or interleaved t h w t h w ... with h and w on every third frequency up to three times
-    their sections (Qwen3-VL)."""
+    their sections, t on the rest (Qwen3-VL, Qwen3.5)."""
     section = args.mrope_section
     if not args.mrope_interleaved:
         return torch.cat([torch.full((n,), i % 3, dtype=torch.int64)
                           for i, n in enumerate(section)])
-    axis = torch.zeros(sum(section), dtype=torch.int64)
+    axis = torch.zeros((args.rotary_dim or args.head_dim) // 2, dtype=torch.int64)
     for dim in (1, 2):
         axis[dim:section[dim] * 3:3] = dim
     return axis

@@ -126,10 +126,10 @@ class SafetensorsCheckpoint:
                 self._experts_stacked[stacked] = self._file_of.pop(stacked)
 
     def language_model_only(self) -> list[str]:
-        """A multimodal folder served as its language model: only the nested language
-        model's tensors (already under the causal LM's names) and the LM head are kept;
-        everything else (a vision tower, an MTP head) is left out. Returns the names left
-        out."""
+        """A multimodal folder's language model: only the nested language model's tensors
+        (already under the causal LM's names) and the LM head are kept; everything else (a
+        vision tower, which `gpu_worker.vision.tower` reads itself, an MTP head) is left
+        out. Returns the names left out."""
         nested = {v.stacked for v in self._experts.values()} & set(self._stored)
         kept = {name: path for name, path in self._file_of.items()
                 if name in self._stored or name.startswith("lm_head.")

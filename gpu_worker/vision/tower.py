@@ -4,7 +4,8 @@ The tower is transformers' own module for the family (Qwen2.5-VL's
 `Qwen2_5_VisionTransformerPretrainedModel`: patch embedding, windowed and full-attention
 blocks with 2D RoPE, the 2x2 patch merger that projects into the language model's width;
 Qwen3-VL's `Qwen3VLVisionModel`, which also returns DeepStack features from intermediate
-blocks, and Qwen3-VL-MoE's `Qwen3VLMoeVisionModel`, the same; Gemma 3's
+blocks, and Qwen3-VL-MoE's `Qwen3VLMoeVisionModel`, the same; Qwen3.5's (dense and MoE)
+`Qwen3_5VisionModel`, Qwen3-VL's without DeepStack; Gemma 3's
 `SiglipVisionModel` and `Gemma3MultiModalProjector`, which average-pools the patch grid
 to `mm_tokens_per_image` tokens), built from the checkpoint's `vision_config` and filled
 from its `visual.*` (Gemma 3: `vision_tower.*`, `multi_modal_projector.*`) tensors: the
@@ -19,6 +20,7 @@ in another request, is not encoded twice.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from collections import OrderedDict
@@ -32,6 +34,8 @@ from tandem_serve.proto.request_params import ImageInput
 from tandem_serve.proto.vision import (
     GEMMA3_VL,
     QWEN2_5_VL,
+    QWEN3_5_MOE_VL,
+    QWEN3_5_VL,
     QWEN3_VL,
     QWEN3_VL_MOE,
     TOWER_PREFIXES,
@@ -39,6 +43,15 @@ from tandem_serve.proto.vision import (
 )
 
 log = logging.getLogger(__name__)
+
+# transformers' tower module of each Qwen family: (module under transformers.models, class).
+_QWEN_TOWERS = {
+    QWEN2_5_VL: ("qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
+    QWEN3_VL: ("qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
+    QWEN3_VL_MOE: ("qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+    QWEN3_5_VL: ("qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel"),
+    QWEN3_5_MOE_VL: ("qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeVisionModel"),
+}
 
 # Embeddings kept for reuse: an image of the 7B model at 1,280 tokens is 9 MiB in bfloat16.
 CACHE_BYTES = 512 << 20
@@ -75,19 +88,10 @@ class VisionTower:
         config = full.vision_config
         if spec.architecture == GEMMA3_VL:
             model: Any = Gemma3Tower(full, dtype)
-        elif spec.architecture == QWEN2_5_VL:
-            from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
-
-            model = qwen25.Qwen2_5_VisionTransformerPretrainedModel._from_config(config,
-                                                                               dtype=dtype)
-        elif spec.architecture == QWEN3_VL:
-            from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
-
-            model = qwen3.Qwen3VLVisionModel._from_config(config, dtype=dtype)
-        elif spec.architecture == QWEN3_VL_MOE:
-            from transformers.models.qwen3_vl_moe import modeling_qwen3_vl_moe as vl_moe
-
-            model = vl_moe.Qwen3VLMoeVisionModel._from_config(config, dtype=dtype)
+        elif spec.architecture in _QWEN_TOWERS:
+            module, name = _QWEN_TOWERS[spec.architecture]
+            tower = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+            model = tower._from_config(config, dtype=dtype)
         else:
             raise ValueError(f"no vision tower for {spec.architecture}")
         model.load_state_dict(_visual_weights(model_dir), strict=True)

@@ -4,7 +4,9 @@ prompt_tokens equal to transformers' with the checkpoint's own processor, the pr
 keyed by image content, the Responses API's input_image, Anthropic's image blocks through the
 official client, and every bad image a 400 naming its part while other requests run on.
 A tiny Gemma 3 (bidirectional attention among an image's tokens) under a step budget
-smaller than an image: HF's tokens, images scheduled whole, prefix hits kept off images."""
+smaller than an image: HF's tokens, images scheduled whole, prefix hits kept off images.
+A tiny Qwen3.5 (hybrid linear attention): HF's tokens, and a prefix hit past an image, which
+resumes from a recurrent state checkpointed after it."""
 from __future__ import annotations
 
 import base64
@@ -313,3 +315,33 @@ def test_gemma3_chats_equal_hf_with_each_image_in_one_piece(
         status, answer = chat(server, parts(text, data_url(image)))
         assert status == 200, answer
         check_hf(ref, answer, text, [image])
+
+
+def test_qwen3_5_chats_equal_hf_and_a_hit_resumes_past_the_image(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Qwen3.5's linear layers keep a state per request, checkpointed every 64 tokens under
+    prefix caching: a hit ends on a checkpoint, here past the image, so the state there
+    holds the image. Another image behind the same text shares nothing after the system
+    prompt, which ends before the first checkpoint."""
+    path = vl_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+    ref = VLReference(path)
+    text = "describe the picture in detail " * 8
+    for server in running(path, "--num-kv-blocks", "128", "--served-model-name", "m",
+                          http=True):
+        answers = chats_at_once_equal_hf(server, ref, [(text, [IMAGES[2]]), ("hello there", []),
+                                                       ("compare them", IMAGES[:2])])
+        url = f"http://127.0.0.1:{server.http_port}/metrics"
+        before = Scrape(url).total("vllm:prefix_cache_hits_total")
+        status, again = chat(server, parts(text, data_url(IMAGES[2])))
+        assert status == 200 and tokens(again) == tokens(answers[0])
+        deadline = time.monotonic() + 10  # the scheduler reports every 0.2 s
+        while Scrape(url).total("vllm:prefix_cache_hits_total") - before < 64 \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        hits = Scrape(url).total("vllm:prefix_cache_hits_total") - before
+        assert hits >= 64 and hits % 64 == 0, hits
+        ids = ref.inputs(image_message(text), [IMAGES[2]])["input_ids"][0].tolist()
+        assert max(i for i, t in enumerate(ids) if t == ref.image_token_id) < hits
+        status, other = chat(server, parts(text, data_url(IMAGES[1])))
+        assert status == 200, other
+        check_hf(ref, other, text, [IMAGES[1]])

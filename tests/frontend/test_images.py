@@ -45,7 +45,7 @@ def test_published_and_transformers_configs_read_to_the_same_model() -> None:
     assert a.architecture == "Qwen2ForCausalLM" and a.qkv_bias
     assert a.mrope_section == (2, 3, 3) and a.image_token_id == 504 and a.rope_theta == 1e6
     bad = {**published, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 4]}}
-    with pytest.raises(ValueError, match="must sum to head_dim / 2 = 8"):
+    with pytest.raises(ValueError, match="must sum to the rotary dimension / 2 = 8"):
         ModelArgs.from_hf_config(bad)
 
 
@@ -67,6 +67,44 @@ def test_qwen3_vl_moe_reads_as_qwen3_moe_with_its_own_defaults() -> None:
     a = ModelArgs.from_hf_config(cfg)
     assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size) == (8, 2, 32)
     assert a.norm_topk_prob and a.moe_layers == (False, True)
+
+
+@pytest.mark.parametrize("head_dim, section", [(256, [11, 11, 10]), (16, None)],
+                         ids=["published", "default-sections-past-the-rotary-dims"])
+def test_qwen3_5_reads_as_its_hybrid_model_with_transformers_rotary(
+        head_dim: int, section: list[int] | None) -> None:
+    """A published Qwen3.5 config (the hybrid text_config, M-RoPE over a quarter of each head)
+    reads to the hybrid model with its vision spec; its rotary cos/sin at 3-axis positions
+    equal transformers' `Qwen3_5TextRotaryEmbedding`, also where the default sections name
+    more frequencies than the rotary dimensions hold."""
+    import torch
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from tandem_serve.gpu_worker.models.rope import model_ropes
+
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 1e7,
+                            "partial_rotary_factor": 0.25}
+    if section is not None:
+        rope.update(mrope_section=section, mrope_interleaved=True)
+    text = {**TEXT, "num_hidden_layers": 4, "head_dim": head_dim, "model_type": "qwen3_5_text",
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+            "linear_value_head_dim": 8, "rope_parameters": rope}
+    cfg = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+           "image_token_id": 504, "vision_config": {"spatial_merge_size": 2},
+           "text_config": text}
+    a = ModelArgs.from_hf_config(json.loads(json.dumps(cfg)))
+    assert (a.architecture, a.language_model, a.is_hybrid) == ("Qwen3_5ForCausalLM", True, True)
+    assert a.mrope_section == (11, 11, 10) and a.mrope_interleaved and a.image_token_id == 504
+    assert a.rotary_dim == head_dim // 4
+    ours = model_ropes(a)[0][0]
+    theirs = Qwen3_5TextRotaryEmbedding(transformers.Qwen3_5TextConfig(**text))
+    positions = torch.randint(0, 500, (3, 7))
+    cos, sin = ours.cos_sin(positions, torch.float32)
+    want_cos, want_sin = theirs(torch.zeros(1), positions[:, None, :])
+    torch.testing.assert_close(cos[:, 0], want_cos[0])
+    torch.testing.assert_close(sin[:, 0], want_sin[0])
 
 
 def test_text_only_configs_pass_through() -> None:

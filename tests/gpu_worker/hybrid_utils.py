@@ -1,5 +1,5 @@
 """Tiny random hybrid linear-attention checkpoints (Qwen3-Next, Qwen3.5 dense and MoE),
-written by transformers itself, and the published multimodal Qwen3.5 folder layout.
+written by transformers itself (the multimodal Qwen3.5 folders: tests/vl_utils.py).
 
 Every model has linear (Gated DeltaNet) and full attention layers: Qwen3-Next alternates
 them with MoE (4 experts top-2 and a shared expert) everywhere, Qwen3.5 has three linear
@@ -9,7 +9,6 @@ output varies.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import tempfile
@@ -71,32 +70,6 @@ def hybrid_checkpoint(root: str | os.PathLike[str], family: str, *, seed: int = 
     model.eval().save_pretrained(path)
     if tokenizer:
         save_tiny_tokenizer(path, config.vocab_size)
-    return path
-
-
-def as_multimodal(text_path: str, root: str | os.PathLike[str]) -> str:
-    """The published Qwen3.5 folder layout of a text-only Qwen3.5 checkpoint: a top-level
-    config with `text_config`, the weights under model.language_model.*, and tensors of a
-    vision tower and an MTP head that the server must ignore."""
-    from safetensors.torch import load_file, save_file
-
-    with open(os.path.join(text_path, "config.json")) as f:
-        text = json.load(f)
-    arch = {"Qwen3_5ForCausalLM": "Qwen3_5ForConditionalGeneration",
-            "Qwen3_5MoeForCausalLM": "Qwen3_5MoeForConditionalGeneration"}[
-        text["architectures"][0]]
-    text.pop("architectures")
-    cfg = {"architectures": [arch], "model_type": text["model_type"].removesuffix("_text"),
-           "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
-    weights = load_file(os.path.join(text_path, "model.safetensors"))
-    out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
-           for k, v in weights.items()}
-    out["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(6, 2)
-    out["mtp.fc.weight"] = torch.zeros(4, 4)
-    path = tempfile.mkdtemp(prefix="tiny-multimodal-", dir=os.fspath(root))
-    save_file(out, os.path.join(path, "model.safetensors"))
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
     return path
 
 

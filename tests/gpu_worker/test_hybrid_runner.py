@@ -1,7 +1,7 @@
-"""Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE, the published multimodal Qwen3.5 layout)
-through `ModelRunner.execute` against HF `generate()` (greedy, float32); with n-gram
-speculation, drafts rejected and the linear layers' states rolled back to each row's
-accepted run.
+"""Hybrid models (Qwen3-Next, Qwen3.5 dense and MoE; the published multimodal Qwen3.5
+folders are tests/gpu_worker/test_vision.py's) through `ModelRunner.execute` against HF
+`generate()` (greedy, float32); with n-gram speculation, drafts rejected and the linear
+layers' states rolled back to each row's accepted run.
 
 A busy batch: requests joining a running batch, a prompt chunked over two plans, one spread
 over three steps of a plan (mixed steps; it joins the decode rows mid-plan and reads the
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tandem_serve.proto.speculative import parse_speculative
-from tests.gpu_worker.hybrid_utils import HYBRIDS, as_multimodal, checkpoint
+from tests.gpu_worker.hybrid_utils import HYBRIDS, checkpoint
 from tests.gpu_worker.model_utils import random_prompts
 from tests.gpu_worker.runner_driver import (
     BUSY_LENGTHS,
@@ -136,20 +136,6 @@ def test_lora_on_attention_and_mlp_projections_equals_peft(ckpt_root: Path) -> N
         assert d.reqs[rid].out == want[:len(d.reqs[rid].out)], rid
         if slot:
             assert d.reqs[rid].out != hf_greedy(path, prompt), f"adapter {slot} changes nothing"
-
-
-def test_published_multimodal_layout_serves_its_language_model(ckpt_root: Path) -> None:
-    """text_config, weights under model.language_model.*, a vision tower and an MTP head
-    (ignored): the same tokens as the text model in HF."""
-    text = checkpoint(ckpt_root, "qwen3.5")
-    runner = make_runner(as_multimodal(text, ckpt_root))
-    assert runner.model.config.language_model
-    d = Driver(runner)
-    prompts = random_prompts([20, 45], 512, seed=3)
-    for i, p in enumerate(prompts):
-        d.add(i, p)
-    d.run_until_done([8])
-    assert [d.reqs[i].out for i in range(2)] == [hf_greedy(text, p) for p in prompts]
 
 
 def test_state_memory_comes_out_of_the_kv_budget(ckpt_root: Path) -> None:

@@ -1,5 +1,5 @@
 """What a hybrid linear-attention checkpoint's config.json says (Qwen3-Next, Qwen3.5 dense and
-MoE, and the published Qwen3.5 multimodal folders, whose language model we serve).
+MoE, and the language model of the published Qwen3.5 multimodal folders).
 
 Returns ModelArgs fields (a dict, so this file does not import `models.config`). Missing keys
 take transformers' class defaults; a value we cannot honour is a ValueError naming the key.
@@ -14,7 +14,7 @@ QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 HYBRID_ARCHITECTURES = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE)
 # The published multimodal folders: a text_config, the language model's weights under
-# model.language_model.*, a vision tower and an MTP head (neither served here).
+# model.language_model.*, a vision tower (`gpu_worker.vision`) and an MTP head (left out).
 MULTIMODAL = {"Qwen3_5ForConditionalGeneration": QWEN3_5,
               "Qwen3_5MoeForConditionalGeneration": QWEN3_5_MOE}
 MODEL_TYPES = {"qwen3_next": QWEN3_NEXT, "qwen3_5_text": QWEN3_5, "qwen3_5_moe_text": QWEN3_5_MOE}

@@ -6,6 +6,8 @@ model (`states`), whose slots each forward's metadata names (`AttentionMetadata.
 A forward's rows are laid out as for any model (decode rows, then prefill pieces), so decode
 steps, mixed steps and a separate prefill forward all take the same path; the linear layers
 advance the state of every row in place, masked decode rows writing only the scratch slot.
+Qwen3.5's images come in as embeddings at their placeholders, rotated by M-RoPE's [3, T]
+positions, as in any VL model.
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ class HybridLM(CausalLM):
         history_lens: torch.Tensor | None = None,
         mm: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        if mm is not None:  # the published multimodal folders serve their language model
-            raise ValueError("a hybrid model takes no image embeddings")
+        """As `CausalLM.forward`; `mm`'s values hold the image embeddings alone (Qwen3.5's
+        tower has no DeepStack)."""
         states = self.states
         if states is None:
             raise ValueError("a hybrid model runs with its state cache (HybridLM.states)")
@@ -53,6 +55,10 @@ class HybridLM(CausalLM):
         rows = states.rows(meta)
         cos_sin = self.ropes[0].cos_sin(positions, self.dtype, history_lens)
         x = self.embed(input_ids)
+        if mm is not None:
+            if mm[1].shape[0] != 1:
+                raise ValueError("a hybrid model takes image embeddings, no DeepStack levels")
+            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
         caches = iter(kv_caches)
         linear = 0
         for module in self.layers:
