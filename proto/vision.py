@@ -138,11 +138,16 @@ def _gemma3(cfg: dict[str, Any], text: dict[str, Any]) -> tuple[dict[str, Any], 
 
 
 def _qwen3_5(cfg: dict[str, Any], vl: str) -> tuple[dict[str, Any], VisionSpec]:
+    """The config, nested as it came, less M-RoPE's keys in the text config's rope dict;
+    the spec."""
     text = dict(cfg.get("text_config") or {})
-    rope = dict(text.get("rope_parameters") or {})
-    section = tuple(int(x) for x in rope.pop("mrope_section", _QWEN3_5_SECTION))
-    rope.pop("mrope_interleaved", None)  # transformers interleaves whatever it says
-    text["rope_parameters"] = rope
+    section = _QWEN3_5_SECTION
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5's spelling, the older one
+        if isinstance(text.get(key), dict):
+            rope = dict(text[key])
+            section = tuple(int(x) for x in rope.pop("mrope_section", section))
+            rope.pop("mrope_interleaved", None)  # transformers interleaves whatever it says
+            text[key] = rope
     image_token = cfg.get("image_token_id", _QWEN3_5_IMAGE_TOKEN)  # the config class default
     vision = cfg.get("vision_config") or {}
     return ({**cfg, "text_config": text},
