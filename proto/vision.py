@@ -22,7 +22,7 @@ QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
 QWEN3_5_MOE_VL = "Qwen3_5MoeForConditionalGeneration"
 _QWEN3_5 = (QWEN3_5_VL, QWEN3_5_MOE_VL)
 # transformers' Qwen3.5 rotary: interleaved, these sections unless the config names them.
-_QWEN3_5_SECTION = (11, 11, 10)
+_QWEN3_5_SECTION: tuple[int, ...] = (11, 11, 10)
 _QWEN3_5_IMAGE_TOKEN = 248056
 # VL architecture -> the text architecture of its language model.
 VL_ARCHITECTURES = {QWEN2_5_VL: "Qwen2ForCausalLM", QWEN3_VL: "Qwen3ForCausalLM",

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from tandem_serve.proto.config import Addresses, ServerConfig
 from tandem_serve.tandem.server_flags import add_server_flags
@@ -270,14 +271,30 @@ BENCHMARKS = (  # (NAME, MODULE, help)
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The subcommands, in `tandem --help`'s order.
+COMMANDS = ("serve", "run-role", "run-batch", "make-tiny-model", "generate", "health",
+            "profile", "bench")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser, or `only` that one's: each process of a server parses its
+    command line (`run-role`), and the benchmarks' and tools' declarations would cost each
+    of them a third of a second of imports."""
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        if only is None or only == name:
+            _ADD[name](sub)
+    return parser
 
+
+def _add_serve(sub: Any) -> None:
     p = sub.add_parser("serve", help="start the gRPC and HTTP servers and all their processes")
     add_server_arguments(p)
     p.set_defaults(func=cmd_serve)
 
+
+def _add_run_role(sub: Any) -> None:
     p = sub.add_parser("run-role", help="run one process role (used by the launcher)")
     p.add_argument("role", choices=["frontend", "scheduler", "gpu-worker", "postproc"])
     p.add_argument("--config-file", default="",
@@ -288,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parent-pid", type=int, default=0)
     p.set_defaults(func=cmd_run_role)
 
+
+def _add_run_batch(sub: Any) -> None:
     from tandem_serve.tandem.offline import run_batch
 
     p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, without "
@@ -296,28 +315,40 @@ def build_parser() -> argparse.ArgumentParser:
     run_batch.add_arguments(p)
     p.set_defaults(func=cmd_run_batch)
 
-    p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
+
+def _add_make_tiny_model(sub: Any) -> None:
     from tandem_serve.harness.tiny_model import add_arguments
 
+    p = sub.add_parser("make-tiny-model", help="write the tiny default checkpoint")
     add_arguments(p)
     p.set_defaults(func=cmd_make_tiny_model)
 
-    from tandem_serve.tandem.client_cli import add_generate_arguments, add_health_arguments
+
+def _add_generate(sub: Any) -> None:
+    from tandem_serve.tandem.client_cli import add_generate_arguments
 
     p = sub.add_parser("generate", help="send a prompt and stream the answer")
     add_generate_arguments(p)
     p.set_defaults(func=cmd_generate)
 
+
+def _add_health(sub: Any) -> None:
+    from tandem_serve.tandem.client_cli import add_health_arguments
+
     p = sub.add_parser("health", help="exit 0 when the server is SERVING")
     add_health_arguments(p)
     p.set_defaults(func=cmd_health)
 
+
+def _add_profile(sub: Any) -> None:
     from tandem_serve.tandem import profile_cli
 
     p = sub.add_parser("profile", help="record spans in every process; trace, summary, PNG")
     profile_cli.add_arguments(p)
     p.set_defaults(func=profile_cli.main)
 
+
+def _add_bench(sub: Any) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench",
                                                                        required=True)
     for name, module_name, help_text in BENCHMARKS:
@@ -328,11 +359,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("ipc", help="ring vs ZeroMQ latency and idle CPU")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench_ipc)
-    return parser
+
+
+_ADD: dict[str, Callable[[Any], None]] = {
+    "serve": _add_serve, "run-role": _add_run_role, "run-batch": _add_run_batch,
+    "make-tiny-model": _add_make_tiny_model, "generate": _add_generate, "health": _add_health,
+    "profile": _add_profile, "bench": _add_bench}
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in COMMANDS else None  # else the whole usage
+    args = build_parser(command).parse_args(argv)
     func: Callable[[argparse.Namespace], int] = args.func
     from tandem_serve.ipc.process import StartupError
 

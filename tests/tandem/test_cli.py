@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from tandem_serve.tandem import cli
 from tandem_serve.tandem.cli import build_parser, config_from_args
 
 
@@ -198,3 +199,23 @@ def test_building_the_parser_loads_no_heavy_library() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_role_process_builds_its_own_subcommand_alone() -> None:
+    """A server's processes each parse `run-role ...`: the benchmarks' and tools' argument
+    declarations (a third of a second of imports) are not built for them."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tandem_serve.tandem import cli; "
+            "cli.build_parser('run-role').parse_args(['run-role', 'postproc']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('tandem_serve.bench', "
+            "'tandem_serve.tandem.profile_cli', 'tandem_serve.tandem.offline.run_batch', "
+            "'tandem_serve.harness.tiny_model')) or m == 'grpc'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+    usage = cli.build_parser().format_usage()
+    assert all(name in usage for name in cli.COMMANDS)
+    with pytest.raises(SystemExit):  # the whole usage for what is not a subcommand
+        cli.main(["serv"])
