@@ -276,11 +276,7 @@ class CausalLM(nn.Module):
         attention = self.attention
         plan = attention.prepare(meta, kv_caches[0], self._windows)
         cos_sin = [r.cos_sin(positions, self.dtype, history_lens) for r in self.ropes]
-        x = self.embed(input_ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        if mm is not None:
-            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
+        x = self.embed_inputs(input_ids, mm)
         deepstack = mm[1].shape[0] - 1 if mm is not None else 0
         for i, (module, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             layer = cast(DecoderLayer, module)
@@ -290,6 +286,17 @@ class CausalLM(nn.Module):
                 assert mm is not None
                 x = x.index_add(0, mm[0], mm[1][1 + i].to(x.dtype))
         return self.norm_fn(x, self.norm, self.config.rms_norm_eps)
+
+    def embed_inputs(self, input_ids: torch.Tensor,
+                     mm: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """The rows' token embeddings (Gemma's scaled), a VL model's image embeddings in
+        place of its placeholders' (`forward`'s `mm`)."""
+        x = self.embed(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        if mm is not None:
+            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
+        return x
 
     def attention_warm_up(self, kv_cache: KVCache) -> WarmUp:
         """What an attention backend's start-up check runs over: a layer's cache (read,

@@ -54,11 +54,9 @@ class HybridLM(CausalLM):
         plan = attention.prepare(meta, kv_caches[0], self._windows)
         rows = states.rows(meta)
         cos_sin = self.ropes[0].cos_sin(positions, self.dtype, history_lens)
-        x = self.embed(input_ids)
-        if mm is not None:
-            if mm[1].shape[0] != 1:
-                raise ValueError("a hybrid model takes image embeddings, no DeepStack levels")
-            x = x.index_copy(0, mm[0], mm[1][0].to(x.dtype))
+        if mm is not None and mm[1].shape[0] != 1:
+            raise ValueError("a hybrid model takes image embeddings, no DeepStack levels")
+        x = self.embed_inputs(input_ids, mm)
         caches = iter(kv_caches)
         linear = 0
         for module in self.layers:
