@@ -70,6 +70,16 @@ def _params() -> SamplingParams:
     return SamplingParams(max_new_tokens=N, stop_token_ids=[EOS])
 
 
+def serves_hf_tokens(path: str, cases: list[Any]) -> None:
+    """A fresh runner of `path` serves the cases at once (K=8 async): HF's tokens each."""
+    d = Driver(make_runner(path))
+    for i, (ids, images, _) in enumerate(cases):
+        d.add(i, ids, _params(), images=images)
+    d.run_until_done([8])
+    for i, (_, _, want) in enumerate(cases):
+        assert d.outputs()[i] == want, f"request {i}"
+
+
 @pytest.mark.parametrize("k,per_step", [(1, False), (8, True)], ids=["k1-sync", "k8-async"])
 def test_image_and_text_requests_in_one_batch_match_hf(
         runner: ModelRunner, cases: list[Any], k: int, per_step: bool) -> None:
@@ -141,11 +151,7 @@ def test_gemma3_published_names_serve_the_same(vl: str, cases: list[Any],
     relying on Gemma3TextConfig's defaults) holds the same weights: the same tokens."""
     if "gemma3" not in vl:
         pytest.skip("Gemma 3's published layout")
-    d = Driver(make_runner(gemma3_checkpoint(ckpt_root, published=True)))
-    for i, (ids, images, _) in enumerate(cases[:2]):
-        d.add(i, ids, _params(), images=images)
-    d.run_until_done([8])
-    assert [d.outputs()[0], d.outputs()[1]] == [cases[0][2], cases[1][2]]
+    serves_hf_tokens(gemma3_checkpoint(ckpt_root, published=True), cases[:2])
 
 
 def test_gemma3_pan_and_scan_is_refused_at_start_up(vl: str, tmp_path: Path) -> None:
@@ -281,12 +287,7 @@ def test_published_qwen3_vl_moe_folder_matches_hf(vl: str, cases: list[Any],
             part = whole.narrow(dim, 16, 16)
             assert torch.equal(a.get_part(key, None, dim, 16, 32), part)
             assert torch.equal(b.get_part(key, None, dim, 16, 32), part)
-    d = Driver(make_runner(published))
-    for i, (ids, images, _) in enumerate(cases):
-        d.add(i, ids, _params(), images=images)
-    d.run_until_done([8])
-    for i, (_, _, want) in enumerate(cases):
-        assert d.outputs()[i] == want, f"request {i}"
+    serves_hf_tokens(published, cases)
 
 
 def test_qwen3_5_moe_folder_matches_hf(ckpt_root: Path) -> None:
@@ -297,9 +298,4 @@ def test_qwen3_5_moe_folder_matches_hf(ckpt_root: Path) -> None:
     cases = [worker_case(ref, image_message("compare these two", 2),
                          [png_bytes(0), png_bytes(1, (60, 40))], N),
              worker_case(ref, [{"role": "user", "content": "hello there"}], [], N)]
-    d = Driver(make_runner(path))
-    for i, (ids, images, _) in enumerate(cases):
-        d.add(i, ids, _params(), images=images)
-    d.run_until_done([8])
-    for i, (_, _, want) in enumerate(cases):
-        assert d.outputs()[i] == want, f"request {i}"
+    serves_hf_tokens(path, cases)
