@@ -130,6 +130,20 @@ def check_hf(ref: VLReference, answer: dict[str, Any], text: str, images: list[b
     assert answer["usage"]["prompt_tokens"] == length
 
 
+def prefix_hits(server: Server) -> float:
+    return Scrape(f"http://127.0.0.1:{server.http_port}/metrics").total(
+        "vllm:prefix_cache_hits_total")
+
+
+def hits_since(server: Server, before: float, want: float) -> float:
+    """Prefix-cache hit tokens counted since `before`, once they reach `want` or after 10 s
+    (the counters reach /metrics with the scheduler's reports, every 0.2 s)."""
+    deadline = time.monotonic() + 10
+    while (hits := prefix_hits(server) - before) < want and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return hits
+
+
 def chats_at_once_equal_hf(server: Server, ref: VLReference,
                            jobs: list[tuple[str, list[bytes]]]) -> list[dict[str, Any]]:
     """The chats (text, images) sent at once; each answer is HF's greedy tokens."""
@@ -150,24 +164,18 @@ def test_images_and_text_chats_at_once_equal_hf(server: Server, ref: VLReference
 
 def test_same_image_hits_the_prefix_cache_and_another_image_does_not_share_it(
         server: Server, ref: VLReference) -> None:
-    url = f"http://127.0.0.1:{server.http_port}/metrics"
     text = "describe the picture in detail " * 4
     first = chat(server, parts(text, data_url(IMAGES[2])))[1]
-    before = Scrape(url)
+    before = prefix_hits(server)
     again = chat(server, parts(text, data_url(IMAGES[2])))[1]
     assert tokens(again) == tokens(first)
     # At least every whole block up to the image's last placeholder (blocks holding the image
-    # hash its content). The counters reach /metrics with the scheduler's reports (every
-    # 0.2 s), so wait for all of it.
+    # hash its content).
     ids = ref.inputs(image_message(text), [IMAGES[2]])["input_ids"][0].tolist()
     image_end = max(i for i, t in enumerate(ids) if t == ref.image_token_id) + 1
     want = image_end // BLOCK * BLOCK
     assert want > 16, want  # more than the system prompt's block
-    deadline = time.monotonic() + 10
-    while (hits := Scrape(url).total("vllm:prefix_cache_hits_total")
-           - before.total("vllm:prefix_cache_hits_total")) < want and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert hits >= want
+    assert hits_since(server, before, want) >= want
     other = chat(server, parts(text, data_url(IMAGES[1])))[1]
     check_hf(ref, other, text, [IMAGES[1]])
     check_hf(ref, first, text, [IMAGES[2]])
@@ -300,15 +308,10 @@ def test_gemma3_chats_equal_hf_with_each_image_in_one_piece(
     jobs = [("what is this", [IMAGES[0]]), ("compare them", [IMAGES[0], IMAGES[1]]),
             ("hello there", []), ("and this one", [IMAGES[2]])]
     answers = chats_at_once_equal_hf(server, ref, jobs)
-    url = f"http://127.0.0.1:{server.http_port}/metrics"
-    before = Scrape(url).total("vllm:prefix_cache_hits_total")
+    before = prefix_hits(server)
     status, again = chat(server, parts("what is this", data_url(IMAGES[0])))
     assert status == 200 and tokens(again) == tokens(answers[0])
-    deadline = time.monotonic() + 10  # the scheduler reports every 0.2 s
-    while Scrape(url).total("vllm:prefix_cache_hits_total") - before < 32 \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert Scrape(url).total("vllm:prefix_cache_hits_total") - before >= 32  # past the image
+    assert hits_since(server, before, 32) >= 32  # past the image
     # The same image, other text: the cached blocks end inside the image, so the hit ends
     # before it; another image behind the same text shares nothing of it.
     for text, image in (("tell me more", IMAGES[0]), ("what is this", IMAGES[3])):
@@ -330,15 +333,10 @@ def test_qwen3_5_chats_equal_hf_and_a_hit_resumes_past_the_image(
                           http=True):
         answers = chats_at_once_equal_hf(server, ref, [(text, [IMAGES[2]]), ("hello there", []),
                                                        ("compare them", IMAGES[:2])])
-        url = f"http://127.0.0.1:{server.http_port}/metrics"
-        before = Scrape(url).total("vllm:prefix_cache_hits_total")
+        before = prefix_hits(server)
         status, again = chat(server, parts(text, data_url(IMAGES[2])))
         assert status == 200 and tokens(again) == tokens(answers[0])
-        deadline = time.monotonic() + 10  # the scheduler reports every 0.2 s
-        while Scrape(url).total("vllm:prefix_cache_hits_total") - before < 64 \
-                and time.monotonic() < deadline:
-            time.sleep(0.1)
-        hits = Scrape(url).total("vllm:prefix_cache_hits_total") - before
+        hits = hits_since(server, before, 64)
         assert hits >= 64 and hits % 64 == 0, hits
         ids = ref.inputs(image_message(text), [IMAGES[2]])["input_ids"][0].tolist()
         assert max(i for i, t in enumerate(ids) if t == ref.image_token_id) < hits
