@@ -235,12 +235,14 @@ def _qwen3_5_config(text: dict[str, Any], vision: dict[str, Any], tokens: dict[s
 
 @torch.no_grad()
 def _slow_decays(model: torch.nn.Module, seed: int) -> None:
-    """Gated DeltaNet decays of 0.9-0.995 a token (as tests/gpu_worker/hybrid_utils.py): the
-    state remembers the image far back, so a state or position gone wrong changes tokens."""
+    """The hybrid tests' slow decays: the state remembers the image far back, so a state or
+    position gone wrong changes tokens."""
+    from tests.gpu_worker.hybrid_utils import slow_decay_logs
+
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            p.copy_(torch.rand(p.shape, generator=gen) * 3.0 - 6.0)
+            p.copy_(slow_decay_logs(p.shape, gen))
 
 
 def _add_mtp_head(path: str) -> None:

@@ -38,14 +38,19 @@ HYBRIDS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+def slow_decay_logs(shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+    """Gated DeltaNet `A_log` values of slow decays (exp(-A softplus(.)) of 0.9-0.995 a
+    token): the state remembers far back, so a state lost or restored wrong changes the
+    greedy tokens."""
+    return torch.rand(shape, generator=gen) * 3.0 - 6.0
+
+
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
-            # Slow decays (exp(-A softplus(.)) of 0.9-0.995 a token): the state remembers
-            # far back, so a state lost or restored wrong changes the greedy tokens.
-            p.copy_(torch.rand(p.shape, generator=gen) * 3.0 - 6.0)
+            p.copy_(slow_decay_logs(p.shape, gen))
         elif p.ndim == 1:  # norms (1 + w), dt_bias
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (0.0 if "layernorm" in name
                                                                   or "norm.weight" == name[-11:]
