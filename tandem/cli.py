@@ -271,11 +271,6 @@ BENCHMARKS = (  # (NAME, MODULE, help)
 )
 
 
-# The subcommands, in `tandem --help`'s order.
-COMMANDS = ("serve", "run-role", "run-batch", "make-tiny-model", "generate", "health",
-            "profile", "bench")
-
-
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """Every subcommand's parser, or `only` that one's: each process of a server parses its
     command line (`run-role`), and the benchmarks' and tools' declarations would cost each
@@ -365,6 +360,7 @@ _ADD: dict[str, Callable[[Any], None]] = {
     "serve": _add_serve, "run-role": _add_run_role, "run-batch": _add_run_batch,
     "make-tiny-model": _add_make_tiny_model, "generate": _add_generate, "health": _add_health,
     "profile": _add_profile, "bench": _add_bench}
+COMMANDS = tuple(_ADD)  # in `tandem --help`'s order
 
 
 def main(argv: list[str] | None = None) -> int:
